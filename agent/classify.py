@@ -1,0 +1,193 @@
+"""Verdicts: deadlocked, stalled, idle or progressing, with the reasons in words.
+
+Precedence (docs/how-it-works.md): a stable lock cycle wins over everything;
+then any work in the window; then a fully parked process or service is idle
+when it listens with nothing queued (or has been parked for less than the
+threshold), and stalled otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from .model import ProcessSample
+from .progress import ProcessProgress
+from .waitgraph import WaitEdge, WordGroup
+
+DEADLOCKED = "deadlocked"
+STALLED = "stalled"
+IDLE = "idle"
+PROGRESSING = "progressing"
+STATES = (DEADLOCKED, STALLED, IDLE, PROGRESSING)
+
+
+@dataclass
+class ProcessVerdict:
+    pid: int
+    comm: str
+    threads: int
+    parked_threads: int
+    parked_seconds: float  # how long every thread has been parked; 0 if any works
+    state: str
+    reasons: list[str]
+    cycles: list[tuple[int, ...]] = field(default_factory=list)
+    listening_ports: tuple[int, ...] = ()
+    gone: bool = False
+
+
+@dataclass
+class ServiceVerdict:
+    pid: int
+    state: str
+    reasons: list[str]
+    cycles: list[tuple[int, ...]]
+    processes: list[ProcessVerdict]
+    gone: bool = False
+
+
+@dataclass(frozen=True)
+class ProcessFacts:
+    """Everything the classifier needs about one process, gathered by the caller."""
+
+    sample: ProcessSample
+    progress: ProcessProgress
+    parked_threads: int
+    parked_seconds: float
+    cycles: Sequence[tuple[int, ...]] = ()
+
+
+def _fmt_s(s: float) -> str:
+    return f"{s:.0f} s" if s >= 10 else f"{s:.1f} s"
+
+
+def describe_cycle(
+    cycle: tuple[int, ...], edges: Mapping[int, WaitEdge], names: Mapping[int, str]
+) -> str:
+    parts = []
+    for tid in cycle:
+        e = edges.get(tid)
+        if e is None:
+            continue
+        parts.append(
+            f"{tid} ({names.get(tid, '?')}) waits for {e.kind} {e.uaddr:#x} held by {e.owner}"
+        )
+    return f"lock cycle of {len(cycle)} thread(s): " + "; ".join(parts)
+
+
+def describe_group(g: WordGroup, now_ns: int) -> str:
+    if g.owner_kind == "join":
+        owner = f"joining thread {g.owner}"
+    elif g.owner:
+        owner = f"{g.owner_kind} held by {g.owner}"
+    else:
+        owner = "no owner"
+    since = f" for {_fmt_s((now_ns - g.since_ns) / 1e9)}" if g.since_ns else ""
+    where = f" across {len(g.pids)} processes" if len(g.pids) > 1 else ""
+    return f"{len(g.tids)} thread(s) parked on one word {g.uaddr:#x} ({g.op_name}){where}, {owner}{since}"
+
+
+def classify_process(facts: ProcessFacts, threshold_s: float) -> ProcessVerdict:
+    s, prog = facts.sample, facts.progress
+    n = len(s.threads)
+    ports = tuple(sorted({lst.port for lst in s.listeners}))
+    v = ProcessVerdict(
+        pid=s.pid,
+        comm=s.comm,
+        threads=n,
+        parked_threads=facts.parked_threads,
+        parked_seconds=facts.parked_seconds,
+        state=PROGRESSING,
+        reasons=[],
+        cycles=list(facts.cycles),
+        listening_ports=ports,
+    )
+    if facts.cycles:
+        v.state = DEADLOCKED
+        v.reasons.append(f"{len(facts.cycles)} lock cycle(s) among its threads")
+        return v
+    if prog.did_work:
+        v.reasons.extend(prog.signals())
+        return v
+    if facts.parked_threads < n:
+        v.reasons.append(f"{n - facts.parked_threads} of {n} thread(s) not parked")
+        return v
+    v.state, why = _parked_state(
+        facts.parked_seconds, threshold_s, s.listeners, s.unread_bytes, f"all {n} thread(s)"
+    )
+    v.reasons.extend(why)
+    return v
+
+
+def _parked_state(
+    parked_s: float, threshold_s: float, listeners: Iterable, unread: int, who: str
+) -> tuple[str, list[str]]:
+    listeners = list(listeners)
+    queued = sum(lst.queued for lst in listeners)
+    ports = ", ".join(str(p) for p in sorted({lst.port for lst in listeners}))
+    reasons = [f"{who} parked for {_fmt_s(parked_s)}, no progress in the window"]
+    if listeners and (queued or unread):
+        pend = []
+        if queued:
+            pend.append(f"{queued} connection(s) wait in the accept queue")
+        if unread:
+            pend.append(f"{unread} byte(s) of requests unread")
+        reasons.append(f"listening on port {ports}: " + " and ".join(pend))
+        if parked_s >= threshold_s:
+            return STALLED, reasons
+        reasons.append(f"under the {_fmt_s(threshold_s)} threshold: not called stalled yet")
+        return IDLE, reasons
+    if listeners:
+        reasons.append(f"listening on port {ports} with an empty accept queue: waiting for requests")
+        return IDLE, reasons
+    if parked_s >= threshold_s:
+        reasons.append(f"past the {_fmt_s(threshold_s)} threshold, not listening")
+        return STALLED, reasons
+    reasons.append(f"under the {_fmt_s(threshold_s)} threshold: not called stalled yet")
+    return IDLE, reasons
+
+
+def classify_service(
+    root: int,
+    procs: Sequence[ProcessFacts],
+    threshold_s: float,
+    gone: Sequence[int] = (),
+    root_gone: bool = False,
+) -> ServiceVerdict:
+    verdicts = [classify_process(f, threshold_s) for f in procs]
+    for pid in gone:
+        verdicts.append(
+            ProcessVerdict(pid, "?", 0, 0, 0.0, PROGRESSING, ["exited while watched"], gone=True)
+        )
+    cycles = sorted({c for v in verdicts for c in v.cycles})
+    if root_gone:
+        return ServiceVerdict(
+            root, PROGRESSING, [f"process {root} exited while watched"], cycles, verdicts, True
+        )
+    if cycles:
+        reasons = [f"{len(cycles)} lock cycle(s) stable across two reads"]
+        return ServiceVerdict(root, DEADLOCKED, reasons, cycles, verdicts)
+    working = [v for v in verdicts if v.state == PROGRESSING and not v.gone]
+    if working:
+        reasons = [f"process {v.pid} ({v.comm}): {'; '.join(v.reasons)}" for v in working]
+        parked = [v for v in verdicts if v.state != PROGRESSING]
+        if parked:
+            reasons.append(
+                f"{len(parked)} other process(es) parked while a peer works: not a stall"
+            )
+        return ServiceVerdict(root, PROGRESSING, reasons, cycles, verdicts)
+    if not procs:
+        return ServiceVerdict(root, PROGRESSING, ["nothing left to watch"], cycles, verdicts, True)
+    parked_s = min(f.parked_seconds for f in procs)
+    threads = sum(len(f.sample.threads) for f in procs)
+    who = f"all {threads} thread(s) of {len(procs)} process(es)" if len(procs) > 1 else (
+        f"all {threads} thread(s)"
+    )
+    state, reasons = _parked_state(
+        parked_s,
+        threshold_s,
+        [lst for f in procs for lst in f.sample.listeners],
+        sum(f.sample.unread_bytes for f in procs),
+        who,
+    )
+    return ServiceVerdict(root, state, reasons, cycles, verdicts)

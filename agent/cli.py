@@ -1,0 +1,104 @@
+"""The `hangwatch` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from . import __version__
+from .errors import EXIT_USAGE, HangwatchError
+
+DESCRIPTION = """\
+hangwatch tells whether a process that looks hung (GPU memory held, 0% utilisation,
+no answer, every thread in futex) is deadlocked, stalled, idle or progressing.
+
+states:
+  deadlocked   a wait-for cycle among its threads (locks held in a ring), stable across two reads
+  stalled      every thread parked past the threshold, no progress, not an idle listener
+  idle         every thread parked, listening with an empty accept queue (or parked for
+               less than the threshold): waiting for work
+  progressing  it did work in the window: CPU, bytes written, connections accepted
+"""
+
+DIAGNOSE_EPILOG = """\
+examples:
+  hangwatch diagnose --pid 4242
+  hangwatch diagnose --pid 4242 --pid 4343 --duration 10 --json
+
+exit codes: 0 ok, 2 bad input (names it), 3 missing privilege or kernel feature (says how to fix)
+"""
+
+
+def _positive_float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+
+
+def _pid(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a PID: {text!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hangwatch",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"hangwatch {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    d = sub.add_parser(
+        "diagnose",
+        help="observe processes for a few seconds and give each service a verdict",
+        description="Attach the futex probe, read /proc, observe for --duration seconds and "
+        "report each service (a PID and its descendants) with its state and evidence.",
+        epilog=DIAGNOSE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    d.add_argument(
+        "--pid", type=_pid, action="append", required=True, metavar="PID",
+        help="root of a service to diagnose (repeatable); its descendants are included",
+    )  # fmt: skip
+    d.add_argument(
+        "--threshold", type=_positive_float, default=60.0, metavar="S",
+        help="seconds every thread must be parked before a service is called stalled (default 60)",
+    )  # fmt: skip
+    d.add_argument(
+        "--duration", type=_positive_float, default=5.0, metavar="S",
+        help="seconds to observe (default 5; at least two reads are taken)",
+    )  # fmt: skip
+    d.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)  # exits 2 with a one-line reason on bad flags
+    try:
+        if args.command == "diagnose":
+            from .diagnose import DiagnoseOptions, run  # noqa: PLC0415
+
+            return run(
+                DiagnoseOptions(
+                    pids=args.pid,
+                    threshold_s=args.threshold,
+                    duration_s=args.duration,
+                    as_json=args.json,
+                )
+            )
+    except HangwatchError as e:
+        print(f"hangwatch: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        return 130
+    return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

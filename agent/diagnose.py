@@ -1,0 +1,215 @@
+"""`hangwatch diagnose`: attach, observe for a few seconds, report each service once."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TextIO
+
+from .classify import ServiceVerdict, describe_cycle, describe_group
+from .errors import UsageError
+from .observe import Observer, Tick
+from .procfs import ProcFS
+from .sampler import Sampler
+
+# x86-64 numbers of the syscalls a parked thread is usually in, for the report.
+SYSCALL_NAMES = {
+    0: "read", 1: "write", 7: "poll", 23: "select", 34: "pause", 35: "nanosleep",
+    43: "accept", 61: "wait4", 202: "futex", 230: "clock_nanosleep", 232: "epoll_wait",
+    247: "waitid", 270: "pselect6", 271: "ppoll", 281: "epoll_pwait", 288: "accept4",
+    441: "epoll_pwait2", 449: "futex_waitv", 454: "futex_wait",
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class DiagnoseOptions:
+    pids: Sequence[int]
+    threshold_s: float = 60.0
+    duration_s: float = 5.0
+    interval_s: float = 0.5
+    as_json: bool = False
+
+
+def validate(opts: DiagnoseOptions, proc: ProcFS) -> None:
+    """Bad input is an error before anything is attached."""
+    if not opts.pids:
+        raise UsageError("no --pid given", "name at least one process: --pid PID")
+    for name, value in (("--threshold", opts.threshold_s), ("--duration", opts.duration_s)):
+        if not value > 0 or value > 86400:
+            raise UsageError(f"{name} {value} is out of range", "give seconds, > 0 and <= 86400")
+    for pid in opts.pids:
+        if pid <= 0 or proc.stat(pid) is None:
+            raise UsageError(f"no such process: --pid {pid}")
+
+
+def observe(observer: Observer, opts: DiagnoseOptions, log: TextIO) -> None:
+    """Tick for the duration; at least two ticks, so a cycle can be confirmed."""
+    start = time.monotonic()
+    n = 0
+    while True:
+        observer.tick()
+        n += 1
+        elapsed = time.monotonic() - start
+        if elapsed >= opts.duration_s and n >= 2:
+            break
+        time.sleep(max(0.0, min(opts.interval_s, opts.duration_s - elapsed)) or opts.interval_s)
+    print(f"hangwatch: observed for {time.monotonic() - start:.1f} s ({n} reads)", file=log)
+
+
+def _since(tick: Tick, ns: int | None) -> str:
+    if not ns:
+        return ""
+    wall = tick.snapshot.wall - (tick.snapshot.mono_ns - ns) / 1e9
+    return time.strftime("%H:%M:%S", time.localtime(wall))
+
+
+def to_json(verdicts: list[ServiceVerdict], tick: Tick, opts: DiagnoseOptions) -> dict:
+    snap, graph = tick.snapshot, tick.graph
+    groups = graph.groups()
+    services = []
+    for v in verdicts:
+        pids = {p.pid for p in v.processes}
+        services.append(
+            {
+                "pid": v.pid,
+                "state": v.state,
+                "cycles": [list(c) for c in v.cycles],
+                "reasons": v.reasons,
+                "gone": v.gone,
+                "processes": [
+                    {
+                        "pid": p.pid,
+                        "comm": p.comm,
+                        "threads": p.threads,
+                        "parked_threads": p.parked_threads,
+                        "parked_seconds": round(p.parked_seconds, 3),
+                        "state": p.state,
+                        "reasons": p.reasons,
+                        "listening_ports": list(p.listening_ports),
+                        "gone": p.gone,
+                    }
+                    for p in v.processes
+                ],
+                "edges": [
+                    {
+                        "waiter": e.waiter,
+                        "owner": e.owner,
+                        "kind": e.kind,
+                        "uaddr": e.uaddr,
+                        "waiter_pid": e.waiter_pid,
+                        "owner_pid": e.owner_pid,
+                    }
+                    for e in graph.edges.values()
+                    if e.waiter_pid in pids
+                ],
+                "parked_groups": [
+                    {
+                        "uaddr": g.uaddr,
+                        "op": g.op_name,
+                        "tids": list(g.tids),
+                        "pids": list(g.pids),
+                        "owner": g.owner,
+                        "since": _since(tick, g.since_ns) or None,
+                    }
+                    for g in groups
+                    if pids.intersection(g.pids)
+                ],
+            }
+        )
+    return {
+        "threshold_seconds": opts.threshold_s,
+        "duration_seconds": opts.duration_s,
+        "observed_at": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(snap.wall)),
+        "services": services,
+    }
+
+
+def render_text(verdicts: list[ServiceVerdict], tick: Tick, opts: DiagnoseOptions) -> str:
+    snap, graph = tick.snapshot, tick.graph
+    names = {t.tid: t.name for p in snap.processes.values() for t in p.threads}
+    groups = graph.groups()
+    lines = [
+        f"hangwatch diagnose: {len(verdicts)} service(s), threshold {opts.threshold_s:g} s, "
+        f"observed {opts.duration_s:g} s, at {time.strftime('%H:%M:%S', time.localtime(snap.wall))}",
+        "",
+    ]
+    for v in verdicts:
+        root = snap.processes.get(v.pid)
+        comm = root.comm if root else "gone"
+        lines.append(f"service {v.pid} ({comm}): {v.state.upper()}")
+        lines.extend(f"  - {r}" for r in v.reasons)
+        for c in v.cycles:
+            lines.append("  " + describe_cycle(c, graph.edges, names))
+        for p in v.processes:
+            if p.gone:
+                lines.append(f"  process {p.pid}: exited while watched")
+                continue
+            sample = snap.processes[p.pid]
+            park = f", all parked for {p.parked_seconds:.1f} s" if p.parked_seconds else ""
+            ports = f", listening on {', '.join(map(str, p.listening_ports))}" if p.listening_ports else ""
+            lines.append(
+                f"  process {p.pid} {p.comm}: {p.state}, {p.threads} thread(s), "
+                f"{p.parked_threads} parked{park}{ports}"
+            )
+            lines.extend(f"      {r}" for r in p.reasons)
+            shown: set[int] = set()
+            for g in groups:
+                if p.pid not in g.pids:
+                    continue
+                tids = [t for t in g.tids if t in {x.tid for x in sample.threads}]
+                shown.update(tids)
+                who = ", ".join(f"{t} ({names.get(t, '?')})" for t in tids[:8])
+                more = f" and {len(tids) - 8} more" if len(tids) > 8 else ""
+                since = _since(tick, g.since_ns)
+                lines.append(
+                    f"    {describe_group(g, snap.mono_ns)}"
+                    + (f", since {since}" if since else "")
+                    + f": {who}{more}"
+                )
+            others: dict[str, list[int]] = {}
+            for t in sample.threads:
+                if t.tid in shown:
+                    continue
+                what = "running" if not t.blocked else SYSCALL_NAMES.get(t.syscall or -1, "blocked")
+                if t.blocked and t.syscall is not None and t.syscall not in SYSCALL_NAMES:
+                    what = f"syscall {t.syscall}"
+                others.setdefault(what, []).append(t.tid)
+            for what, tids in sorted(others.items()):
+                who = ", ".join(f"{t} ({names.get(t, '?')})" for t in tids[:8])
+                more = f" and {len(tids) - 8} more" if len(tids) > 8 else ""
+                lines.append(f"    {len(tids)} thread(s) in {what}: {who}{more}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def run(opts: DiagnoseOptions, out: TextIO = sys.stdout, log: TextIO = sys.stderr) -> int:
+    from . import preflight  # noqa: PLC0415 - keeps `--help` and bad input free of kernel checks
+
+    proc = ProcFS()
+    validate(opts, proc)
+    for notice in preflight.check():
+        print(f"hangwatch: {notice}", file=log)
+    from .probe import FutexProbe  # noqa: PLC0415 - bcc is imported only after preflight
+
+    with FutexProbe(long_wait_s=min(1.0, opts.threshold_s)) as probe:
+        print(
+            f"hangwatch: attached futex probe ({probe.programs} tracepoints) in "
+            f"{probe.load_seconds:.1f} s; observing {len(opts.pids)} service(s) for "
+            f"{opts.duration_s:g} s",
+            file=log,
+            flush=True,
+        )
+        observer = Observer(Sampler(proc), probe, threshold_s=opts.threshold_s)
+        observer.set_roots(opts.pids)
+        observe(observer, opts, log)
+        verdicts = observer.verdicts()
+        tick = observer.ticks[-1]
+    if opts.as_json:
+        json.dump(to_json(verdicts, tick, opts), out, indent=2)
+        out.write("\n")
+    else:
+        out.write(render_text(verdicts, tick, opts))
+    return 0

@@ -1,0 +1,31 @@
+"""Errors that end a command, each with its exit code (the CLI contract)."""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_USAGE = 2
+EXIT_PRIVILEGE = 3
+
+
+class HangwatchError(Exception):
+    exit_code = 1
+
+    def __init__(self, what: str, fix: str = "") -> None:
+        super().__init__(what)
+        self.what = what
+        self.fix = fix
+
+    def __str__(self) -> str:
+        return f"{self.what}: {self.fix}" if self.fix else self.what
+
+
+class UsageError(HangwatchError):
+    """Bad input: a flag, a PID, a config key. Exit 2, nothing attached."""
+
+    exit_code = EXIT_USAGE
+
+
+class KernelFeatureError(HangwatchError):
+    """Missing privilege or kernel feature. Exit 3, saying which and how to fix it."""
+
+    exit_code = EXIT_PRIVILEGE

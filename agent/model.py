@@ -1,0 +1,167 @@
+"""Plain snapshots of what was observed: the only thing the analysis layers see.
+
+Everything here is immutable data. The sampler fills it from /proc and the
+probe; the wait-for graph, the progress tracker and the classifier read it, so
+they can be tested from synthetic snapshots without root or BPF.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+# Linux futex ABI (include/uapi/linux/futex.h): commands after masking the flags.
+FUTEX_WAIT = 0
+FUTEX_LOCK_PI = 6
+FUTEX_WAIT_BITSET = 9
+FUTEX_WAIT_REQUEUE_PI = 11
+FUTEX_LOCK_PI2 = 13
+FUTEX_CMD_MASK = 0x7F
+FUTEX_TID_MASK = 0x3FFFFFFF
+FUTEX_WAITERS = 0x80000000
+
+WAIT_OPS = frozenset(
+    {FUTEX_WAIT, FUTEX_WAIT_BITSET, FUTEX_LOCK_PI, FUTEX_LOCK_PI2, FUTEX_WAIT_REQUEUE_PI}
+)
+PI_LOCK_OPS = frozenset({FUTEX_LOCK_PI, FUTEX_LOCK_PI2})
+
+OP_NAMES = {
+    FUTEX_WAIT: "WAIT",
+    FUTEX_LOCK_PI: "LOCK_PI",
+    FUTEX_WAIT_BITSET: "WAIT_BITSET",
+    FUTEX_WAIT_REQUEUE_PI: "WAIT_REQUEUE_PI",
+    FUTEX_LOCK_PI2: "LOCK_PI2",
+}
+
+
+@dataclass(frozen=True)
+class LockRead:
+    """Words at a futex address, read from /proc/PID/mem when the snapshot was taken."""
+
+    word: int
+    owner_field: int | None = None  # int at +8: glibc pthread_mutex_t.__owner
+    kind_field: int | None = None  # int at +16: glibc pthread_mutex_t.__kind
+
+
+@dataclass(frozen=True)
+class FutexWait:
+    """A thread blocked in a futex wait."""
+
+    uaddr: int
+    op: int  # futex command, flags stripped
+    val: int  # the value the waiter expects the word to hold
+    since_ns: int | None = None  # CLOCK_MONOTONIC start of the wait, when the probe saw it begin
+    vector: bool = False  # futex_waitv: several words, never an owner edge
+    source: str = "bpf"  # "bpf" (probe in-flight map) or "proc" (seeded from /proc)
+
+    @property
+    def op_name(self) -> str:
+        return OP_NAMES.get(self.op, str(self.op))
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A PI lock the kernel refused with EDEADLK: the thread really waits for it."""
+
+    uaddr: int
+    ts_ns: int
+    lock: LockRead | None = None
+
+
+@dataclass(frozen=True)
+class ThreadSample:
+    tid: int
+    name: str
+    state: str  # the state letter of /proc/PID/task/TID/stat
+    cpu_ns: int  # schedstat sum_exec_runtime
+    last_ran_ns: int | None = None  # CLOCK_MONOTONIC of se.exec_start: when it last ran
+    syscall: int | None = None  # syscall it is blocked in; None when running or unknown
+    wait: FutexWait | None = None
+    lock: LockRead | None = None  # re-read at wait.uaddr
+    refused: Refusal | None = None
+
+    @property
+    def blocked(self) -> bool:
+        return self.state in ("S", "D", "I", "T", "t")
+
+
+@dataclass(frozen=True)
+class Listener:
+    """A listening TCP socket held by a process."""
+
+    family: str  # "tcp" or "tcp6"
+    address: str
+    port: int
+    queued: int  # connections waiting in the accept queue
+    backlog: int
+
+
+@dataclass(frozen=True)
+class ProcessSample:
+    pid: int
+    ppid: int
+    comm: str
+    start_ticks: int  # /proc/PID/stat starttime: tells a reused PID from the old one
+    threads: tuple[ThreadSample, ...]
+    write_bytes: int | None = None  # /proc/PID/io wchar; None when unreadable
+    listeners: tuple[Listener, ...] = ()
+    unread_bytes: int = 0  # bytes queued unread on its established TCP connections
+    # uaddr -> identity of the word across processes (shared mappings), see sampler
+    word_ids: Mapping[int, tuple] = field(default_factory=dict)
+
+    def thread(self, tid: int) -> ThreadSample | None:
+        for t in self.threads:
+            if t.tid == tid:
+                return t
+        return None
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    mono_ns: int  # CLOCK_MONOTONIC when taken
+    wall: float  # time.time() when taken
+    processes: Mapping[int, ProcessSample]
+    gone: frozenset[int] = frozenset()  # watched pids that no longer exist
+    # tid -> pid for live threads outside the watched processes that a lock names as owner
+    foreign_owners: Mapping[int, int] = field(default_factory=dict)
+
+    def tid_to_pid(self) -> dict[int, int]:
+        out = dict(self.foreign_owners)
+        for p in self.processes.values():
+            for t in p.threads:
+                out[t.tid] = p.pid
+        return out
+
+
+@dataclass(frozen=True)
+class InflightWait:
+    """One entry of the probe's in-flight map."""
+
+    tid: int
+    tgid: int
+    wait: FutexWait
+    word: int  # as read at sys_enter
+    owner_hint: int
+
+
+@dataclass(frozen=True)
+class ProbeEvent:
+    kind: str  # "long-wait" or "edeadlk"
+    ts_ns: int
+    tgid: int
+    tid: int
+    uaddr: int
+    op: int
+    duration_ns: int
+    ret: int
+
+
+@dataclass(frozen=True)
+class ProbeReading:
+    """What the kernel side holds at one instant, as plain data."""
+
+    inflight: Mapping[int, InflightWait] = field(default_factory=dict)  # tid -> wait
+    refusals: Mapping[int, tuple[int, int, int]] = field(default_factory=dict)  # tid -> (tgid, uaddr, ts)
+    events: tuple[ProbeEvent, ...] = ()  # drained from the ring buffer since the last read
+    wait_histogram: Mapping[int, Mapping[int, int]] = field(default_factory=dict)  # tgid -> log2 slot -> n
+    counters: Mapping[str, int] = field(default_factory=dict)  # summed over CPUs

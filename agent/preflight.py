@@ -1,0 +1,77 @@
+"""Checks before anything is attached: privilege and kernel features (exit 3 with the fix)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+from .errors import KernelFeatureError
+
+CAP_SYS_PTRACE = 19
+CAP_SYS_ADMIN = 21
+CAP_PERFMON = 38
+CAP_BPF = 39
+CAP_NAMES = {
+    CAP_SYS_PTRACE: "CAP_SYS_PTRACE",
+    CAP_SYS_ADMIN: "CAP_SYS_ADMIN",
+    CAP_PERFMON: "CAP_PERFMON",
+    CAP_BPF: "CAP_BPF",
+}
+HOW = (
+    "run as root (sudo hangwatch ...), or grant CAP_BPF, CAP_PERFMON and CAP_SYS_PTRACE "
+    "(e.g. setpriv --ambient-caps +bpf,+perfmon,+sys_ptrace ...)"
+)
+TRACEFS_DIRS = ("/sys/kernel/tracing", "/sys/kernel/debug/tracing")
+
+
+def effective_caps(status_text: str) -> int:
+    for line in status_text.splitlines():
+        if line.startswith("CapEff:"):
+            return int(line.split()[1], 16)
+    return 0
+
+
+def missing_caps(caps: int) -> list[str]:
+    """Capabilities we lack; CAP_SYS_ADMIN stands in for BPF and PERFMON on old kernels."""
+    have = lambda c: bool(caps >> c & 1)  # noqa: E731
+    out = []
+    if not (have(CAP_BPF) or have(CAP_SYS_ADMIN)):
+        out.append("CAP_BPF")
+    if not (have(CAP_PERFMON) or have(CAP_SYS_ADMIN)):
+        out.append("CAP_PERFMON")
+    if not have(CAP_SYS_PTRACE):
+        out.append("CAP_SYS_PTRACE")  # to read lock words in /proc/PID/mem
+    return out
+
+
+def _tracefs_ready() -> bool:
+    return any(os.path.isdir(os.path.join(d, "events", "syscalls")) for d in TRACEFS_DIRS)
+
+
+def check(btf_path: str = "/sys/kernel/btf/vmlinux") -> list[str]:
+    """Raise KernelFeatureError for what is missing; return notices for what we fixed.
+
+    Must run before bcc is imported: bcc fixes its tracefs path at import time.
+    """
+    with open("/proc/self/status") as f:
+        lacking = missing_caps(effective_caps(f.read()))
+    if lacking:
+        raise KernelFeatureError(f"missing capability {', '.join(lacking)}", HOW)
+    if not os.path.exists(btf_path):
+        raise KernelFeatureError(
+            f"the kernel has no BTF ({btf_path} is missing)",
+            "hangwatch needs Linux >= 5.8 built with CONFIG_DEBUG_INFO_BTF=y",
+        )
+    notices = []
+    if not _tracefs_ready():
+        # Minimal hosts and containers often lack the mount; we are privileged, so fix it.
+        for fs, where in (("debugfs", "/sys/kernel/debug"), ("tracefs", "/sys/kernel/tracing")):
+            subprocess.run(["mount", "-t", fs, fs, where], capture_output=True, check=False)
+        if not _tracefs_ready():
+            raise KernelFeatureError(
+                "tracefs with syscall tracepoints is not available",
+                "mount it (mount -t tracefs tracefs /sys/kernel/tracing) on a kernel built "
+                "with CONFIG_FTRACE_SYSCALLS=y",
+            )
+        notices.append("mounted tracefs at /sys/kernel/tracing")
+    return notices

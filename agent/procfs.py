@@ -1,0 +1,253 @@
+"""Readers of /proc, rooted anywhere so tests can point them at a fixture tree.
+
+The parse_* functions are pure (text in, values out) and fuzzed; the ProcFS
+methods add the I/O and turn "the process went away mid-read" into None.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+from dataclasses import dataclass
+
+SYS_FUTEX = 202  # x86-64 syscall numbers: /proc/.../syscall reports them raw
+SYS_FUTEX_WAITV = 449
+SYS_FUTEX_WAIT = 454
+
+TCP_LISTEN = 0x0A
+TCP_ESTABLISHED = 0x01
+
+
+@dataclass(frozen=True)
+class ProcStat:
+    pid: int
+    comm: str
+    state: str
+    ppid: int
+    start_ticks: int
+
+
+@dataclass(frozen=True)
+class SyscallLine:
+    nr: int  # -1: blocked, but not in a syscall
+    args: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TcpSocket:
+    family: str
+    address: str
+    port: int
+    state: int
+    tx_queue: int
+    rx_queue: int
+    inode: int
+
+
+@dataclass(frozen=True)
+class MemMap:
+    start: int
+    end: int
+    perms: str
+    offset: int
+    dev: str
+    inode: int
+
+
+def parse_stat(text: str) -> ProcStat:
+    """/proc/PID/stat; comm may hold spaces and parentheses, so split at the last ')'."""
+    lp, rp = text.index("("), text.rindex(")")
+    rest = text[rp + 2 :].split()
+    return ProcStat(
+        pid=int(text[:lp]),
+        comm=text[lp + 1 : rp],
+        state=rest[0],
+        ppid=int(rest[1]),
+        start_ticks=int(rest[19]),
+    )
+
+
+def parse_syscall(text: str) -> SyscallLine | None:
+    """/proc/PID/task/TID/syscall: 'running', '-1 sp pc', or 'nr a1..a6 sp pc' (hex args)."""
+    parts = text.split()
+    if not parts or parts[0] == "running":
+        return None
+    nr = int(parts[0])
+    if nr < 0:
+        return SyscallLine(nr, ())
+    return SyscallLine(nr, tuple(int(a, 16) for a in parts[1:7]))
+
+
+def parse_exec_start_ms(text: str) -> float | None:
+    for line in text.splitlines():
+        if line.startswith("se.exec_start"):
+            return float(line.split(":", 1)[1])
+    return None
+
+
+def parse_schedstat(text: str) -> int:
+    return int(text.split()[0])
+
+
+def parse_io_wchar(text: str) -> int | None:
+    for line in text.splitlines():
+        if line.startswith("wchar:"):
+            return int(line.split()[1])
+    return None
+
+
+def _addr(hexaddr: str, family: str) -> str:
+    raw = bytes.fromhex(hexaddr)
+    if family == "tcp":
+        return socket.inet_ntop(socket.AF_INET, struct.pack("<I", struct.unpack(">I", raw)[0]))
+    # IPv6: four 32-bit words, each in host (little-endian) order
+    words = struct.unpack(">4I", raw)
+    return socket.inet_ntop(socket.AF_INET6, struct.pack("<4I", *words))
+
+
+def parse_net_tcp(text: str, family: str) -> list[TcpSocket]:
+    """/proc/PID/net/tcp{,6}. For a LISTEN socket rx_queue is the accept queue's length."""
+    out = []
+    for line in text.splitlines()[1:]:
+        f = line.split()
+        if len(f) < 10:
+            continue
+        local, st, queues, inode = f[1], int(f[3], 16), f[4], int(f[9])
+        host, port = local.rsplit(":", 1)
+        tx, rx = queues.split(":")
+        out.append(
+            TcpSocket(family, _addr(host, family), int(port, 16), st, int(tx, 16), int(rx, 16), inode)
+        )
+    return out
+
+
+def parse_maps_line(line: str) -> MemMap:
+    f = line.split(maxsplit=5)
+    start, end = f[0].split("-")
+    return MemMap(int(start, 16), int(end, 16), f[1], int(f[2], 16), f[3], int(f[4]))
+
+
+class ProcFS:
+    """Reads one /proc tree. Every method returns None (or empty) when the entry vanished."""
+
+    def __init__(self, root: str = "/proc") -> None:
+        self.root = root
+
+    def _read(self, *parts: object) -> str | None:
+        try:
+            with open(os.path.join(self.root, *map(str, parts))) as f:
+                return f.read()
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            return None
+        except OSError:
+            return None  # ESRCH and the like: the thread is exiting
+
+    def pids(self) -> list[int]:
+        return [int(n) for n in os.listdir(self.root) if n.isdigit()]
+
+    def stat(self, pid: int) -> ProcStat | None:
+        text = self._read(pid, "stat")
+        return parse_stat(text) if text else None
+
+    def tids(self, pid: int) -> list[int]:
+        try:
+            return sorted(int(n) for n in os.listdir(os.path.join(self.root, str(pid), "task")))
+        except OSError:
+            return []
+
+    def thread_stat(self, pid: int, tid: int) -> ProcStat | None:
+        text = self._read(pid, "task", tid, "stat")
+        return parse_stat(text) if text else None
+
+    def thread_cpu_ns(self, pid: int, tid: int) -> int | None:
+        text = self._read(pid, "task", tid, "schedstat")
+        return parse_schedstat(text) if text else None
+
+    def thread_exec_start_ms(self, pid: int, tid: int) -> float | None:
+        text = self._read(pid, "task", tid, "sched")
+        return parse_exec_start_ms(text) if text else None
+
+    def thread_syscall(self, pid: int, tid: int) -> SyscallLine | None:
+        text = self._read(pid, "task", tid, "syscall")
+        return parse_syscall(text) if text else None
+
+    def tgid_of(self, tid: int) -> int | None:
+        text = self._read(tid, "status")
+        if text is None:
+            return None
+        for line in text.splitlines():
+            if line.startswith("Tgid:"):
+                return int(line.split()[1])
+        return None
+
+    def io_wchar(self, pid: int) -> int | None:
+        text = self._read(pid, "io")
+        return parse_io_wchar(text) if text else None
+
+    def socket_inodes(self, pid: int) -> set[int]:
+        fd_dir = os.path.join(self.root, str(pid), "fd")
+        out = set()
+        try:
+            names = os.listdir(fd_dir)
+        except OSError:
+            return out
+        for name in names:
+            try:
+                link = os.readlink(os.path.join(fd_dir, name))
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                out.add(int(link[8:-1]))
+        return out
+
+    def net_namespace(self, pid: int) -> str | None:
+        try:
+            return os.readlink(os.path.join(self.root, str(pid), "ns", "net"))
+        except OSError:
+            return None
+
+    def tcp_sockets(self, pid: int) -> list[TcpSocket]:
+        """TCP sockets of the process's network namespace (containers have their own)."""
+        out: list[TcpSocket] = []
+        for family in ("tcp", "tcp6"):
+            text = self._read(pid, "net", family)
+            if text:
+                out.extend(parse_net_tcp(text, family))
+        return out
+
+    def maps(self, pid: int) -> list[MemMap]:
+        text = self._read(pid, "maps")
+        return [parse_maps_line(line) for line in text.splitlines()] if text else []
+
+    def open_memory(self, pid: int) -> ProcessMemory | None:
+        try:
+            return ProcessMemory(os.open(os.path.join(self.root, str(pid), "mem"), os.O_RDONLY))
+        except OSError:
+            return None
+
+
+class ProcessMemory:
+    """Reads small words of a target's memory. Read-only: we never write to a target."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+
+    def ints(self, addr: int, count: int) -> tuple[int, ...] | None:
+        """``count`` 32-bit ints at ``addr``; None if unmapped or unreadable."""
+        try:
+            data = os.pread(self._fd, 4 * count, addr)
+        except (OSError, OverflowError):
+            return None
+        if len(data) < 4 * count:
+            return None
+        return struct.unpack(f"<{count}I", data)
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+    def __enter__(self) -> ProcessMemory:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

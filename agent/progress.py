@@ -1,0 +1,151 @@
+"""Progress: did a process do work in the window, and since when is each thread parked.
+
+Progress is work, not wake-ups: a thread that wakes on a timer and parks again
+uses almost no CPU, so it stays parked. Each signal is one field of
+``ProcessProgress``; the daemon's probes (writes per fd, accepts) and the GPU
+source feed the same fields, so the classifier has one place to look.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .model import ProcessSample, Snapshot
+
+NS = 1_000_000_000
+
+
+@dataclass(frozen=True)
+class ParkSettings:
+    # A thread "did work" in a tick when it used more CPU than this share of the tick.
+    # An idle poll loop (Python's serve_forever wakes twice a second) uses ~0.01%.
+    cpu_floor_ratio: float = 0.01
+    # ... and never less than this, so that a short tick does not count a wake-up as work.
+    cpu_floor_min_ns: int = 2_000_000
+
+
+@dataclass(frozen=True)
+class ThreadPark:
+    tid: int
+    parked: bool
+    last_work_ns: int  # CLOCK_MONOTONIC; parked for (now - last_work_ns)
+
+
+@dataclass
+class ProcessProgress:
+    """What one process did between two snapshots."""
+
+    pid: int
+    window_ns: int
+    cpu_ns: int = 0
+    working_tids: tuple[int, ...] = ()  # threads above the CPU floor
+    write_bytes: int | None = None  # None: not measurable (no /proc/PID/io access)
+    accepts: int | None = None  # fed by the daemon's accept probe
+    gpu_active: bool | None = None  # fed by the GPU source
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def did_work(self) -> bool:
+        return bool(self.working_tids or self.write_bytes or self.accepts or self.gpu_active)
+
+    def signals(self) -> list[str]:
+        """Plain words for each progress signal seen."""
+        out = []
+        secs = self.window_ns / NS
+        if self.working_tids:
+            out.append(
+                f"{len(self.working_tids)} thread(s) used CPU "
+                f"({self.cpu_ns / NS:.2f} CPU-s in {secs:.1f} s)"
+            )
+        if self.write_bytes:
+            out.append(f"wrote {_bytes(self.write_bytes)} in {secs:.1f} s")
+        if self.accepts:
+            out.append(f"accepted {self.accepts} connection(s)")
+        if self.gpu_active:
+            out.append("GPU active")
+        return out
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return f"{n} B"
+
+
+class ParkTracker:
+    """Remembers, per thread, when it last did work, across snapshots.
+
+    A thread first seen blocked is taken to have last worked when it last ran
+    (se.exec_start), a lower bound on how long it has been parked.
+    """
+
+    def __init__(self, settings: ParkSettings | None = None) -> None:
+        self.settings = settings or ParkSettings()
+        self._prev: Snapshot | None = None
+        self._last_work: dict[tuple[int, int, int], int] = {}  # (pid, start, tid) -> ns
+        self.parks: dict[int, dict[int, ThreadPark]] = {}  # pid -> tid -> park
+
+    def update(self, snap: Snapshot) -> None:
+        prev = self._prev
+        tick_ns = snap.mono_ns - prev.mono_ns if prev else 0
+        floor = max(self.settings.cpu_floor_min_ns, int(tick_ns * self.settings.cpu_floor_ratio))
+        seen: dict[tuple[int, int, int], int] = {}
+        self.parks = {}
+        for p in snap.processes.values():
+            old = prev.processes.get(p.pid) if prev else None
+            if old is not None and old.start_ticks != p.start_ticks:
+                old = None  # the PID was reused
+            old_cpu = {t.tid: t.cpu_ns for t in old.threads} if old else {}
+            parks = {}
+            for t in p.threads:
+                key = (p.pid, p.start_ticks, t.tid)
+                last = self._last_work.get(key)
+                worked = (not t.blocked) or (
+                    t.tid in old_cpu and t.cpu_ns - old_cpu[t.tid] > floor
+                )
+                if last is None:
+                    # First sight: blocked since it last ran, or working now.
+                    last = snap.mono_ns if not t.blocked else min(
+                        snap.mono_ns, t.last_ran_ns or snap.mono_ns
+                    )
+                elif worked:
+                    last = snap.mono_ns
+                seen[key] = last
+                parks[t.tid] = ThreadPark(t.tid, t.blocked and not worked, last)
+            self.parks[p.pid] = parks
+        self._last_work = seen  # forget exited threads: bounded by live threads
+        self._prev = snap
+
+    def parked_seconds(self, pid: int, now_ns: int) -> float:
+        """How long every thread of the process has been parked; 0 if any works."""
+        parks = self.parks.get(pid)
+        if not parks or not all(x.parked for x in parks.values()):
+            return 0.0
+        return max(0.0, (now_ns - max(x.last_work_ns for x in parks.values())) / NS)
+
+
+def window_progress(
+    old: ProcessSample | None, new: ProcessSample, window_ns: int, settings: ParkSettings
+) -> ProcessProgress:
+    """Progress of one process between two snapshots ``window_ns`` apart."""
+    prog = ProcessProgress(pid=new.pid, window_ns=window_ns)
+    if old is not None and old.start_ticks != new.start_ticks:
+        old = None  # the PID was reused: all of the new process is new
+    if old is None:
+        # Started within the window: everything it did so far was done in it.
+        prog.notes.append("started in this window")
+        old = ProcessSample(new.pid, new.ppid, new.comm, new.start_ticks, (), 0)
+    floor = max(settings.cpu_floor_min_ns, int(window_ns * settings.cpu_floor_ratio))
+    old_cpu = {t.tid: t.cpu_ns for t in old.threads}
+    working = []
+    for t in new.threads:
+        delta = t.cpu_ns - old_cpu.get(t.tid, 0)  # a new thread's whole CPU time is new work
+        prog.cpu_ns += max(0, delta)
+        if delta > floor:
+            working.append(t.tid)
+    prog.working_tids = tuple(working)
+    if old.write_bytes is not None and new.write_bytes is not None:
+        prog.write_bytes = max(0, new.write_bytes - old.write_bytes)
+    return prog

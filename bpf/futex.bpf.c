@@ -1,0 +1,191 @@
+/* hangwatch futex probe: who waits on which futex word, now.
+ *
+ * For watched processes only, each futex wait (WAIT, WAIT_BITSET, LOCK_PI,
+ * LOCK_PI2, WAIT_REQUEUE_PI, futex_wait, futex_waitv) gets one in-flight entry
+ * per thread at sys_enter, removed at sys_exit into a per-process log2
+ * histogram of wait time. Waits longer than LONG_WAIT_NS and every EDEADLK
+ * from a PI lock go to the ring buffer. Wake ops return before any map access.
+ *
+ * Settings arrive as -D compile-time constants from agent/probe.py.
+ */
+#include "hangwatch.h"
+
+#ifndef MAX_WATCHED
+#define MAX_WATCHED 4096
+#endif
+#ifndef MAX_INFLIGHT
+#define MAX_INFLIGHT 65536
+#endif
+#ifndef MAX_HIST
+#define MAX_HIST 32768
+#endif
+#ifndef MAX_REFUSALS
+#define MAX_REFUSALS 4096
+#endif
+#ifndef LONG_WAIT_NS
+#define LONG_WAIT_NS 1000000000ULL
+#endif
+#ifndef RINGBUF_PAGES
+#define RINGBUF_PAGES 64
+#endif
+
+BPF_HASH(watched, u32, u8, MAX_WATCHED);                    /* tgid -> 1, filled by user space */
+BPF_HASH(inflight, u32, struct hw_wait, MAX_INFLIGHT);      /* tid -> current wait */
+BPF_HASH(refusals, u32, struct hw_refusal, MAX_REFUSALS);   /* tid -> refused PI lock */
+BPF_HASH(wait_hist, struct hw_hist_key, u64, MAX_HIST);     /* (tgid, log2 ns) -> count */
+BPF_PERCPU_ARRAY(counters, struct hw_counters, 1);
+BPF_RINGBUF_OUTPUT(events, RINGBUF_PAGES);
+
+static __always_inline struct hw_counters *this_cpu_counters(void)
+{
+	u32 zero = 0;
+	return counters.lookup(&zero);
+}
+
+/* Per-CPU, so a plain increment is safe. (bcc forbids map calls inside macros.) */
+#define COUNT(field)                                                                               \
+	do {                                                                                       \
+		struct hw_counters *c_ = this_cpu_counters();                                      \
+		if (c_)                                                                            \
+			c_->field++;                                                               \
+	} while (0)
+
+static __always_inline int is_wait_cmd(u32 cmd)
+{
+	return cmd == HW_FUTEX_WAIT || cmd == HW_FUTEX_WAIT_BITSET || cmd == HW_FUTEX_LOCK_PI ||
+	       cmd == HW_FUTEX_LOCK_PI2 || cmd == HW_FUTEX_WAIT_REQUEUE_PI;
+}
+
+static __always_inline int is_pi_lock(u32 cmd)
+{
+	return cmd == HW_FUTEX_LOCK_PI || cmd == HW_FUTEX_LOCK_PI2;
+}
+
+static __always_inline int wait_enter(u64 uaddr, u32 cmd, u32 val, u32 syscall)
+{
+	u64 id = bpf_get_current_pid_tgid();
+	u32 tgid = id >> 32;
+	u32 tid = (u32)id;
+
+	if (!watched.lookup(&tgid))
+		return 0;
+
+	struct hw_wait w = {};
+	w.start_ns = bpf_ktime_get_ns();
+	w.uaddr = uaddr;
+	w.tgid = tgid;
+	w.op = cmd;
+	w.val = val;
+	w.syscall = syscall;
+	int err = bpf_probe_read_user(&w.word, sizeof(w.word), (void *)uaddr);
+	/* The owner hint only means something for glibc mutexes (plain waits);
+	 * a PI word carries its owner itself. */
+	if (!err && !is_pi_lock(cmd))
+		err = bpf_probe_read_user(&w.owner_hint, sizeof(w.owner_hint), (void *)(uaddr + 8));
+	w.read_ok = err == 0;
+
+	if (inflight.update(&tid, &w))
+		COUNT(inflight_full);
+	else
+		COUNT(waits_started);
+	return 0;
+}
+
+static __always_inline void send_event(u32 kind, struct hw_wait *w, u32 tid, u64 now, u64 dur,
+				       long ret)
+{
+	struct hw_event *e = events.ringbuf_reserve(sizeof(struct hw_event));
+	if (!e) {
+		COUNT(events_dropped);
+		return;
+	}
+	e->ts_ns = now;
+	e->uaddr = w->uaddr;
+	e->duration_ns = dur;
+	e->kind = kind;
+	e->tgid = w->tgid;
+	e->tid = tid;
+	e->op = w->op;
+	e->ret = ret;
+	e->pad = 0;
+	events.ringbuf_submit(e, 0);
+	COUNT(events_sent);
+}
+
+static __always_inline int wait_exit(long ret)
+{
+	u32 tid = (u32)bpf_get_current_pid_tgid();
+	struct hw_wait *w = inflight.lookup(&tid);
+	if (!w)
+		return 0; /* not watched, not a wait, or not tracked */
+
+	u64 now = bpf_ktime_get_ns();
+	u64 dur = now - w->start_ns;
+
+	struct hw_hist_key key = {.tgid = w->tgid, .slot = bpf_log2l(dur)};
+	u64 zero = 0;
+	u64 *n = wait_hist.lookup_or_try_init(&key, &zero);
+	if (n)
+		__sync_fetch_and_add(n, 1);
+	else
+		COUNT(hist_full);
+
+	/* Any wait that ends means an earlier refusal no longer describes the thread. */
+	refusals.delete(&tid);
+
+	if (is_pi_lock(w->op) && ret == -HW_EDEADLK) {
+		struct hw_refusal r = {.ts_ns = now, .uaddr = w->uaddr, .tgid = w->tgid};
+		if (refusals.update(&tid, &r))
+			COUNT(refusals_full);
+		send_event(HW_EVENT_EDEADLK, w, tid, now, dur, ret);
+	} else if (dur >= LONG_WAIT_NS) {
+		send_event(HW_EVENT_LONG_WAIT, w, tid, now, dur, ret);
+	}
+
+	inflight.delete(&tid);
+	COUNT(waits_ended);
+	return 0;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_enter_futex)
+{
+	u32 cmd = args->op & HW_FUTEX_CMD_MASK;
+	if (!is_wait_cmd(cmd))
+		return 0;
+	return wait_enter((u64)args->uaddr, cmd, (u32)args->val, HW_SYSCALL_FUTEX);
+}
+
+TRACEPOINT_PROBE(syscalls, sys_exit_futex)
+{
+	return wait_exit(args->ret);
+}
+
+#ifdef HAVE_FUTEX_WAIT
+TRACEPOINT_PROBE(syscalls, sys_enter_futex_wait)
+{
+	return wait_enter((u64)args->uaddr, HW_FUTEX_WAIT_BITSET, (u32)args->val,
+			  HW_SYSCALL_FUTEX_WAIT);
+}
+
+TRACEPOINT_PROBE(syscalls, sys_exit_futex_wait)
+{
+	return wait_exit(args->ret);
+}
+#endif
+
+#ifdef HAVE_FUTEX_WAITV
+TRACEPOINT_PROBE(syscalls, sys_enter_futex_waitv)
+{
+	/* struct futex_waitv { u64 val; u64 uaddr; u32 flags; u32 __reserved; }:
+	 * record the first word; a vector wait never yields an owner edge. */
+	u64 first[2] = {};
+	if (bpf_probe_read_user(first, sizeof(first), (void *)args->waiters))
+		return 0;
+	return wait_enter(first[1], HW_FUTEX_WAIT, (u32)first[0], HW_SYSCALL_FUTEX_WAITV);
+}
+
+TRACEPOINT_PROBE(syscalls, sys_exit_futex_waitv)
+{
+	return wait_exit(args->ret);
+}
+#endif

@@ -1,0 +1,82 @@
+/* Types and constants shared by the BPF programs and user space.
+ *
+ * User space never redeclares these structs: bcc derives the ctypes of map
+ * keys, values and ring-buffer events from this header's debug info, and
+ * agent/probe.py reads the HW_* defines below from this file.
+ */
+#ifndef HANGWATCH_H
+#define HANGWATCH_H
+
+/* Futex commands that wait (op & FUTEX_CMD_MASK); everything else returns at once. */
+#define HW_FUTEX_WAIT 0
+#define HW_FUTEX_LOCK_PI 6
+#define HW_FUTEX_WAIT_BITSET 9
+#define HW_FUTEX_WAIT_REQUEUE_PI 11
+#define HW_FUTEX_LOCK_PI2 13
+#define HW_FUTEX_CMD_MASK 0x7f
+
+/* Which syscall a wait came through (struct hw_wait.syscall). */
+#define HW_SYSCALL_FUTEX 0
+#define HW_SYSCALL_FUTEX_WAIT 1  /* futex_wait(2), Linux 6.7+ */
+#define HW_SYSCALL_FUTEX_WAITV 2 /* futex_waitv(2), Linux 5.16+: several words */
+
+/* Ring-buffer event kinds (struct hw_event.kind). */
+#define HW_EVENT_LONG_WAIT 1 /* a wait longer than LONG_WAIT_NS ended */
+#define HW_EVENT_EDEADLK 2   /* the kernel refused a PI lock that would close a cycle */
+
+#define HW_EDEADLK 35
+
+/* One in-flight wait, keyed by TID: a parked thread never reaches sys_exit,
+ * so this map, read each tick, says who waits now and on what. */
+struct hw_wait {
+	__u64 start_ns;   /* bpf_ktime_get_ns() at sys_enter (CLOCK_MONOTONIC) */
+	__u64 uaddr;      /* the futex word (the first one for futex_waitv) */
+	__u32 tgid;
+	__u32 op;         /* futex command, flags stripped */
+	__u32 val;        /* the value the caller expects the word to hold */
+	__u32 word;       /* the word as read at sys_enter */
+	__u32 owner_hint; /* the int at uaddr + 8: glibc pthread_mutex_t.__owner */
+	__u32 syscall;    /* HW_SYSCALL_* */
+	__u32 read_ok;    /* 1 if both user reads succeeded */
+	__u32 pad;
+};
+
+/* A PI lock the kernel refused with EDEADLK; glibc then parks the thread
+ * forever on a private dummy word, so this is the only trace of what it
+ * really waits for. Deleted when the thread's next wait ends. */
+struct hw_refusal {
+	__u64 ts_ns;
+	__u64 uaddr; /* the PI lock word that was refused */
+	__u32 tgid;
+	__u32 pad;
+};
+
+struct hw_hist_key {
+	__u32 tgid;
+	__u32 slot; /* log2 of the wait time in ns */
+};
+
+struct hw_event {
+	__u64 ts_ns;
+	__u64 uaddr;
+	__u64 duration_ns;
+	__u32 kind; /* HW_EVENT_* */
+	__u32 tgid;
+	__u32 tid;
+	__u32 op;
+	__s32 ret;
+	__u32 pad;
+};
+
+/* Per-CPU counters: every full map and failed reserve is counted. */
+struct hw_counters {
+	__u64 waits_started;
+	__u64 waits_ended;
+	__u64 inflight_full;   /* a wait not tracked: in-flight map full */
+	__u64 hist_full;       /* a wait not counted in the histogram: map full */
+	__u64 refusals_full;   /* an EDEADLK not kept: refusal map full */
+	__u64 events_sent;
+	__u64 events_dropped;  /* ring buffer full: reserve failed */
+};
+
+#endif /* HANGWATCH_H */
