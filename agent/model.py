@@ -41,6 +41,7 @@ class LockRead:
     word: int
     owner_field: int | None = None  # int at +8: glibc pthread_mutex_t.__owner
     kind_field: int | None = None  # int at +16: glibc pthread_mutex_t.__kind
+    users_field: int | None = None  # int at +12: glibc pthread_mutex_t.__nusers
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,9 @@ class ThreadSample:
     wait: FutexWait | None = None
     lock: LockRead | None = None  # re-read at wait.uaddr
     refused: Refusal | None = None
+    # The memory mapping that holds its stack pointer (blocked in a syscall): glibc puts a
+    # thread's descriptor, whose TID word pthread_join waits on, in that same mapping.
+    stack: tuple[int, int] | None = None
 
     @property
     def blocked(self) -> bool:

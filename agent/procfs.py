@@ -32,6 +32,7 @@ class ProcStat:
 class SyscallLine:
     nr: int  # -1: blocked, but not in a syscall
     args: tuple[int, ...]
+    sp: int | None = None  # user stack pointer
 
 
 @dataclass(frozen=True)
@@ -74,9 +75,10 @@ def parse_syscall(text: str) -> SyscallLine | None:
     if not parts or parts[0] == "running":
         return None
     nr = int(parts[0])
+    sp = int(parts[-2], 16) if len(parts) >= 3 else None
     if nr < 0:
-        return SyscallLine(nr, ())
-    return SyscallLine(nr, tuple(int(a, 16) for a in parts[1:7]))
+        return SyscallLine(nr, (), sp)
+    return SyscallLine(nr, tuple(int(a, 16) for a in parts[1:7]), sp)
 
 
 def parse_exec_start_ms(text: str) -> float | None:

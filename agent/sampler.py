@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from collections.abc import Callable, Iterable
 
 from .model import (
@@ -72,7 +73,7 @@ def _lock_read(mem: ProcessMemory | None, uaddr: int) -> LockRead | None:
     if ints is None:
         ints = mem.ints(uaddr, 1)  # the word may sit at the end of a mapping
         return LockRead(ints[0]) if ints else None
-    return LockRead(ints[0], ints[2], _signed(ints[4]))
+    return LockRead(ints[0], owner_field=ints[2], kind_field=_signed(ints[4]), users_field=ints[3])
 
 
 def _signed(v: int) -> int:
@@ -121,11 +122,14 @@ class Sampler:
         mem = proc.open_memory(pid)
         try:
             threads = []
+            stack_ptrs = {}
             for tid in proc.tids(pid):
-                t = self._thread(pid, tid, probe, mem)
+                t, sp = self._thread(pid, tid, probe, mem)
                 if t is not None:
                     threads.append(t)
-            word_ids = self._word_ids(pid, threads)
+                    if sp:
+                        stack_ptrs[tid] = sp
+            threads, word_ids = self._place_in_maps(pid, threads, stack_ptrs)
         finally:
             if mem is not None:
                 mem.close()
@@ -146,12 +150,12 @@ class Sampler:
 
     def _thread(
         self, pid: int, tid: int, probe: ProbeReading, mem: ProcessMemory | None
-    ) -> ThreadSample | None:
+    ) -> tuple[ThreadSample | None, int | None]:
         proc = self.proc
         st = proc.thread_stat(pid, tid)
         cpu = proc.thread_cpu_ns(pid, tid)
         if st is None or cpu is None or st.state in ("Z", "X"):
-            return None
+            return None, None
         blocked = st.state not in ("R",)
         sc = proc.thread_syscall(pid, tid) if blocked else None
         last_ran = None
@@ -175,7 +179,7 @@ class Sampler:
         r = probe.refusals.get(tid)
         if r is not None and r[0] == pid and wait is not None:
             refused = Refusal(uaddr=r[1], ts_ns=r[2], lock=_lock_read(mem, r[1]))
-        return ThreadSample(
+        sample = ThreadSample(
             tid=tid,
             name=st.comm,
             state=st.state,
@@ -186,22 +190,33 @@ class Sampler:
             lock=lock,
             refused=refused,
         )
+        return sample, sc.sp if sc is not None else None
 
-    def _word_ids(self, pid: int, threads: list[ThreadSample]) -> dict[int, tuple]:
-        """Futex words in shared mappings, named by (device, inode, offset) so that one
-        barrier in shared memory is one word in every process that maps it."""
+    def _place_in_maps(
+        self, pid: int, threads: list[ThreadSample], stack_ptrs: dict[int, int]
+    ) -> tuple[list[ThreadSample], dict[int, tuple]]:
+        """One read of /proc/PID/maps, for processes with waits, gives two things:
+        each blocked thread's stack mapping (validates pthread_join edges), and the
+        identity of futex words in shared mappings, as (device, inode, offset), so that
+        one barrier in shared memory is one word in every process that maps it."""
         addrs = {t.wait.uaddr for t in threads if t.wait and not t.wait.vector}
         addrs |= {t.refused.uaddr for t in threads if t.refused}
         if not addrs:
-            return {}
-        out = {}
-        for m in self.proc.maps(pid):
+            return threads, {}
+        maps = self.proc.maps(pid)
+        word_ids = {}
+        for m in maps:
             if "s" not in m.perms:
                 continue
             for a in addrs:
                 if m.start <= a < m.end:
-                    out[a] = ("shared", m.dev, m.inode, m.offset + (a - m.start))
-        return out
+                    word_ids[a] = ("shared", m.dev, m.inode, m.offset + (a - m.start))
+        placed = []
+        for t in threads:
+            sp = stack_ptrs.get(t.tid)
+            m = next((m for m in maps if sp is not None and m.start <= sp < m.end), None)
+            placed.append(replace(t, stack=(m.start, m.end)) if m else t)
+        return placed, word_ids
 
     def _sockets(self, pid: int, net_cache: dict) -> tuple[tuple[Listener, ...], int]:
         inodes = self.proc.socket_inodes(pid)

@@ -71,13 +71,20 @@ def owner_candidate(thread: ThreadSample) -> Candidate | None:
     if lock.word != wait.val:
         return None  # the word moved on: this waiter is being woken, not blocked by it
     word = lock.word
-    if word == _GLIBC_CONTENDED and lock.owner_field and _plausible_mutex_kind(lock):
+    if (
+        word == _GLIBC_CONTENDED
+        and lock.owner_field
+        and lock.users_field  # a locked glibc mutex counts its user
+        and _plausible_mutex_kind(lock)
+    ):
         return Candidate(lock.owner_field, "mutex", wait.uaddr)
     tid_part = word & FUTEX_TID_MASK
     if tid_part and word & FUTEX_WAITERS and lock.owner_field == tid_part:
         return Candidate(tid_part, "robust-mutex", wait.uaddr)  # robust: the word is the TID
     if tid_part and word == tid_part and tid_part != thread.tid:
-        return Candidate(tid_part, "join", wait.uaddr)  # pthread_join waits on the TID word
+        # pthread_join waits on the TID word; the graph checks that the word lies in
+        # the joined thread's own stack mapping, where glibc keeps its descriptor.
+        return Candidate(tid_part, "join", wait.uaddr)
     return None
 
 
@@ -160,12 +167,17 @@ class WaitForGraph:
     def __init__(self, snapshot: Snapshot) -> None:
         self.snapshot = snapshot
         where = snapshot.tid_to_pid()
+        stacks = {t.tid: t.stack for p in snapshot.processes.values() for t in p.threads}
         self.edges: dict[int, WaitEdge] = {}
         for p in snapshot.processes.values():
             for t in p.threads:
                 c = owner_candidate(t)
                 if c is None or c.owner not in where:
                     continue  # no owner, or an owner that is not a live thread
+                if c.kind == "join":
+                    stack = stacks.get(c.owner)
+                    if stack is None or not stack[0] <= c.uaddr < stack[1]:
+                        continue  # a word that merely equals a TID
                 self.edges[t.tid] = WaitEdge(t.tid, c.owner, c.kind, c.uaddr, p.pid, where[c.owner])
 
     def cycles(self) -> list[tuple[int, ...]]:
@@ -173,7 +185,7 @@ class WaitForGraph:
         succ = {w: (e.owner,) for w, e in self.edges.items()}
         found = []
         for comp in strongly_connected(sorted(succ), succ):
-            if len(comp) > 1 or self.edges[comp[0]].owner == comp[0]:
+            if len(comp) > 1 or (comp[0] in self.edges and self.edges[comp[0]].owner == comp[0]):
                 found.append(_cycle_order(comp, self.edges))
         return sorted(found)
 

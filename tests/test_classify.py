@@ -1,0 +1,127 @@
+"""Verdicts from synthetic facts: precedence, thresholds, listeners, services."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from agent.classify import (
+    DEADLOCKED,
+    IDLE,
+    PROGRESSING,
+    STALLED,
+    ProcessFacts,
+    classify_process,
+    classify_service,
+)
+from agent.model import Listener
+from agent.progress import ProcessProgress
+from tests.synth import parked, process
+
+LISTEN = Listener("tcp", "0.0.0.0", 8000, queued=0, backlog=128)
+
+
+def facts(pid=10, n=3, parked_n=None, parked_s=120.0, cycles=(), work=None, listeners=(),
+          unread=0) -> ProcessFacts:  # fmt: skip
+    sample = process(pid, *(parked(pid * 100 + i) for i in range(n)), listeners=listeners)
+    if unread:
+        sample = sample.__class__(**{**sample.__dict__, "unread_bytes": unread})
+    prog = ProcessProgress(pid=pid, window_ns=5 * 10**9)
+    if work == "cpu":
+        prog.working_tids, prog.cpu_ns = (pid * 100,), 4 * 10**9
+    elif work == "write":
+        prog.write_bytes = 4096
+    return ProcessFacts(sample, prog, n if parked_n is None else parked_n, parked_s, cycles)
+
+
+def test_cycle_wins_over_work():
+    v = classify_process(facts(cycles=[(1000, 1001)], work="cpu"), 60)
+    assert v.state == DEADLOCKED
+
+
+def test_work_in_the_window_is_progressing_with_the_signal_in_words():
+    v = classify_process(facts(work="write"), 60)
+    assert v.state == PROGRESSING
+    assert any("wrote 4.0 KiB" in r for r in v.reasons)
+
+
+def test_all_parked_past_threshold_is_stalled():
+    v = classify_process(facts(parked_s=61), 60)
+    assert v.state == STALLED
+    assert "all 3 thread(s) parked for 61 s" in v.reasons[0]
+
+
+def test_all_parked_under_threshold_is_not_yet_stalled():
+    v = classify_process(facts(parked_s=59), 60)
+    assert v.state == IDLE
+    assert any("under the 60 s threshold" in r for r in v.reasons)
+
+
+def test_listener_with_empty_queue_is_idle_however_long_parked():
+    v = classify_process(facts(parked_s=3600, listeners=(LISTEN,)), 60)
+    assert v.state == IDLE
+    assert any("port 8000 with an empty accept queue" in r for r in v.reasons)
+
+
+def test_listener_with_queued_connections_past_threshold_is_stalled():
+    q = Listener("tcp", "0.0.0.0", 8000, queued=3, backlog=128)
+    assert classify_process(facts(parked_s=61, listeners=(q,)), 60).state == STALLED
+    assert classify_process(facts(parked_s=61, listeners=(LISTEN,), unread=10), 60).state == STALLED
+
+
+def test_a_thread_not_parked_is_not_a_stall():
+    assert classify_process(facts(parked_n=2), 60).state == PROGRESSING
+
+
+def test_service_parked_rank_with_a_working_peer_is_progressing():
+    ranks = [facts(pid=p) for p in (11, 12, 13)] + [facts(pid=14, work="cpu", parked_n=2)]
+    v = classify_service(10, ranks, 60)
+    assert v.state == PROGRESSING
+    assert any("parked while a peer works" in r for r in v.reasons)
+
+
+def test_service_all_ranks_parked_is_stalled_and_a_cycle_anywhere_is_deadlocked():
+    assert classify_service(10, [facts(pid=p) for p in (11, 12)], 60).state == STALLED
+    mixed = [facts(pid=11, work="cpu"), facts(pid=12, cycles=[(1200, 1201)])]
+    v = classify_service(10, mixed, 60)
+    assert v.state == DEADLOCKED and v.cycles == [(1200, 1201)]
+
+
+def test_service_listening_anywhere_is_idle_when_all_parked():
+    procs = [facts(pid=11), facts(pid=12, listeners=(LISTEN,))]
+    assert classify_service(10, procs, 60).state == IDLE
+
+
+def test_service_whose_root_exited_is_reported_gone():
+    v = classify_service(10, [], 60, gone=[10], root_gone=True)
+    assert v.gone and v.processes[0].gone
+    assert "exited" in v.reasons[0]
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.booleans(), st.sampled_from([None, "cpu", "write"]), st.floats(0, 1e4),
+            st.booleans(),
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+    st.floats(0.1, 1e3),
+)  # fmt: skip
+def test_service_state_follows_the_precedence(procs, threshold):
+    fs = [
+        facts(pid=20 + i, cycles=[(9000 + i, 9100 + i)] if cyc else (), work=work, parked_s=ps,
+              listeners=(LISTEN,) if listen else ())  # fmt: skip
+        for i, (cyc, work, ps, listen) in enumerate(procs)
+    ]
+    v = classify_service(10, fs, threshold)
+    if any(c for c, *_ in procs):
+        assert v.state == DEADLOCKED
+    elif any(w for _, w, *_ in procs):
+        assert v.state == PROGRESSING
+    elif any(listen for *_, listen in procs) or min(ps for _, _, ps, _ in procs) < threshold:
+        assert v.state == IDLE
+    else:
+        assert v.state == STALLED
+    assert v.reasons
