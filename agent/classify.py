@@ -138,7 +138,9 @@ def _parked_state(
         reasons.append(f"under the {_fmt_s(threshold_s)} threshold: not called stalled yet")
         return IDLE, reasons
     if listeners:
-        reasons.append(f"listening on port {ports} with an empty accept queue: waiting for requests")
+        reasons.append(
+            f"listening on port {ports} with an empty accept queue: waiting for requests"
+        )
         return IDLE, reasons
     if parked_s >= threshold_s:
         reasons.append(f"past the {_fmt_s(threshold_s)} threshold, not listening")
@@ -180,8 +182,10 @@ def classify_service(
         return ServiceVerdict(root, PROGRESSING, ["nothing left to watch"], cycles, verdicts, True)
     parked_s = min(f.parked_seconds for f in procs)
     threads = sum(len(f.sample.threads) for f in procs)
-    who = f"all {threads} thread(s) of {len(procs)} process(es)" if len(procs) > 1 else (
-        f"all {threads} thread(s)"
+    who = (
+        f"all {threads} thread(s) of {len(procs)} process(es)"
+        if len(procs) > 1
+        else (f"all {threads} thread(s)")
     )
     state, reasons = _parked_state(
         parked_s,

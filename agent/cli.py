@@ -62,17 +62,27 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     d.add_argument(
-        "--pid", type=_pid, action="append", required=True, metavar="PID",
+        "--pid",
+        type=_pid,
+        action="append",
+        required=True,
+        metavar="PID",
         help="root of a service to diagnose (repeatable); its descendants are included",
-    )  # fmt: skip
+    )
     d.add_argument(
-        "--threshold", type=_positive_float, default=60.0, metavar="S",
+        "--threshold",
+        type=_positive_float,
+        default=60.0,
+        metavar="S",
         help="seconds every thread must be parked before a service is called stalled (default 60)",
-    )  # fmt: skip
+    )
     d.add_argument(
-        "--duration", type=_positive_float, default=5.0, metavar="S",
+        "--duration",
+        type=_positive_float,
+        default=5.0,
+        metavar="S",
         help="seconds to observe (default 5; at least two reads are taken)",
-    )  # fmt: skip
+    )
     d.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     return parser
 
@@ -82,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)  # exits 2 with a one-line reason on bad flags
     try:
         if args.command == "diagnose":
-            from .diagnose import DiagnoseOptions, run  # noqa: PLC0415
+            from .diagnose import DiagnoseOptions, run
 
             return run(
                 DiagnoseOptions(

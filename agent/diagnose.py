@@ -17,11 +17,26 @@ from .sampler import Sampler
 
 # x86-64 numbers of the syscalls a parked thread is usually in, for the report.
 SYSCALL_NAMES = {
-    0: "read", 1: "write", 7: "poll", 23: "select", 34: "pause", 35: "nanosleep",
-    43: "accept", 61: "wait4", 202: "futex", 230: "clock_nanosleep", 232: "epoll_wait",
-    247: "waitid", 270: "pselect6", 271: "ppoll", 281: "epoll_pwait", 288: "accept4",
-    441: "epoll_pwait2", 449: "futex_waitv", 454: "futex_wait",
-}  # fmt: skip
+    0: "read",
+    1: "write",
+    7: "poll",
+    23: "select",
+    34: "pause",
+    35: "nanosleep",
+    43: "accept",
+    61: "wait4",
+    202: "futex",
+    230: "clock_nanosleep",
+    232: "epoll_wait",
+    247: "waitid",
+    270: "pselect6",
+    271: "ppoll",
+    281: "epoll_pwait",
+    288: "accept4",
+    441: "epoll_pwait2",
+    449: "futex_waitv",
+    454: "futex_wait",
+}
 
 
 @dataclass(frozen=True)
@@ -149,7 +164,11 @@ def render_text(verdicts: list[ServiceVerdict], tick: Tick, opts: DiagnoseOption
                 continue
             sample = snap.processes[p.pid]
             park = f", all parked for {p.parked_seconds:.1f} s" if p.parked_seconds else ""
-            ports = f", listening on {', '.join(map(str, p.listening_ports))}" if p.listening_ports else ""
+            ports = (
+                f", listening on {', '.join(map(str, p.listening_ports))}"
+                if p.listening_ports
+                else ""
+            )
             lines.append(
                 f"  process {p.pid} {p.comm}: {p.state}, {p.threads} thread(s), "
                 f"{p.parked_threads} parked{park}{ports}"
@@ -186,13 +205,13 @@ def render_text(verdicts: list[ServiceVerdict], tick: Tick, opts: DiagnoseOption
 
 
 def run(opts: DiagnoseOptions, out: TextIO = sys.stdout, log: TextIO = sys.stderr) -> int:
-    from . import preflight  # noqa: PLC0415 - keeps `--help` and bad input free of kernel checks
+    from . import preflight
 
     proc = ProcFS()
     validate(opts, proc)
     for notice in preflight.check():
         print(f"hangwatch: {notice}", file=log)
-    from .probe import FutexProbe  # noqa: PLC0415 - bcc is imported only after preflight
+    from .probe import FutexProbe
 
     with FutexProbe(long_wait_s=min(1.0, opts.threshold_s)) as probe:
         print(

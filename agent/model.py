@@ -165,7 +165,11 @@ class ProbeReading:
     """What the kernel side holds at one instant, as plain data."""
 
     inflight: Mapping[int, InflightWait] = field(default_factory=dict)  # tid -> wait
-    refusals: Mapping[int, tuple[int, int, int]] = field(default_factory=dict)  # tid -> (tgid, uaddr, ts)
+    refusals: Mapping[int, tuple[int, int, int]] = field(
+        default_factory=dict
+    )  # tid -> (tgid, uaddr, ts)
     events: tuple[ProbeEvent, ...] = ()  # drained from the ring buffer since the last read
-    wait_histogram: Mapping[int, Mapping[int, int]] = field(default_factory=dict)  # tgid -> log2 slot -> n
+    wait_histogram: Mapping[int, Mapping[int, int]] = field(
+        default_factory=dict
+    )  # tgid -> log2 slot -> n
     counters: Mapping[str, int] = field(default_factory=dict)  # summed over CPUs

@@ -6,6 +6,7 @@ above this module needs root, bcc or a kernel to be tested.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import re
@@ -45,7 +46,7 @@ class FutexProbe:
 
     def __init__(self, long_wait_s: float = 1.0, ringbuf_pages: int = 64) -> None:
         try:
-            from bcc import BPF  # noqa: PLC0415 - only this module may import bcc
+            from bcc import BPF
         except ImportError as e:
             raise KernelFeatureError(
                 "bcc is not importable",
@@ -102,20 +103,16 @@ class FutexProbe:
         for tgid in want - self._watching:
             self._watched[ctypes.c_uint32(tgid)] = one
         for tgid in self._watching - want:
-            try:
+            with contextlib.suppress(KeyError):
                 del self._watched[ctypes.c_uint32(tgid)]
-            except KeyError:
-                pass
         self._watching = want
 
     def forget(self, tids: Iterable[int]) -> None:
         """Drop in-flight entries of threads that died in a wait (they never reach sys_exit)."""
         for tid in tids:
             for table in (self._inflight, self._refusals):
-                try:
+                with contextlib.suppress(KeyError):
                     del table[ctypes.c_uint32(tid)]
-                except KeyError:
-                    pass
 
     def read(self) -> ProbeReading:
         self._bpf.ring_buffer_poll(0)

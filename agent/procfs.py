@@ -119,7 +119,9 @@ def parse_net_tcp(text: str, family: str) -> list[TcpSocket]:
         host, port = local.rsplit(":", 1)
         tx, rx = queues.split(":")
         out.append(
-            TcpSocket(family, _addr(host, family), int(port, 16), st, int(tx, 16), int(rx, 16), inode)
+            TcpSocket(
+                family, _addr(host, family), int(port, 16), st, int(tx, 16), int(rx, 16), inode
+            )
         )
     return out
 
@@ -189,7 +191,7 @@ class ProcFS:
 
     def socket_inodes(self, pid: int) -> set[int]:
         fd_dir = os.path.join(self.root, str(pid), "fd")
-        out = set()
+        out: set[int] = set()
         try:
             names = os.listdir(fd_dir)
         except OSError:

@@ -102,13 +102,13 @@ class ParkTracker:
             for t in p.threads:
                 key = (p.pid, p.start_ticks, t.tid)
                 last = self._last_work.get(key)
-                worked = (not t.blocked) or (
-                    t.tid in old_cpu and t.cpu_ns - old_cpu[t.tid] > floor
-                )
+                worked = (not t.blocked) or (t.tid in old_cpu and t.cpu_ns - old_cpu[t.tid] > floor)
                 if last is None:
                     # First sight: blocked since it last ran, or working now.
-                    last = snap.mono_ns if not t.blocked else min(
-                        snap.mono_ns, t.last_ran_ns or snap.mono_ns
+                    last = (
+                        snap.mono_ns
+                        if not t.blocked
+                        else min(snap.mono_ns, t.last_ran_ns or snap.mono_ns)
                     )
                 elif worked:
                     last = snap.mono_ns

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 
 from .model import (
     FUTEX_CMD_MASK,
@@ -214,8 +214,8 @@ class Sampler:
         placed = []
         for t in threads:
             sp = stack_ptrs.get(t.tid)
-            m = next((m for m in maps if sp is not None and m.start <= sp < m.end), None)
-            placed.append(replace(t, stack=(m.start, m.end)) if m else t)
+            stack = next((m for m in maps if sp is not None and m.start <= sp < m.end), None)
+            placed.append(replace(t, stack=(stack.start, stack.end)) if stack else t)
         return placed, word_ids
 
     def _sockets(self, pid: int, net_cache: dict) -> tuple[tuple[Listener, ...], int]:

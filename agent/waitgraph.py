@@ -204,7 +204,7 @@ class WaitForGraph:
                 by_word.setdefault(key, []).append((p, t))
         out = []
         for key, members in by_word.items():
-            p0, t0 = members[0]
+            _p0, t0 = members[0]
             edge = self.edges.get(t0.tid)
             starts = [s for _, t in members if (s := _wait_start(t))]
             out.append(

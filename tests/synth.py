@@ -18,9 +18,17 @@ from agent.model import (
 S = 1_000_000_000
 
 
-def parked(tid: int, uaddr: int = 0x1000, val: int = 0, lock: LockRead | None = None,
-           op: int = FUTEX_WAIT, cpu: int = 0, name: str = "worker",
-           since: int | None = None, refused: Refusal | None = None) -> ThreadSample:  # fmt: skip
+def parked(
+    tid: int,
+    uaddr: int = 0x1000,
+    val: int = 0,
+    lock: LockRead | None = None,
+    op: int = FUTEX_WAIT,
+    cpu: int = 0,
+    name: str = "worker",
+    since: int | None = None,
+    refused: Refusal | None = None,
+) -> ThreadSample:
     """A thread blocked in a futex wait; by default on a word with no owner (a condvar)."""
     return ThreadSample(
         tid=tid,
@@ -48,9 +56,16 @@ def running(tid: int, cpu: int = 0, name: str = "busy") -> ThreadSample:
     return ThreadSample(tid=tid, name=name, state="R", cpu_ns=cpu)
 
 
-def process(pid: int, *threads: ThreadSample, ppid: int = 1, comm: str = "proc",
-            write_bytes: int | None = 0, listeners: tuple[Listener, ...] = (),
-            word_ids: dict | None = None, start: int = 100) -> ProcessSample:  # fmt: skip
+def process(
+    pid: int,
+    *threads: ThreadSample,
+    ppid: int = 1,
+    comm: str = "proc",
+    write_bytes: int | None = 0,
+    listeners: tuple[Listener, ...] = (),
+    word_ids: dict | None = None,
+    start: int = 100,
+) -> ProcessSample:
     return ProcessSample(
         pid=pid,
         ppid=ppid,
@@ -64,5 +79,6 @@ def process(pid: int, *threads: ThreadSample, ppid: int = 1, comm: str = "proc",
 
 
 def snapshot(*procs: ProcessSample, at: int = 100 * S, foreign: dict | None = None) -> Snapshot:
-    return Snapshot(at, 1_700_000_000.0 + at / S, {p.pid: p for p in procs},
-                    foreign_owners=foreign or {})  # fmt: skip
+    return Snapshot(
+        at, 1_700_000_000.0 + at / S, {p.pid: p for p in procs}, foreign_owners=foreign or {}
+    )

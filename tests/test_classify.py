@@ -21,8 +21,9 @@ from tests.synth import parked, process
 LISTEN = Listener("tcp", "0.0.0.0", 8000, queued=0, backlog=128)
 
 
-def facts(pid=10, n=3, parked_n=None, parked_s=120.0, cycles=(), work=None, listeners=(),
-          unread=0) -> ProcessFacts:  # fmt: skip
+def facts(
+    pid=10, n=3, parked_n=None, parked_s=120.0, cycles=(), work=None, listeners=(), unread=0
+) -> ProcessFacts:
     sample = process(pid, *(parked(pid * 100 + i) for i in range(n)), listeners=listeners)
     if unread:
         sample = sample.__class__(**{**sample.__dict__, "unread_bytes": unread})
@@ -101,18 +102,25 @@ def test_service_whose_root_exited_is_reported_gone():
 @given(
     st.lists(
         st.tuples(
-            st.booleans(), st.sampled_from([None, "cpu", "write"]), st.floats(0, 1e4),
+            st.booleans(),
+            st.sampled_from([None, "cpu", "write"]),
+            st.floats(0, 1e4),
             st.booleans(),
         ),
         min_size=1,
         max_size=6,
     ),
     st.floats(0.1, 1e3),
-)  # fmt: skip
+)
 def test_service_state_follows_the_precedence(procs, threshold):
     fs = [
-        facts(pid=20 + i, cycles=[(9000 + i, 9100 + i)] if cyc else (), work=work, parked_s=ps,
-              listeners=(LISTEN,) if listen else ())  # fmt: skip
+        facts(
+            pid=20 + i,
+            cycles=[(9000 + i, 9100 + i)] if cyc else (),
+            work=work,
+            parked_s=ps,
+            listeners=(LISTEN,) if listen else (),
+        )
         for i, (cyc, work, ps, listen) in enumerate(procs)
     ]
     v = classify_service(10, fs, threshold)

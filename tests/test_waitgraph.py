@@ -21,15 +21,20 @@ def test_two_threads_on_opposite_mutexes_form_one_cycle():
 
 def test_ring_of_three_is_listed_in_wait_order():
     snap = snapshot(
-        process(10, on_mutex(13, 0xA, owner=11), on_mutex(11, 0xB, owner=12),
-                on_mutex(12, 0xC, owner=13))  # fmt: skip
+        process(
+            10,
+            on_mutex(13, 0xA, owner=11),
+            on_mutex(11, 0xB, owner=12),
+            on_mutex(12, 0xC, owner=13),
+        )
     )
     assert WaitForGraph(snap).cycles() == [(11, 12, 13)]
 
 
 def test_chain_without_cycle_has_edges_but_no_cycle():
-    snap = snapshot(process(10, on_mutex(11, 0xA, owner=12), on_mutex(12, 0xB, owner=13),
-                            running(13)))  # fmt: skip
+    snap = snapshot(
+        process(10, on_mutex(11, 0xA, owner=12), on_mutex(12, 0xB, owner=13), running(13))
+    )
     g = WaitForGraph(snap)
     assert len(g.edges) == 2
     assert g.cycles() == []
@@ -41,7 +46,9 @@ def test_relocking_a_held_default_mutex_is_a_cycle_of_one():
 
 
 def test_cycle_across_two_processes():
-    snap = snapshot(process(10, on_mutex(10, 0xA, owner=20)), process(20, on_mutex(20, 0xB, owner=10)))
+    snap = snapshot(
+        process(10, on_mutex(10, 0xA, owner=20)), process(20, on_mutex(20, 0xB, owner=10))
+    )
     g = WaitForGraph(snap)
     assert g.cycles() == [(10, 20)]
     assert {(e.waiter_pid, e.owner_pid) for e in g.edges.values()} == {(10, 20), (20, 10)}
@@ -91,7 +98,9 @@ def test_no_owner_shapes_never_become_edges():
 
 
 def test_futex_waitv_is_never_an_edge():
-    t = ThreadSample(11, "w", "S", 0, wait=FutexWait(0xA, 0, 2, vector=True), lock=LockRead(2, 12, 0))
+    t = ThreadSample(
+        11, "w", "S", 0, wait=FutexWait(0xA, 0, 2, vector=True), lock=LockRead(2, 12, 0)
+    )
     assert owner_candidate(t) is None
 
 

@@ -1,0 +1,181 @@
+"""The /proc readers and the sampler, against a fixture /proc tree (no root needed)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+from pathlib import Path
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from agent.model import FUTEX_WAIT, ProbeReading
+from agent.procfs import (
+    ProcFS,
+    parse_exec_start_ms,
+    parse_net_tcp,
+    parse_stat,
+    parse_syscall,
+)
+from agent.sampler import Sampler, descendants
+
+TCP_HEADER = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
+
+
+def stat_line(pid: int, comm: str, state: str = "S", ppid: int = 1, start: int = 4242) -> str:
+    rest = [state, str(ppid)] + ["0"] * 17 + [str(start)] + ["0"] * 30
+    return f"{pid} ({comm}) {' '.join(rest)}\n"
+
+
+def test_parse_stat_survives_parentheses_and_spaces_in_comm():
+    st_ = parse_stat(stat_line(7, "a) (b c", state="D", ppid=3, start=99))
+    assert (st_.pid, st_.comm, st_.state, st_.ppid, st_.start_ticks) == (7, "a) (b c", "D", 3, 99)
+
+
+def test_parse_syscall_forms():
+    assert parse_syscall("running\n") is None
+    assert parse_syscall("-1 0x7ffd1000 0x401000\n").nr == -1
+    sc = parse_syscall("202 0x5613a001c0a0 0x80 0x2 0x0 0x0 0x0 0x7ffd1000 0x7f00aa\n")
+    assert sc is not None
+    assert (sc.nr, sc.args[:3], sc.sp) == (202, (0x5613A001C0A0, 0x80, 2), 0x7FFD1000)
+
+
+def test_parse_exec_start():
+    text = "dl (9301, #threads: 3)\n---\nse.exec_start   :   265462.412643\nse.vruntime : 1\n"
+    assert parse_exec_start_ms(text) == 265462.412643
+
+
+def _tcp_line(i, addr: str, port: int, st_: int, tx: int, rx: int, inode: int, v6: bool) -> str:
+    if v6:
+        raw = socket.inet_pton(socket.AF_INET6, addr)
+        hexaddr = "".join(f"{w:08X}" for w in struct.unpack("<4I", raw))
+    else:
+        hexaddr = f"{struct.unpack('<I', socket.inet_aton(addr))[0]:08X}"
+    return (
+        f"{i:4d}: {hexaddr}:{port:04X} {'0' * len(hexaddr)}:0000 {st_:02X} {tx:08X}:{rx:08X} "
+        f"00:00000000 00000000     0        0 {inode} 1 0000000000000000 100 0 0 10 0\n"
+    )
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.ip_addresses(v=4).map(str),
+            st.integers(0, 65535),
+            st.sampled_from([1, 10]),
+            st.integers(0, 2**16),
+            st.integers(0, 2**16),
+            st.integers(1, 2**31),
+        ),
+        max_size=8,
+    )
+)
+def test_net_tcp_round_trip(rows):
+    text = TCP_HEADER + "".join(_tcp_line(i, *r, v6=False) for i, r in enumerate(rows))
+    got = [
+        (s.address, s.port, s.state, s.tx_queue, s.rx_queue, s.inode)
+        for s in parse_net_tcp(text, "tcp")
+    ]
+    assert got == [tuple(r) for r in rows]
+
+
+def test_net_tcp6_address():
+    text = TCP_HEADER + _tcp_line(0, "::1", 8000, 10, 128, 2, 55, v6=True)
+    (s,) = parse_net_tcp(text, "tcp6")
+    assert (s.address, s.port, s.rx_queue, s.tx_queue) == ("::1", 8000, 2, 128)
+
+
+# --- a fixture /proc tree ----------------------------------------------------------------------
+
+
+def write(path: Path, text: str | bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(text, bytes):
+        path.write_bytes(text)
+    else:
+        path.write_text(text)
+
+
+def make_proc(tmp_path: Path) -> Path:
+    """Process 10 ('server', child of 1): thread 10 blocked on a glibc mutex that thread 11
+    holds, thread 11 running; a listening socket on port 8000 with 2 queued connections;
+    process 20 is its child."""
+    root = tmp_path / "proc"
+    write(root / "1/stat", stat_line(1, "init", ppid=0))
+    write(root / "10/stat", stat_line(10, "server", ppid=1))
+    write(root / "20/stat", stat_line(20, "rank", ppid=10))
+    write(root / "20/task/20/stat", stat_line(20, "rank", state="R", ppid=10))
+    write(root / "20/task/20/schedstat", "5 0 0\n")
+    write(root / "10/io", "rchar: 1\nwchar: 12345\n")
+    t10, t11 = root / "10/task/10", root / "10/task/11"
+    write(t10 / "stat", stat_line(10, "server", ppid=1))
+    write(t10 / "schedstat", "1000 0 3\n")
+    write(t10 / "sched", "server (10, #threads: 2)\nse.exec_start : 5000.5\n")
+    write(t10 / "syscall", "202 0x2000 0x80 0x2 0x0 0x0 0x0 0x7000 0x401000\n")
+    write(t11 / "stat", stat_line(11, "loader", state="R", ppid=1))
+    write(t11 / "schedstat", "999999 0 3\n")
+    # /proc/PID/mem: a sparse file read with pread at the futex address
+    mem = bytearray(0x3000)
+    mem[0x2000:0x2014] = struct.pack(
+        "<5I", 2, 0, 11, 1, 0
+    )  # __lock, __count, __owner, __nusers, __kind
+    write(root / "10/mem", bytes(mem))
+    write(
+        root / "10/maps",
+        "00001000-00003000 rw-p 00000000 00:00 0 \n"
+        "00006000-00008000 rw-p 00000000 00:00 0    [stack]\n",
+    )
+    (root / "10/fd").mkdir(parents=True)
+    os.symlink("socket:[777]", root / "10/fd/3")
+    os.symlink("/var/log/x.log", root / "10/fd/4")
+    (root / "10/ns").mkdir()
+    os.symlink("net:[4026531840]", root / "10/ns/net")
+    write(root / "10/net/tcp", TCP_HEADER + _tcp_line(0, "0.0.0.0", 8000, 0x0A, 128, 2, 777, False))
+    return root
+
+
+def test_sampler_reads_a_fixture_tree(tmp_path):
+    proc = ProcFS(str(make_proc(tmp_path)))
+    assert descendants(proc, [10]) == {10: [10, 20]}
+    sampler = Sampler(proc, clock_ns=lambda: 6_000_000_000, wall=lambda: 1e9)
+    snap = sampler.snapshot([10, 20, 30], ProbeReading())
+    assert snap.gone == {30}
+    p = snap.processes[10]
+    assert (p.comm, p.ppid, p.write_bytes) == ("server", 1, 12345)
+    t10 = p.thread(10)
+    assert t10 is not None and t10.wait is not None and t10.lock is not None
+    assert (t10.wait.uaddr, t10.wait.op, t10.wait.val, t10.wait.source) == (
+        0x2000,
+        FUTEX_WAIT,
+        2,
+        "proc",
+    )
+    assert (t10.lock.word, t10.lock.owner_field, t10.lock.users_field) == (2, 11, 1)
+    assert t10.last_ran_ns == 5_000_500_000
+    assert t10.stack == (0x6000, 0x8000)
+    t11 = p.thread(11)
+    assert t11 is not None and t11.wait is None and t11.cpu_ns == 999999
+    (lst,) = p.listeners
+    assert (lst.port, lst.queued, lst.backlog) == (8000, 2, 128)
+
+
+def test_probe_entry_wins_over_seeding_only_when_proc_agrees(tmp_path):
+    from agent.model import FutexWait, InflightWait
+
+    proc = ProcFS(str(make_proc(tmp_path)))
+    sampler = Sampler(proc, clock_ns=lambda: 6_000_000_000)
+    seen = FutexWait(0x2000, FUTEX_WAIT, 2, since_ns=4_000_000_000, source="bpf")
+    snap = sampler.snapshot([10], ProbeReading(inflight={10: InflightWait(10, 10, seen, 2, 11)}))
+    assert snap.processes[10].thread(10).wait == seen
+    stale = FutexWait(0x9999, FUTEX_WAIT, 2, since_ns=1, source="bpf")  # another word: stale
+    snap = sampler.snapshot([10], ProbeReading(inflight={10: InflightWait(10, 10, stale, 2, 11)}))
+    assert snap.processes[10].thread(10).wait.source == "proc"
+
+
+def test_vanished_process_is_gone_not_an_error(tmp_path):
+    root = make_proc(tmp_path)
+    (root / "10/task/10/stat").unlink()
+    (root / "10/task/11/stat").unlink()
+    snap = Sampler(ProcFS(str(root))).snapshot([10])
+    assert snap.gone == {10}
