@@ -1,0 +1,218 @@
+#!/usr/bin/env bash
+# Make this machine able to run and test hangwatch: apt packages, kernel headers for bcc, tracefs,
+# and .venv. Idempotent; prints one line per step it actually does, so a second run is silent and
+# takes about a second. Debian 12 and Ubuntu 22.04/24.04; see docs/install.md.
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+HEADERS_TREE=/usr/src/hangwatch-kernel-headers   # the agent's third choice of kernel headers
+STAMP=.venv/.hangwatch-pip-stamp
+APT_PACKAGES=(bpfcc-tools python3-bpfcc python3-venv python3-pip gcc libc6-dev make iproute2)
+export DEBIAN_FRONTEND=noninteractive
+
+say() { printf 'setup: %s\n' "$*"; }
+die() { printf 'setup: error: %s\n' "$*" >&2; exit 1; }
+
+# Only the install steps need root; a developer on a machine that is already set up does not.
+as_root() {
+    if [[ $EUID -eq 0 ]]; then "$@"
+    elif command -v sudo >/dev/null; then sudo "$@"
+    else die "need root for: $*"
+    fi
+}
+
+# dpkg -s also succeeds for removed-but-not-purged packages; the status word tells them apart.
+missing_packages() {
+    local p
+    for p in "$@"; do
+        [[ $(dpkg-query -W -f='${db:Status-Status}' "$p" 2>/dev/null) == installed ]] || echo "$p"
+    done
+}
+
+APT_UPDATED=
+apt_update_once() {
+    [[ -n $APT_UPDATED ]] && return
+    say "apt-get update"
+    as_root apt-get update -qq
+    APT_UPDATED=1
+}
+
+apt_install() {
+    apt_update_once
+    say "apt-get install $*"
+    as_root apt-get install -y -qq --no-install-recommends "$@" >/dev/null
+}
+
+# True when apt knows an installable version (an uninstallable name has "Candidate: (none)").
+apt_has() {
+    local cand
+    cand=$(apt-cache policy "$1" 2>/dev/null | awk '$1 == "Candidate:" { print $2 }')
+    [[ -n $cand && $cand != "(none)" ]]
+}
+
+# Ubuntu and its derivatives (ID_LIKE=ubuntu) name headers differently from Debian.
+distro_family() {
+    local ids
+    # shellcheck source=/dev/null
+    ids=$(. /etc/os-release && echo " ${ID:-} ${ID_LIKE:-} ")
+    if [[ $ids == *" ubuntu "* ]]; then echo ubuntu; else echo debian; fi
+}
+
+# --- 1. apt packages -------------------------------------------------------------------------
+mapfile -t missing < <(missing_packages "${APT_PACKAGES[@]}")
+if (( ${#missing[@]} )); then
+    apt_install "${missing[@]}"
+fi
+
+# --- 2. kernel headers for bcc ---------------------------------------------------------------
+KREL=$(uname -r)
+
+# Generic headers: Debian ships linux-headers-ARCH as two halves (-common + -ARCH); Ubuntu ships
+# linux-headers-generic whose -generic dir already links every entry of its common half.
+if [[ $(distro_family) == ubuntu ]]; then
+    FLAVOUR=generic
+else
+    case $(dpkg --print-architecture) in
+        ppc64el) FLAVOUR=powerpc64le ;;
+        *) FLAVOUR=$(dpkg --print-architecture) ;;
+    esac
+fi
+GENERIC_PACKAGE=linux-headers-$FLAVOUR
+
+# Prints "VERSION FLAVOUR_DIR COMMON_DIR" for the newest installed generic headers (COMMON_DIR is
+# "-" when the flavour dir is complete on its own); prints nothing if none is installed.
+newest_generic_headers() {
+    local dir ver common
+    for dir in /usr/src/linux-headers-*-"$FLAVOUR"; do
+        [[ -d $dir ]] || continue
+        ver=${dir#/usr/src/linux-headers-}
+        ver=${ver%-"$FLAVOUR"}
+        if [[ -e $dir/include/linux/kernel.h ]]; then common=-
+        elif [[ -d /usr/src/linux-headers-$ver-common ]]; then common=/usr/src/linux-headers-$ver-common
+        elif [[ -d /usr/src/linux-headers-$ver ]]; then common=/usr/src/linux-headers-$ver
+        else continue   # e.g. Debian's -cloud-amd64 matched by the glob; not ours
+        fi
+        printf '%s %s %s\n' "$ver" "$dir" "$common"
+    done | sort -V -k1,1 | tail -n 1
+}
+
+tree_is_current() {
+    local newest
+    newest=$(newest_generic_headers)
+    [[ -n $newest && -r $HEADERS_TREE/.hangwatch-source ]] &&
+        [[ $(<"$HEADERS_TREE/.hangwatch-source") == "${newest%% *}" ]]
+}
+
+build_headers_tree() {
+    local ver dir common tmp
+    read -r ver dir common < <(newest_generic_headers) ||
+        die "$GENERIC_PACKAGE is installed but no /usr/src/linux-headers-*-$FLAVOUR with its common half was found"
+    # Build beside the final path and rename, so an interrupted run never leaves a tree that
+    # looks complete. Same depth under /usr/src, so the halves' relative symlinks still resolve.
+    tmp=$HEADERS_TREE.tmp.$$
+    as_root rm -rf "$tmp"
+    as_root mkdir -p "$tmp"
+    if [[ $common == - ]]; then
+        as_root cp -as "$dir/." "$tmp/"
+    else
+        as_root cp -as "$common/." "$tmp/"
+        as_root cp -asf "$dir/." "$tmp/"
+    fi
+    echo "$ver" | as_root tee "$tmp/.hangwatch-source" >/dev/null
+    as_root rm -rf "$HEADERS_TREE"
+    as_root mv "$tmp" "$HEADERS_TREE"
+    say "headers for the running kernel $KREL are not available; using $ver's merged headers in" \
+        "$HEADERS_TREE (sound for syscall-tracepoint programs, which do not depend on kernel struct layouts)"
+}
+
+# Same order as the agent: an explicit BCC_KERNEL_SOURCE wins, then the running kernel's own
+# headers, then our merged tree (only rebuilt when missing or built from other headers).
+if [[ -n ${BCC_KERNEL_SOURCE:-} ]]; then
+    # The agent uses it without falling back, so a wrong value is worth saying out loud.
+    [[ -d $BCC_KERNEL_SOURCE ]] || say "warning: BCC_KERNEL_SOURCE=$BCC_KERNEL_SOURCE is not a directory; the agent will find no headers"
+elif [[ -d /lib/modules/$KREL/build ]]; then
+    :
+elif tree_is_current; then
+    :
+else
+    # Stale lists could hide the package, so refresh them before concluding there is none.
+    apt_has "linux-headers-$KREL" || apt_update_once
+    if apt_has "linux-headers-$KREL"; then
+        apt_install "linux-headers-$KREL"
+    fi
+    if [[ ! -d /lib/modules/$KREL/build ]]; then
+        mapfile -t missing < <(missing_packages "$GENERIC_PACKAGE")
+        if (( ${#missing[@]} )); then
+            apt_install "${missing[@]}"
+        fi
+        tree_is_current || build_headers_tree
+    fi
+fi
+
+# --- 3. tracefs --------------------------------------------------------------------------------
+# bcc (Python and C alike) uses /sys/kernel/debug/tracing whenever that path exists, else
+# /sys/kernel/tracing; check the one it will pick.
+bcc_tracefs() {
+    if [[ -e /sys/kernel/debug/tracing ]]; then echo /sys/kernel/debug/tracing
+    else echo /sys/kernel/tracing
+    fi
+}
+if [[ ! -d $(bcc_tracefs)/events ]]; then
+    # Judge by content, not mountpoint(1): a mounted debugfs is never empty. Mount failures are
+    # reported by mount itself; the check below says what they mean.
+    mounted=()
+    if [[ -z $(ls -A /sys/kernel/debug 2>/dev/null) ]] &&
+        as_root mount -t debugfs debugfs /sys/kernel/debug; then
+        mounted+=("debugfs on /sys/kernel/debug")
+    fi
+    if [[ ! -d /sys/kernel/tracing/events ]] &&
+        as_root mount -t tracefs tracefs /sys/kernel/tracing; then
+        mounted+=("tracefs on /sys/kernel/tracing")
+    fi
+    if (( ${#mounted[@]} )); then
+        say "mounted ${mounted[0]}${mounted[1]:+, ${mounted[1]}}"
+    fi
+    [[ -d $(bcc_tracefs)/events ]] ||
+        die "no $(bcc_tracefs)/events: tracefs could not be mounted (a container without CAP_SYS_ADMIN?) or the kernel lacks CONFIG_FTRACE"
+fi
+
+# --- 4. virtualenv -----------------------------------------------------------------------------
+# The venv must come from the distribution's python and see its site-packages, or bcc (from
+# python3-bpfcc) is invisible. Recreate one that was made otherwise (e.g. by a pyenv python).
+venv_ok() {
+    [[ -x .venv/bin/python && -r .venv/pyvenv.cfg ]] &&
+        grep -Eq '^home *= */usr/bin$' .venv/pyvenv.cfg &&
+        grep -Eq '^include-system-site-packages *= *true$' .venv/pyvenv.cfg
+}
+if ! venv_ok; then
+    [[ -e .venv ]] && say "removing .venv (not made by /usr/bin/python3 with system site-packages)"
+    rm -rf .venv
+    say "creating .venv"
+    /usr/bin/python3 -m venv --system-site-packages .venv
+fi
+
+hash=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [[ ! -r $STAMP || $(<"$STAMP") != "$hash" ]]; then
+    say "pip install -e '.[test]'"
+    # Never add the PyPI "bcc": an unrelated project that would shadow the distribution's.
+    .venv/bin/pip install -q --disable-pip-version-check -e '.[test]'
+    echo "$hash" > "$STAMP"
+fi
+
+# --- 5. check ----------------------------------------------------------------------------------
+.venv/bin/python - <<'EOF' || exit 1
+import sys
+
+try:
+    import bcc
+except Exception as e:
+    sys.exit(f"setup: error: .venv cannot import bcc ({e}); it comes from the apt package python3-bpfcc")
+if not bcc.__file__.startswith("/usr/lib/python3/dist-packages/"):
+    sys.exit(f"setup: error: .venv imports bcc from {bcc.__file__}, not from python3-bpfcc; "
+             "remove it (.venv/bin/pip uninstall bcc): the PyPI 'bcc' is an unrelated project")
+try:
+    import agent  # noqa: F401
+except Exception as e:
+    sys.exit(f"setup: error: .venv cannot import agent ({e}); try: rm -rf .venv && make setup")
+EOF
