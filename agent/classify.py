@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from .model import ProcessSample
+from .model import ProcessSample, plural
 from .progress import ProcessProgress
 from .waitgraph import WaitEdge, WordGroup
 
@@ -57,6 +57,10 @@ class ProcessFacts:
     cycles: Sequence[tuple[int, ...]] = ()
 
 
+def _all_threads(n: int) -> str:
+    return "its only thread" if n == 1 else f"all {n} threads"
+
+
 def _fmt_s(s: float) -> str:
     return f"{s:.0f} s" if s >= 10 else f"{s:.1f} s"
 
@@ -72,7 +76,7 @@ def describe_cycle(
         parts.append(
             f"{tid} ({names.get(tid, '?')}) waits for {e.kind} {e.uaddr:#x} held by {e.owner}"
         )
-    return f"lock cycle of {len(cycle)} thread(s): " + "; ".join(parts)
+    return f"lock cycle of {plural(len(cycle), 'thread')}: " + "; ".join(parts)
 
 
 def describe_group(g: WordGroup, now_ns: int) -> str:
@@ -84,7 +88,7 @@ def describe_group(g: WordGroup, now_ns: int) -> str:
         owner = "no owner"
     since = f" for {_fmt_s((now_ns - g.since_ns) / 1e9)}" if g.since_ns else ""
     where = f" across {len(g.pids)} processes" if len(g.pids) > 1 else ""
-    return f"{len(g.tids)} thread(s) parked on one word {g.uaddr:#x} ({g.op_name}){where}, {owner}{since}"
+    return f"{plural(len(g.tids), 'thread')} parked on one word {g.uaddr:#x} ({g.op_name}){where}, {owner}{since}"
 
 
 def classify_process(facts: ProcessFacts, threshold_s: float) -> ProcessVerdict:
@@ -104,16 +108,16 @@ def classify_process(facts: ProcessFacts, threshold_s: float) -> ProcessVerdict:
     )
     if facts.cycles:
         v.state = DEADLOCKED
-        v.reasons.append(f"{len(facts.cycles)} lock cycle(s) among its threads")
+        v.reasons.append(f"{plural(len(facts.cycles), 'lock cycle')} among its threads")
         return v
     if prog.did_work:
         v.reasons.extend(prog.signals())
         return v
     if facts.parked_threads < n:
-        v.reasons.append(f"{n - facts.parked_threads} of {n} thread(s) not parked")
+        v.reasons.append(f"{n - facts.parked_threads} of {plural(n, 'thread')} not parked")
         return v
     v.state, why = _parked_state(
-        facts.parked_seconds, threshold_s, s.listeners, s.unread_bytes, f"all {n} thread(s)"
+        facts.parked_seconds, threshold_s, s.listeners, s.unread_bytes, _all_threads(n)
     )
     v.reasons.extend(why)
     return v
@@ -129,9 +133,9 @@ def _parked_state(
     if listeners and (queued or unread):
         pend = []
         if queued:
-            pend.append(f"{queued} connection(s) wait in the accept queue")
+            pend.append(f"{plural(queued, 'connection')} waiting in the accept queue")
         if unread:
-            pend.append(f"{unread} byte(s) of requests unread")
+            pend.append(f"{plural(unread, 'byte')} of requests unread")
         reasons.append(f"listening on port {ports}: " + " and ".join(pend))
         if parked_s >= threshold_s:
             return STALLED, reasons
@@ -167,7 +171,7 @@ def classify_service(
             root, PROGRESSING, [f"process {root} exited while watched"], cycles, verdicts, True
         )
     if cycles:
-        reasons = [f"{len(cycles)} lock cycle(s) stable across two reads"]
+        reasons = [f"{plural(len(cycles), 'lock cycle')} stable across two reads"]
         return ServiceVerdict(root, DEADLOCKED, reasons, cycles, verdicts)
     working = [v for v in verdicts if v.state == PROGRESSING and not v.gone]
     if working:
@@ -175,18 +179,17 @@ def classify_service(
         parked = [v for v in verdicts if v.state != PROGRESSING]
         if parked:
             reasons.append(
-                f"{len(parked)} other process(es) parked while a peer works: not a stall"
+                f"{plural(len(parked), 'other process', 'other processes')} parked while a peer "
+                "works: not a stall"
             )
         return ServiceVerdict(root, PROGRESSING, reasons, cycles, verdicts)
     if not procs:
         return ServiceVerdict(root, PROGRESSING, ["nothing left to watch"], cycles, verdicts, True)
     parked_s = min(f.parked_seconds for f in procs)
     threads = sum(len(f.sample.threads) for f in procs)
-    who = (
-        f"all {threads} thread(s) of {len(procs)} process(es)"
-        if len(procs) > 1
-        else (f"all {threads} thread(s)")
-    )
+    who = _all_threads(threads)
+    if len(procs) > 1:
+        who += f" of {len(procs)} processes"
     state, reasons = _parked_state(
         parked_s,
         threshold_s,

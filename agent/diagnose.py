@@ -11,6 +11,7 @@ from typing import TextIO
 
 from .classify import ServiceVerdict, describe_cycle, describe_group
 from .errors import UsageError
+from .model import plural
 from .observe import Observer, Tick
 from .procfs import ProcFS
 from .sampler import Sampler
@@ -147,7 +148,7 @@ def render_text(verdicts: list[ServiceVerdict], tick: Tick, opts: DiagnoseOption
     names = {t.tid: t.name for p in snap.processes.values() for t in p.threads}
     groups = graph.groups()
     lines = [
-        f"hangwatch diagnose: {len(verdicts)} service(s), threshold {opts.threshold_s:g} s, "
+        f"hangwatch diagnose: {plural(len(verdicts), 'service')}, threshold {opts.threshold_s:g} s, "
         f"observed {opts.duration_s:g} s, at {time.strftime('%H:%M:%S', time.localtime(snap.wall))}",
         "",
     ]
@@ -158,7 +159,7 @@ def render_text(verdicts: list[ServiceVerdict], tick: Tick, opts: DiagnoseOption
         lines.extend(f"  - {r}" for r in v.reasons)
         for c in v.cycles:
             lines.append("  " + describe_cycle(c, graph.edges, names))
-        for p in v.processes:
+        for p in sorted(v.processes, key=lambda x: x.pid):
             if p.gone:
                 lines.append(f"  process {p.pid}: exited while watched")
                 continue
@@ -170,10 +171,11 @@ def render_text(verdicts: list[ServiceVerdict], tick: Tick, opts: DiagnoseOption
                 else ""
             )
             lines.append(
-                f"  process {p.pid} {p.comm}: {p.state}, {p.threads} thread(s), "
+                f"  process {p.pid} {p.comm}: {p.state}, {plural(p.threads, 'thread')}, "
                 f"{p.parked_threads} parked{park}{ports}"
             )
-            lines.extend(f"      {r}" for r in p.reasons)
+            if len(v.processes) > 1:  # a lone process's reasons are the service's
+                lines.extend(f"      {r}" for r in p.reasons)
             shown: set[int] = set()
             for g in groups:
                 if p.pid not in g.pids:
@@ -192,16 +194,19 @@ def render_text(verdicts: list[ServiceVerdict], tick: Tick, opts: DiagnoseOption
             for t in sample.threads:
                 if t.tid in shown:
                     continue
-                what = "running" if not t.blocked else SYSCALL_NAMES.get(t.syscall or -1, "blocked")
-                if t.blocked and t.syscall is not None and t.syscall not in SYSCALL_NAMES:
-                    what = f"syscall {t.syscall}"
+                if not t.blocked:
+                    what = "running"
+                elif t.syscall is None or t.syscall < 0:
+                    what = "blocked"
+                else:
+                    what = "in " + SYSCALL_NAMES.get(t.syscall, f"syscall {t.syscall}")
                 others.setdefault(what, []).append(t.tid)
             for what, tids in sorted(others.items()):
                 who = ", ".join(f"{t} ({names.get(t, '?')})" for t in tids[:8])
                 more = f" and {len(tids) - 8} more" if len(tids) > 8 else ""
-                lines.append(f"    {len(tids)} thread(s) in {what}: {who}{more}")
+                lines.append(f"    {plural(len(tids), 'thread')} {what}: {who}{more}")
         lines.append("")
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n"
 
 
 def run(opts: DiagnoseOptions, out: TextIO = sys.stdout, log: TextIO = sys.stderr) -> int:
@@ -214,15 +219,16 @@ def run(opts: DiagnoseOptions, out: TextIO = sys.stdout, log: TextIO = sys.stder
     from .probe import FutexProbe
 
     with FutexProbe(long_wait_s=min(1.0, opts.threshold_s)) as probe:
+        observer = Observer(Sampler(proc), probe, threshold_s=opts.threshold_s)
+        observer.set_roots(opts.pids)
+        watched = observer.discover()  # before saying "attached": from here on, waits are seen
         print(
             f"hangwatch: attached futex probe ({probe.programs} tracepoints) in "
-            f"{probe.load_seconds:.1f} s; observing {len(opts.pids)} service(s) for "
-            f"{opts.duration_s:g} s",
+            f"{probe.load_seconds:.1f} s; watching {plural(len(watched), 'process', 'processes')} of "
+            f"{plural(len(opts.pids), 'service')} for {opts.duration_s:g} s",
             file=log,
             flush=True,
         )
-        observer = Observer(Sampler(proc), probe, threshold_s=opts.threshold_s)
-        observer.set_roots(opts.pids)
         observe(observer, opts, log)
         verdicts = observer.verdicts()
         tick = observer.ticks[-1]

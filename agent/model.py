@@ -34,6 +34,11 @@ OP_NAMES = {
 }
 
 
+def plural(n: int, noun: str, many: str | None = None) -> str:
+    """'1 thread', '9 threads': reasons are read by people."""
+    return f"{n} {noun if n == 1 else many or noun + 's'}"
+
+
 @dataclass(frozen=True)
 class LockRead:
     """Words at a futex address, read from /proc/PID/mem when the snapshot was taken."""

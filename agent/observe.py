@@ -58,14 +58,20 @@ class Observer:
     def set_roots(self, roots: Iterable[int]) -> None:
         self.roots = list(dict.fromkeys(roots))
 
-    def tick(self) -> Tick:
+    def discover(self) -> list[int]:
+        """Find the services' processes now and point the probe at them."""
         self.members = descendants(self.sampler.proc, self.roots)
         for root, pids in self.members.items():
             self._seen.setdefault(root, set()).update(pids)
         pids = sorted({p for ps in self.members.values() for p in ps})
-        reading = ProbeReading()
         if self.probe is not None:
             self.probe.watch(pids)
+        return pids
+
+    def tick(self) -> Tick:
+        pids = self.discover()
+        reading = ProbeReading()
+        if self.probe is not None:
             reading = self.probe.read()
         snap = self.sampler.snapshot(pids, reading)
         live = {t.tid for p in snap.processes.values() for t in p.threads}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .model import ProcessSample, Snapshot
+from .model import ProcessSample, Snapshot, plural
 
 NS = 1_000_000_000
 
@@ -54,13 +54,13 @@ class ProcessProgress:
         secs = self.window_ns / NS
         if self.working_tids:
             out.append(
-                f"{len(self.working_tids)} thread(s) used CPU "
+                f"{plural(len(self.working_tids), 'thread')} used CPU "
                 f"({self.cpu_ns / NS:.2f} CPU-s in {secs:.1f} s)"
             )
         if self.write_bytes:
             out.append(f"wrote {_bytes(self.write_bytes)} in {secs:.1f} s")
         if self.accepts:
-            out.append(f"accepted {self.accepts} connection(s)")
+            out.append(f"accepted {plural(self.accepts, 'connection')}")
         if self.gpu_active:
             out.append("GPU active")
         return out

@@ -29,54 +29,54 @@
 /* One in-flight wait, keyed by TID: a parked thread never reaches sys_exit,
  * so this map, read each tick, says who waits now and on what. */
 struct hw_wait {
-	__u64 start_ns;   /* bpf_ktime_get_ns() at sys_enter (CLOCK_MONOTONIC) */
-	__u64 uaddr;      /* the futex word (the first one for futex_waitv) */
-	__u32 tgid;
-	__u32 op;         /* futex command, flags stripped */
-	__u32 val;        /* the value the caller expects the word to hold */
-	__u32 word;       /* the word as read at sys_enter */
-	__u32 owner_hint; /* the int at uaddr + 8: glibc pthread_mutex_t.__owner */
-	__u32 syscall;    /* HW_SYSCALL_* */
-	__u32 read_ok;    /* 1 if both user reads succeeded */
-	__u32 pad;
+	u64 start_ns;   /* bpf_ktime_get_ns() at sys_enter (CLOCK_MONOTONIC) */
+	u64 uaddr;      /* the futex word (the first one for futex_waitv) */
+	u32 tgid;
+	u32 op;         /* futex command, flags stripped */
+	u32 val;        /* the value the caller expects the word to hold */
+	u32 word;       /* the word as read at sys_enter */
+	u32 owner_hint; /* the int at uaddr + 8: glibc pthread_mutex_t.__owner */
+	u32 syscall;    /* HW_SYSCALL_* */
+	u32 read_ok;    /* 1 if both user reads succeeded */
+	u32 pad;
 };
 
 /* A PI lock the kernel refused with EDEADLK; glibc then parks the thread
  * forever on a private dummy word, so this is the only trace of what it
  * really waits for. Deleted when the thread's next wait ends. */
 struct hw_refusal {
-	__u64 ts_ns;
-	__u64 uaddr; /* the PI lock word that was refused */
-	__u32 tgid;
-	__u32 pad;
+	u64 ts_ns;
+	u64 uaddr; /* the PI lock word that was refused */
+	u32 tgid;
+	u32 pad;
 };
 
 struct hw_hist_key {
-	__u32 tgid;
-	__u32 slot; /* log2 of the wait time in ns */
+	u32 tgid;
+	u32 slot; /* log2 of the wait time in ns */
 };
 
 struct hw_event {
-	__u64 ts_ns;
-	__u64 uaddr;
-	__u64 duration_ns;
-	__u32 kind; /* HW_EVENT_* */
-	__u32 tgid;
-	__u32 tid;
-	__u32 op;
-	__s32 ret;
-	__u32 pad;
+	u64 ts_ns;
+	u64 uaddr;
+	u64 duration_ns;
+	u32 kind; /* HW_EVENT_* */
+	u32 tgid;
+	u32 tid;
+	u32 op;
+	s32 ret;
+	u32 pad;
 };
 
 /* Per-CPU counters: every full map and failed reserve is counted. */
 struct hw_counters {
-	__u64 waits_started;
-	__u64 waits_ended;
-	__u64 inflight_full;   /* a wait not tracked: in-flight map full */
-	__u64 hist_full;       /* a wait not counted in the histogram: map full */
-	__u64 refusals_full;   /* an EDEADLK not kept: refusal map full */
-	__u64 events_sent;
-	__u64 events_dropped;  /* ring buffer full: reserve failed */
+	u64 waits_started;
+	u64 waits_ended;
+	u64 inflight_full;   /* a wait not tracked: in-flight map full */
+	u64 hist_full;       /* a wait not counted in the histogram: map full */
+	u64 refusals_full;   /* an EDEADLK not kept: refusal map full */
+	u64 events_sent;
+	u64 events_dropped;  /* ring buffer full: reserve failed */
 };
 
 #endif /* HANGWATCH_H */

@@ -49,7 +49,7 @@ def test_work_in_the_window_is_progressing_with_the_signal_in_words():
 def test_all_parked_past_threshold_is_stalled():
     v = classify_process(facts(parked_s=61), 60)
     assert v.state == STALLED
-    assert "all 3 thread(s) parked for 61 s" in v.reasons[0]
+    assert "all 3 threads parked for 61 s" in v.reasons[0]
 
 
 def test_all_parked_under_threshold_is_not_yet_stalled():
