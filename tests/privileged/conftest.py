@@ -1,0 +1,97 @@
+"""Privileged end-to-end tests: the real ``python -m agent diagnose`` against the fixtures.
+
+Every test in this directory is marked ``privileged``. They load BPF programs, so they need
+euid 0 and a working ``import bcc`` (Debian's python3-bpfcc) in the interpreter running
+pytest. When that is missing they are skipped locally, but fail under ``CI=true``: a CI
+runner that quietly lost its privileges must not pass.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.privileged.harness import Diagnosis, RunningDiagnose, diagnose_argv
+
+HERE = Path(__file__).resolve().parent
+_missing: list[str] = []  # the precondition that fails, filled at collection
+
+
+def missing_precondition() -> str | None:
+    if not sys.platform.startswith("linux"):
+        return "privileged tests need Linux"
+    if os.geteuid() != 0:
+        return f"privileged tests need root to load BPF programs (euid is {os.geteuid()})"
+    # In a child: bcc loads libbcc and can fail with more than ImportError.
+    probe = subprocess.run(
+        [sys.executable, "-c", "import bcc"], capture_output=True, text=True, check=False
+    )
+    if probe.returncode != 0:
+        last = (probe.stderr.strip().splitlines() or ["no output"])[-1]
+        return (
+            f"`import bcc` fails in {sys.executable} ({last}); install python3-bpfcc and run "
+            "pytest with /usr/bin/python3 or a venv made with --system-site-packages"
+        )
+    return None
+
+
+# tryfirst: the marker must be there before `-m` deselection runs.
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    mine = [item for item in items if HERE in Path(item.path).parents]
+    if not mine:
+        return
+    reason = missing_precondition()
+    if reason:
+        _missing.append(reason)
+    for item in mine:
+        item.add_marker(pytest.mark.privileged)
+
+
+def _under_ci() -> bool:
+    return os.environ.get("CI", "").lower() == "true"
+
+
+@pytest.fixture(autouse=True)
+def _preconditions() -> None:
+    if _missing and not _under_ci():
+        pytest.skip(_missing[0])
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_call(item: pytest.Item) -> None:
+    # Fail in the call phase, not in a fixture: CI shows FAILED, not a setup ERROR.
+    if _missing and _under_ci() and HERE in Path(item.path).parents:
+        pytest.fail(f"CI=true and a privileged test cannot run: {_missing[0]}", pytrace=False)
+
+
+@pytest.fixture
+def start_diagnose() -> Iterator[Callable[..., RunningDiagnose]]:
+    """Start ``diagnose --json`` in the background; runs left over are killed at teardown."""
+    runs: list[RunningDiagnose] = []
+
+    def start(*pids: int, threshold: float = 1, duration: float = 2) -> RunningDiagnose:
+        run = RunningDiagnose(diagnose_argv(pids, threshold=threshold, duration=duration))
+        runs.append(run)
+        return run
+
+    yield start
+    for run in runs:
+        run.kill()
+
+
+@pytest.fixture
+def diagnose(start_diagnose: Callable[..., RunningDiagnose]) -> Callable[..., Diagnosis]:
+    """Run ``diagnose --json --threshold 1 --duration 2`` to completion (60 s limit)."""
+
+    def run(
+        *pids: int, threshold: float = 1, duration: float = 2, timeout: float = 60
+    ) -> Diagnosis:
+        return start_diagnose(*pids, threshold=threshold, duration=duration).finish(timeout)
+
+    return run

@@ -1,0 +1,240 @@
+"""End to end: ``python -m agent diagnose`` gives each fixture the verdict it deserves.
+
+Each test starts a fixture (tests/fixtures, checked by tests/test_fixtures.py), runs the real
+tool against it with ``--json --threshold 1 --duration 2`` and checks the state from the
+DESIGN.md contract. Failures print the whole JSON report and the tool's stderr.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.fixturelib import REPO_ROOT, Fixture, tasks
+from tests.privileged.harness import Diagnosis, RunningDiagnose, diagnose_argv
+
+Diagnose = Callable[..., Diagnosis]
+StartDiagnose = Callable[..., RunningDiagnose]
+
+ATTACH_TIMEOUT_S = 45  # BPF compile and load included
+LOAD_SECONDS = 8  # loader.py's load phase; must outlast diagnose's start plus its window
+
+
+def verdict(d: Diagnosis, pid: int, *states: str) -> dict[str, Any]:
+    """The service rooted at ``pid``, asserted to be in one of ``states``."""
+    svc = d.service(pid)
+    assert svc.get("state") in states, d.explain(f"service {pid}: want {' or '.join(states)}")
+    return svc
+
+
+def cycles_of(d: Diagnosis, svc: dict[str, Any]) -> list[set[int]]:
+    cycles = svc.get("cycles")
+    assert isinstance(cycles, list), d.explain("'cycles' is not a list")
+    return [set(c) for c in cycles]
+
+
+# --- deadlocks: a cycle of owned locks ----------------------------------------------------
+
+
+@pytest.mark.parametrize("busy", [False, True], ids=["plain", "busy-thread"])
+def test_deadlock_mutex(diagnose: Diagnose, busy: bool) -> None:
+    with Fixture.c("deadlock_mutex", *(["--busy"] if busy else [])) as fx:
+        d = diagnose(fx.pid)
+    svc = verdict(d, fx.pid, "deadlocked")
+    want = set(fx.info.get_ints("tids"))
+    if busy:
+        assert want in cycles_of(d, svc), d.explain(f"want a cycle of {want}")
+    else:
+        assert cycles_of(d, svc) == [want], d.explain(f"want exactly one cycle, of {want}")
+
+
+def test_ring_mutex(diagnose: Diagnose) -> None:
+    with Fixture.c("ring_mutex", "3") as fx:
+        d = diagnose(fx.pid)
+    svc = verdict(d, fx.pid, "deadlocked")
+    want = set(fx.info.get_ints("tids"))
+    assert want in cycles_of(d, svc), d.explain(f"want a cycle of the 3 ring threads {want}")
+
+
+def test_pshared_deadlock_crosses_processes(diagnose: Diagnose) -> None:
+    with Fixture.c("pshared_deadlock") as fx:
+        parent, child = fx.pid, fx.info.get_int("child")
+        parent_tids, child_tids = set(tasks(parent)), set(tasks(child))
+        d = diagnose(parent)
+    svc = verdict(d, parent, "deadlocked")
+    crossing = [c for c in cycles_of(d, svc) if len(c & parent_tids) == 1 == len(c & child_tids)]
+    assert crossing, d.explain(
+        f"want a cycle with one TID of parent {parent} {sorted(parent_tids)} "
+        f"and one of child {child} {sorted(child_tids)}"
+    )
+
+
+def test_pi_deadlock_formed_while_watched(start_diagnose: StartDiagnose) -> None:
+    """The kernel refuses the PI lock that closes the cycle (EDEADLK) while the probe is on."""
+    with Fixture.c("pi_deadlock", "--wait-for-go", ready="HOLDING") as fx:
+        run = start_diagnose(fx.pid, duration=6)
+        run.wait_stderr(r"\battached\b", timeout=ATTACH_TIMEOUT_S)
+        fx.send("go")
+        fx.wait_for("READY")
+        d = run.finish()
+    svc = verdict(d, fx.pid, "deadlocked")
+    tids = set(fx.info.get_ints("tids"))
+    cycles = cycles_of(d, svc)
+    assert cycles and all(c <= tids for c in cycles), d.explain(f"want cycles within {tids}")
+
+
+def test_pi_deadlock_formed_before_attach(diagnose: Diagnose) -> None:
+    """The EDEADLK was missed: the parked thread's dummy word has no owner to follow."""
+    with Fixture.c("pi_deadlock") as fx:
+        d = diagnose(fx.pid)
+    svc = verdict(d, fx.pid, "deadlocked", "stalled")
+    tids = set(fx.info.get_ints("tids"))
+    cycles = cycles_of(d, svc)
+    if svc["state"] == "deadlocked":
+        assert cycles and all(c <= tids for c in cycles), d.explain(f"want cycles within {tids}")
+    else:
+        assert cycles == [], d.explain("stalled with cycles")
+
+
+# --- parked without an owner: stalled, never a guessed cycle -------------------------------
+
+
+def test_condvar_pool_is_stalled(diagnose: Diagnose) -> None:
+    with Fixture.c("condvar_pool", "8") as fx:
+        d = diagnose(fx.pid)
+    svc = verdict(d, fx.pid, "stalled")
+    assert svc["cycles"] == [], d.explain("a condvar has no owner: want no cycles")
+    proc = d.process(svc, fx.pid)
+    assert proc.get("threads") == proc.get("parked_threads") == 9, d.explain(
+        "want threads == parked_threads == 9 (8 workers and the joining main thread)"
+    )
+
+
+def test_barrier_with_a_computing_rank_is_progressing(diagnose: Diagnose) -> None:
+    with Fixture.c("barrier_ranks", "4") as fx:
+        d = diagnose(fx.pid)
+    verdict(d, fx.pid, "progressing")
+
+
+def test_barrier_with_a_parked_rank_is_stalled(diagnose: Diagnose) -> None:
+    with Fixture.c("barrier_ranks", "4", "--last-rank-parks") as fx:
+        d = diagnose(fx.pid)
+    svc = verdict(d, fx.pid, "stalled")
+    assert svc["cycles"] == [], d.explain("a barrier has no owner: want no cycles")
+
+
+def test_python_lock_deadlock_is_never_a_wrong_cycle(diagnose: Diagnose) -> None:
+    """threading.Lock has no visible owner: stalled, or a cycle of exactly those threads."""
+    with Fixture.py("pylocks") as fx:
+        d = diagnose(fx.pid)
+    svc = verdict(d, fx.pid, "stalled", "deadlocked")
+    tids = set(fx.info.get_ints("tids"))
+    cycles = cycles_of(d, svc)
+    if svc["state"] == "stalled":
+        assert cycles == [], d.explain("stalled with cycles")
+    else:
+        assert cycles and all(c <= tids for c in cycles), d.explain(f"want cycles within {tids}")
+
+
+# --- progress and idleness -------------------------------------------------------------------
+
+
+def test_busy_is_progressing(diagnose: Diagnose) -> None:
+    with Fixture.c("busy", "2") as fx:
+        d = diagnose(fx.pid)
+    verdict(d, fx.pid, "progressing")
+
+
+def test_idle_http_server_is_idle(diagnose: Diagnose) -> None:
+    """Its accept loop wakes twice a second and does no work: idle, not progressing."""
+    with Fixture.py("idle_http") as fx:
+        time.sleep(1)
+        d = diagnose(fx.pid)
+    verdict(d, fx.pid, "idle")
+
+
+def test_loader_progresses_then_idles(
+    start_diagnose: StartDiagnose, diagnose: Diagnose, tmp_path: Path
+) -> None:
+    log = tmp_path / "load.log"
+    args = ["--load-seconds", str(LOAD_SECONDS), "--log", log]
+    with Fixture.py("loader", *args, ready="LOADING") as fx:
+        run = start_diagnose(fx.pid)
+        run.wait_stderr(r"\battached\b", timeout=ATTACH_TIMEOUT_S)
+        loading_at_attach = not fx.seen("LISTENING")
+        loading = run.finish()
+        assert loading_at_attach, loading.explain(
+            f"loading ({LOAD_SECONDS} s) was over before diagnose attached: raise LOAD_SECONDS"
+        )
+        verdict(loading, fx.pid, "progressing")
+
+        fx.wait_for("LISTENING", timeout=LOAD_SECONDS + 10)
+        time.sleep(1.5)
+        listening = diagnose(fx.pid)
+    verdict(listening, fx.pid, "idle")
+
+
+# --- the target goes away, bad input ---------------------------------------------------------
+
+
+def test_target_exits_while_watched(start_diagnose: StartDiagnose) -> None:
+    # --wait-for-go: the 2 s countdown starts once diagnose is attached, so the target
+    # is alive when diagnose checks its PID and gone before the 4 s window ends.
+    with Fixture.c("exits_soon", "2", "--wait-for-go") as fx:
+        run = start_diagnose(fx.pid, duration=4)
+        run.wait_stderr(r"\battached\b", timeout=ATTACH_TIMEOUT_S)
+        fx.send("go")
+        d = run.finish()
+        assert fx.wait_exit(timeout=5) == 0
+    svc = d.service(fx.pid)
+    words = [*svc.get("reasons", [])]
+    for p in svc.get("processes", []):
+        words += p.get("reasons", [])
+    gone = re.compile(r"gone|exit|no longer|vanish|disappear|terminat|died", re.IGNORECASE)
+    assert any(gone.search(str(r)) for r in words), d.explain("no reason says the target is gone")
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "agent", *args],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def free_pid() -> int:
+    """A PID that no process has: that of a child we just reaped."""
+    child = subprocess.Popen(["true"])
+    child.wait()
+    assert not os.path.exists(f"/proc/{child.pid}")
+    return child.pid
+
+
+def test_missing_pid_is_a_usage_error() -> None:
+    pid = free_pid()
+    argv = diagnose_argv([pid])
+    r = run_cli(*argv[3:])
+    msg = f"{argv}\nexit {r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr}"
+    assert r.returncode == 2, msg
+    assert re.search(rf"\b{pid}\b", r.stderr), msg
+    assert "Traceback" not in r.stderr, msg
+
+
+def test_negative_threshold_is_a_usage_error() -> None:
+    argv = diagnose_argv([os.getpid()], threshold=-1)
+    r = run_cli(*argv[3:])
+    msg = f"{argv}\nexit {r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr}"
+    assert r.returncode == 2, msg
+    assert "threshold" in r.stderr, msg
+    assert "Traceback" not in r.stderr, msg
