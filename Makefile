@@ -2,7 +2,7 @@
 # which is idempotent and takes about a second when nothing is missing.
 PY := .venv/bin/python
 PYTEST_ARGS ?=
-ARGS ?=
+
 
 .DEFAULT_GOAL := help
 .PHONY: help setup lint test run clean
@@ -11,23 +11,24 @@ help:
 	@echo "make setup   install what hangwatch needs (apt packages, kernel headers, tracefs, .venv)"
 	@echo "make lint    ruff check, ruff format --check and mypy"
 	@echo "make test    setup, lint, then pytest (extra options: PYTEST_ARGS='-k futex')"
-	@echo "make run     run the daemon in the foreground (options: ARGS='--config FILE')"
+	@echo "make run     diagnose three demo programs (a deadlock, a stall, an idle server)"
 	@echo "make clean   remove .venv, built test fixtures and caches"
 
 setup:
 	@bash scripts/setup.sh
 
 lint: setup
-	$(PY) -m ruff check agent tests
-	$(PY) -m ruff format --check agent tests
+	$(PY) -m ruff check agent tests scripts
+	$(PY) -m ruff format --check agent tests scripts
 	$(PY) -m mypy
 
 # lint before pytest: a style failure is cheaper to report than a test run.
 test: setup lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+# Until the daemon lands (next issue), `make run` demonstrates `hangwatch diagnose`.
 run: setup
-	$(PY) -m agent run $(ARGS)
+	$(PY) -m scripts.demo
 
 # The merged kernel headers in /usr/src are left alone: they are system-wide, not the checkout's.
 clean:

@@ -11,7 +11,7 @@ from typing import TextIO
 
 from .classify import ServiceVerdict, describe_cycle, describe_group
 from .errors import UsageError
-from .model import plural
+from .model import ProbeEvent, plural
 from .observe import Observer, Tick
 from .procfs import ProcFS
 from .sampler import Sampler
@@ -75,14 +75,33 @@ def observe(observer: Observer, opts: DiagnoseOptions, log: TextIO) -> None:
     print(f"hangwatch: observed for {time.monotonic() - start:.1f} s ({n} reads)", file=log)
 
 
-def _since(tick: Tick, ns: int | None) -> str:
+def _since(tick: Tick, ns: int | None, fmt: str = "%H:%M:%S") -> str:
+    """Wall-clock time of a CLOCK_MONOTONIC instant of this tick."""
     if not ns:
         return ""
     wall = tick.snapshot.wall - (tick.snapshot.mono_ns - ns) / 1e9
-    return time.strftime("%H:%M:%S", time.localtime(wall))
+    return time.strftime(fmt, time.localtime(wall))
 
 
-def to_json(verdicts: list[ServiceVerdict], tick: Tick, opts: DiagnoseOptions) -> dict:
+ISO = "%Y-%m-%dT%H:%M:%S%z"
+
+
+def probe_summary(tick: Tick, events: Sequence[ProbeEvent]) -> dict:
+    """What the kernel side saw: counters (drops included) and the EDEADLK refusals."""
+    return {
+        "counters": dict(tick.reading.counters),
+        "edeadlk": [
+            {"tid": e.tid, "pid": e.tgid, "uaddr": hex(e.uaddr)}
+            for e in events
+            if e.kind == "edeadlk"
+        ],
+        "long_waits": sum(1 for e in events if e.kind == "long-wait"),
+    }
+
+
+def to_json(
+    verdicts: list[ServiceVerdict], tick: Tick, opts: DiagnoseOptions, events: Sequence[ProbeEvent]
+) -> dict:
     snap, graph = tick.snapshot, tick.graph
     groups = graph.groups()
     services = []
@@ -114,7 +133,7 @@ def to_json(verdicts: list[ServiceVerdict], tick: Tick, opts: DiagnoseOptions) -
                         "waiter": e.waiter,
                         "owner": e.owner,
                         "kind": e.kind,
-                        "uaddr": e.uaddr,
+                        "uaddr": hex(e.uaddr),
                         "waiter_pid": e.waiter_pid,
                         "owner_pid": e.owner_pid,
                     }
@@ -123,12 +142,12 @@ def to_json(verdicts: list[ServiceVerdict], tick: Tick, opts: DiagnoseOptions) -
                 ],
                 "parked_groups": [
                     {
-                        "uaddr": g.uaddr,
+                        "uaddr": hex(g.uaddr),
                         "op": g.op_name,
                         "tids": list(g.tids),
                         "pids": list(g.pids),
                         "owner": g.owner,
-                        "since": _since(tick, g.since_ns) or None,
+                        "since": _since(tick, g.since_ns, ISO) or None,
                     }
                     for g in groups
                     if pids.intersection(g.pids)
@@ -138,12 +157,15 @@ def to_json(verdicts: list[ServiceVerdict], tick: Tick, opts: DiagnoseOptions) -
     return {
         "threshold_seconds": opts.threshold_s,
         "duration_seconds": opts.duration_s,
-        "observed_at": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(snap.wall)),
+        "observed_at": time.strftime(ISO, time.localtime(snap.wall)),
         "services": services,
+        "probe": probe_summary(tick, events),
     }
 
 
-def render_text(verdicts: list[ServiceVerdict], tick: Tick, opts: DiagnoseOptions) -> str:
+def render_text(
+    verdicts: list[ServiceVerdict], tick: Tick, opts: DiagnoseOptions, events: Sequence[ProbeEvent]
+) -> str:
     snap, graph = tick.snapshot, tick.graph
     names = {t.tid: t.name for p in snap.processes.values() for t in p.threads}
     groups = graph.groups()
@@ -174,7 +196,7 @@ def render_text(verdicts: list[ServiceVerdict], tick: Tick, opts: DiagnoseOption
                 f"  process {p.pid} {p.comm}: {p.state}, {plural(p.threads, 'thread')}, "
                 f"{p.parked_threads} parked{park}{ports}"
             )
-            if len(v.processes) > 1:  # a lone process's reasons are the service's
+            if p.state != v.state:  # otherwise the service's reasons already say it
                 lines.extend(f"      {r}" for r in p.reasons)
             shown: set[int] = set()
             for g in groups:
@@ -206,6 +228,19 @@ def render_text(verdicts: list[ServiceVerdict], tick: Tick, opts: DiagnoseOption
                 more = f" and {len(tids) - 8} more" if len(tids) > 8 else ""
                 lines.append(f"    {plural(len(tids), 'thread')} {what}: {who}{more}")
         lines.append("")
+    probe = probe_summary(tick, events)
+    c = probe["counters"]
+    lost = sum(
+        c.get(k, 0) for k in ("inflight_full", "hist_full", "refusals_full", "events_dropped")
+    )
+    lines.append(
+        f"probe: {c.get('waits_started', 0)} futex waits began while attached, {lost} lost to full maps or "
+        f"ring buffer, {probe['long_waits']} long waits ended"
+    )
+    for r in probe["edeadlk"]:
+        lines.append(
+            f"probe: the kernel refused PI lock {r['uaddr']} to thread {r['tid']} (EDEADLK)"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -232,9 +267,10 @@ def run(opts: DiagnoseOptions, out: TextIO = sys.stdout, log: TextIO = sys.stder
         observe(observer, opts, log)
         verdicts = observer.verdicts()
         tick = observer.ticks[-1]
+    events = list(observer.events)
     if opts.as_json:
-        json.dump(to_json(verdicts, tick, opts), out, indent=2)
+        json.dump(to_json(verdicts, tick, opts, events), out, indent=2)
         out.write("\n")
     else:
-        out.write(render_text(verdicts, tick, opts))
+        out.write(render_text(verdicts, tick, opts, events))
     return 0

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from .classify import ProcessFacts, ServiceVerdict, classify_service
-from .model import ProbeReading, Snapshot
+from .model import ProbeEvent, ProbeReading, Snapshot
 from .progress import ParkSettings, ParkTracker, window_progress
 from .sampler import Sampler, descendants
 from .waitgraph import WaitForGraph
@@ -54,6 +54,7 @@ class Observer:
         self._seen: dict[int, set[int]] = {}  # root -> every pid ever in the service
         self._prev_sigs: set[frozenset] = set()
         self.ticks: deque[Tick] = deque(maxlen=keep_ticks)
+        self.events: deque[ProbeEvent] = deque(maxlen=1000)  # ring-buffer events, newest last
 
     def set_roots(self, roots: Iterable[int]) -> None:
         self.roots = list(dict.fromkeys(roots))
@@ -73,6 +74,7 @@ class Observer:
         reading = ProbeReading()
         if self.probe is not None:
             reading = self.probe.read()
+            self.events.extend(reading.events)
         snap = self.sampler.snapshot(pids, reading)
         live = {t.tid for p in snap.processes.values() for t in p.threads}
         if self.probe is not None:

@@ -34,7 +34,12 @@ def kernel_headers() -> str | None:
     """Where bcc finds kernel headers: explicit, the running kernel's, or setup's merged tree."""
     explicit = os.environ.get("BCC_KERNEL_SOURCE")
     if explicit:
-        return explicit if os.path.isdir(explicit) else None
+        if not os.path.isdir(explicit):
+            raise KernelFeatureError(
+                f"no kernel headers at BCC_KERNEL_SOURCE={explicit}",
+                "point it at a kernel header tree, or unset it to use the running kernel's",
+            )
+        return explicit
     own = f"/lib/modules/{os.uname().release}/build"
     if os.path.isdir(own):
         return own

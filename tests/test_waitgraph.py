@@ -187,3 +187,16 @@ def test_ownerless_words_never_make_a_cycle(words):
     ]
     g = WaitForGraph(snapshot(process(1, *threads)))
     assert g.cycles() == []
+
+
+def test_both_pi_lockers_refused_is_still_a_cycle():
+    # When the two LOCK_PI calls race, the kernel can refuse both: each thread then sits
+    # on its own dummy word, and only the refusals say what each waits for.
+    a_refused = Refusal(uaddr=0xB, ts_ns=1, lock=LockRead(12 | 0x80000000))  # B held by 12
+    b_refused = Refusal(uaddr=0xA, ts_ns=1, lock=LockRead(11 | 0x80000000))  # A held by 11
+    snap = snapshot(
+        process(10, parked(11, 0x7FF0, refused=a_refused), parked(12, 0x7EF0, refused=b_refused))
+    )
+    g = WaitForGraph(snap)
+    assert {e.kind for e in g.edges.values()} == {"pi-refused"}
+    assert g.cycles() == [(11, 12)]

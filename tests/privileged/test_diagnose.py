@@ -89,6 +89,12 @@ def test_pi_deadlock_formed_while_watched(start_diagnose: StartDiagnose) -> None
     tids = set(fx.info.get_ints("tids"))
     cycles = cycles_of(d, svc)
     assert cycles and all(c <= tids for c in cycles), d.explain(f"want cycles within {tids}")
+    assert "pi-refused" in {e["kind"] for e in svc["edges"]}, d.explain("want a pi-refused edge")
+    # The refusal also came through the ring buffer, decoded from the shared header.
+    probe = d.report["probe"] if d.report else {}
+    refused = {r["tid"] for r in probe.get("edeadlk", [])}
+    assert refused and refused <= tids, d.explain(f"want EDEADLK events for threads of {tids}")
+    assert probe["counters"]["events_dropped"] == 0, d.explain("no ring-buffer drops expected")
 
 
 def test_pi_deadlock_formed_before_attach(diagnose: Diagnose) -> None:
@@ -238,3 +244,42 @@ def test_negative_threshold_is_a_usage_error() -> None:
     assert r.returncode == 2, msg
     assert "threshold" in r.stderr, msg
     assert "Traceback" not in r.stderr, msg
+
+
+# --- missing privilege or kernel feature: exit 3, naming it ------------------------------
+
+
+def test_without_capabilities_exit_3_names_them() -> None:
+    """Run as nobody with no capabilities: the error says which are missing and how to fix it."""
+    with Fixture.c("condvar_pool", "2") as fx:
+        argv = diagnose_argv([fx.pid])
+        drop = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all"]
+        r = subprocess.run(
+            [*drop, *argv], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, check=False
+        )
+    msg = f"{argv}\nexit {r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr}"
+    assert r.returncode == 3, msg
+    assert "CAP_BPF" in r.stderr and "CAP_SYS_PTRACE" in r.stderr, msg
+    assert "root" in r.stderr, msg
+    assert "Traceback" not in r.stderr, msg
+
+
+def test_missing_kernel_headers_exit_3_names_them() -> None:
+    with Fixture.c("condvar_pool", "2") as fx:
+        argv = diagnose_argv([fx.pid])
+        env = {**os.environ, "BCC_KERNEL_SOURCE": "/nonexistent/headers"}
+        r = subprocess.run(
+            argv, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60, check=False
+        )
+    msg = f"{argv}\nexit {r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr}"
+    assert r.returncode == 3, msg
+    assert "kernel headers" in r.stderr and "/nonexistent/headers" in r.stderr, msg
+
+
+def test_kernel_without_btf_is_refused(tmp_path) -> None:
+    from agent.errors import KernelFeatureError
+    from agent.preflight import check
+
+    with pytest.raises(KernelFeatureError, match="BTF") as e:
+        check(btf_path=str(tmp_path / "vmlinux"))
+    assert e.value.exit_code == 3
