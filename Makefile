@@ -5,21 +5,22 @@ PYTEST_ARGS ?=
 
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lint test run clean
+.PHONY: help setup lint test run bench clean
 
 help:
 	@echo "make setup   install what hangwatch needs (apt packages, kernel headers, tracefs, .venv)"
 	@echo "make lint    ruff check, ruff format --check and mypy"
 	@echo "make test    setup, lint, then pytest (extra options: PYTEST_ARGS='-k futex')"
 	@echo "make run     diagnose three demo programs (a deadlock, a stall, an idle server)"
+	@echo "make bench   cost of the futex probe per futex call, as ratios to no probe (root)"
 	@echo "make clean   remove .venv, built test fixtures and caches"
 
 setup:
 	@bash scripts/setup.sh
 
 lint: setup
-	$(PY) -m ruff check agent tests scripts
-	$(PY) -m ruff format --check agent tests scripts
+	$(PY) -m ruff check agent tests scripts bench
+	$(PY) -m ruff format --check agent tests scripts bench
 	$(PY) -m mypy
 
 # lint before pytest: a style failure is cheaper to report than a test run.
@@ -29,6 +30,9 @@ test: setup lint
 # Until the daemon lands (next issue), `make run` demonstrates `hangwatch diagnose`.
 run: setup
 	$(PY) -m scripts.demo
+
+bench: setup
+	$(PY) -m bench.futex_overhead
 
 # The merged kernel headers in /usr/src are left alone: they are system-wide, not the checkout's.
 clean:

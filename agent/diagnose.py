@@ -59,6 +59,9 @@ def validate(opts: DiagnoseOptions, proc: ProcFS) -> None:
     for pid in opts.pids:
         if pid <= 0 or proc.stat(pid) is None:
             raise UsageError(f"no such process: --pid {pid}")
+        tgid = proc.tgid_of(pid)
+        if tgid is not None and tgid != pid:
+            raise UsageError(f"--pid {pid} is a thread of process {tgid}", f"give --pid {tgid}")
 
 
 def observe(observer: Observer, opts: DiagnoseOptions, log: TextIO) -> None:

@@ -283,3 +283,13 @@ def test_kernel_without_btf_is_refused(tmp_path) -> None:
     with pytest.raises(KernelFeatureError, match="BTF") as e:
         check(btf_path=str(tmp_path / "vmlinux"))
     assert e.value.exit_code == 3
+
+
+def test_thread_id_instead_of_pid_is_a_usage_error() -> None:
+    with Fixture.c("condvar_pool", "2") as fx:
+        tid = fx.info.get_ints("tids")[0]
+        argv = diagnose_argv([tid])
+        r = run_cli(*argv[3:])
+    msg = f"{argv}\nexit {r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr}"
+    assert r.returncode == 2, msg
+    assert f"--pid {tid} is a thread of process {fx.pid}" in r.stderr, msg
