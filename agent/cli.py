@@ -56,8 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser(
         "diagnose",
         help="observe processes for a few seconds and give each service a verdict",
-        description="Attach the futex probe, read /proc, observe for --duration seconds and "
-        "report each service (a PID and its descendants) with its state and evidence.",
+        description="Attach the futex probe, read /proc, observe for --duration seconds and\n"
+        "report each service (a PID and its descendants) with its state and evidence.\n"
+        "Needs root, or CAP_BPF, CAP_PERFMON and CAP_SYS_PTRACE.",
         epilog=DIAGNOSE_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

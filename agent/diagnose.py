@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TextIO
 
-from .classify import ServiceVerdict, describe_cycle, describe_group
+from .classify import ServiceVerdict, describe_group
 from .errors import UsageError
 from .model import ProbeEvent, plural
 from .observe import Observer, Tick
@@ -182,8 +182,6 @@ def render_text(
         comm = root.comm if root else "gone"
         lines.append(f"service {v.pid} ({comm}): {v.state.upper()}")
         lines.extend(f"  - {r}" for r in v.reasons)
-        for c in v.cycles:
-            lines.append("  " + describe_cycle(c, graph.edges, names))
         for p in sorted(v.processes, key=lambda x: x.pid):
             if p.gone:
                 lines.append(f"  process {p.pid}: exited while watched")

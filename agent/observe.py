@@ -12,7 +12,16 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
-from .classify import ProcessFacts, ServiceVerdict, classify_service
+from .classify import (
+    DEADLOCKED,
+    IDLE,
+    STALLED,
+    ProcessFacts,
+    ServiceVerdict,
+    classify_service,
+    describe_cycle,
+    describe_group,
+)
 from .model import ProbeEvent, ProbeReading, Snapshot
 from .progress import ParkSettings, ParkTracker, window_progress
 from .sampler import Sampler, descendants
@@ -128,9 +137,20 @@ class Observer:
                 )
             live = {f.sample.pid for f in facts}
             gone = sorted(self._seen.get(root, set()) - live)
-            out.append(
-                classify_service(
-                    root, facts, self.threshold_s, gone=gone, root_gone=root not in live
-                )
+            v = classify_service(
+                root, facts, self.threshold_s, gone=gone, root_gone=root not in live
             )
+            v.reasons.extend(self._evidence(v, live, latest))
+            out.append(v)
         return out
+
+    def _evidence(self, v: ServiceVerdict, pids: set[int], tick: Tick) -> list[str]:
+        """The lock evidence behind a verdict, in words: its cycles, or its largest parked groups."""
+        graph = tick.graph
+        if v.state == DEADLOCKED:
+            names = {t.tid: t.name for p in tick.snapshot.processes.values() for t in p.threads}
+            return [describe_cycle(c, graph.edges, names) for c in v.cycles]
+        if v.state in (STALLED, IDLE):
+            groups = [g for g in graph.groups() if pids.intersection(g.pids)]
+            return [describe_group(g, tick.snapshot.mono_ns) for g in groups[:3]]
+        return []
