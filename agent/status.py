@@ -1,0 +1,73 @@
+"""What the daemon exports, as plain data: the metrics collectors read only this.
+
+The daemon builds one ``Exposition`` per tick from its verdicts, snapshots and probe
+readings; the collectors in ``agent.metrics`` turn the latest one into metric families on
+each scrape. Tests build these by hand to check the exposition (a golden /metrics text).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ProcessStatus:
+    service: str  # the target's name from the config
+    root_pid: int  # the service's root process
+    pid: int
+    comm: str
+    state: str  # deadlocked | stalled | idle | progressing
+    threads: int
+    parked_threads: int
+    parked_seconds: float  # how long every thread has been parked; 0 if any works
+    lock_cycles: int  # confirmed wait-for cycles that include its threads
+    # Extra identity labels from an allow-list of environment variables (RANK, LOCAL_RANK...)
+    labels: Mapping[str, str] = field(default_factory=dict)
+    write_bytes_total: int | None = None  # bytes written since watched (probe); None: unknown
+    last_write_age_seconds: float | None = None  # None: no write seen since watched
+    accepts_total: int | None = None  # connections accepted since watched (probe)
+    listening_ports: int = 0
+    # futex wait durations since watched: log2(ns) slot -> count, from the probe's histogram
+    futex_wait_slots: Mapping[int, int] = field(default_factory=dict)
+    # GPU: index -> bytes held by this process (filled by the GPU source, next issue)
+    gpu_memory_bytes: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ServiceStatus:
+    service: str
+    pid: int  # root pid
+    state: str
+    processes: tuple[ProcessStatus, ...] = ()
+
+
+@dataclass(frozen=True)
+class CollectorStatus:
+    success: bool
+    duration_seconds: float
+
+
+@dataclass(frozen=True)
+class ProgramStats:
+    """One BPF program's cumulative run time and count (kernel.bpf_stats_enabled)."""
+
+    run_seconds: float
+    run_count: int
+
+
+@dataclass(frozen=True)
+class AgentStatus:
+    version: str
+    events_dropped_total: int = 0  # ring-buffer reserves that failed
+    maps_full_total: int = 0  # updates refused by a full map (in-flight, histogram, ...)
+    programs: Mapping[str, ProgramStats] = field(default_factory=dict)  # by program name
+    # by collector name: "probe", "proc", "gpu", ...
+    collectors: Mapping[str, CollectorStatus] = field(default_factory=dict)
+    gpu_utilization: Mapping[str, float] = field(default_factory=dict)  # gpu index -> 0..1
+
+
+@dataclass(frozen=True)
+class Exposition:
+    services: tuple[ServiceStatus, ...]
+    agent: AgentStatus
