@@ -166,6 +166,30 @@ class ProbeEvent:
 
 
 @dataclass(frozen=True)
+class SocketEvent:
+    """A successful bind or listen, reported for every process (they are rare)."""
+
+    kind: str  # "bind" or "listen"
+    ts_ns: int  # CLOCK_MONOTONIC
+    tgid: int
+    tid: int
+    fd: int
+    family: int  # AF_INET / AF_INET6 (bind only; 0 for listen)
+    port: int  # bind only; 0 for listen
+    backlog: int  # listen only
+
+
+@dataclass(frozen=True)
+class FdWrites:
+    """Writes to one fd of a watched process since it was watched (write, writev, pwrite64)."""
+
+    fd: int
+    bytes: int
+    calls: int
+    last_ns: int  # CLOCK_MONOTONIC of the last write
+
+
+@dataclass(frozen=True)
 class ProbeReading:
     """What the kernel side holds at one instant, as plain data."""
 
@@ -178,3 +202,7 @@ class ProbeReading:
         default_factory=dict
     )  # tgid -> log2 slot -> n
     counters: Mapping[str, int] = field(default_factory=dict)  # summed over CPUs
+    socket_events: tuple[SocketEvent, ...] = ()  # drained since the last read
+    accepts: Mapping[int, int] = field(default_factory=dict)  # tgid -> accepts since watched
+    # tgid -> fd -> writes since watched
+    writes: Mapping[int, Mapping[int, FdWrites]] = field(default_factory=dict)
