@@ -246,13 +246,13 @@ def render_text(
 
 
 def run(opts: DiagnoseOptions, out: TextIO = sys.stdout, log: TextIO = sys.stderr) -> int:
-    from . import preflight
+    from . import preflight  # late: --help and bad input need no kernel checks
 
     proc = ProcFS()
     validate(opts, proc)
     for notice in preflight.check():
         print(f"hangwatch: {notice}", file=log)
-    from .probe import FutexProbe
+    from .probe import FutexProbe  # bcc only after preflight mounted tracefs
 
     with FutexProbe(long_wait_s=min(1.0, opts.threshold_s)) as probe:
         observer = Observer(Sampler(proc), probe, threshold_s=opts.threshold_s)

@@ -8,7 +8,7 @@ and update park times. Verdicts are then computed over a window of ticks.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -25,7 +25,7 @@ from .classify import (
 from .model import ProbeEvent, ProbeReading, Snapshot
 from .progress import ParkSettings, ParkTracker, window_progress
 from .sampler import Sampler, descendants
-from .waitgraph import WaitForGraph
+from .waitgraph import WaitForGraph, WordGroup
 
 
 class ProbeSource(Protocol):
@@ -52,12 +52,19 @@ class Observer:
         threshold_s: float = 60.0,
         park: ParkSettings | None = None,
         keep_ticks: int = 600,
+        membership: Callable[[], Mapping[int, Sequence[int]]] | None = None,
+        remember_gone: bool = True,
     ) -> None:
+        """``membership`` gives root -> pids each tick (the daemon's discovery); without it,
+        the roots given to ``set_roots`` and their descendants. ``remember_gone`` keeps
+        exited processes in the verdicts as gone (diagnose); the daemon drops them."""
         self.sampler = sampler
         self.probe = probe
         self.threshold_s = threshold_s
         self.park = park or ParkSettings()
         self.tracker = ParkTracker(self.park)
+        self.membership = membership
+        self.remember_gone = remember_gone
         self.roots: list[int] = []
         self.members: dict[int, list[int]] = {}
         self._seen: dict[int, set[int]] = {}  # root -> every pid ever in the service
@@ -70,9 +77,14 @@ class Observer:
 
     def discover(self) -> list[int]:
         """Find the services' processes now and point the probe at them."""
-        self.members = descendants(self.sampler.proc, self.roots)
-        for root, pids in self.members.items():
-            self._seen.setdefault(root, set()).update(pids)
+        if self.membership is not None:
+            self.members = {root: list(pids) for root, pids in self.membership().items()}
+            self.roots = list(self.members)
+        else:
+            self.members = descendants(self.sampler.proc, self.roots)
+        if self.remember_gone:
+            for root, pids in self.members.items():
+                self._seen.setdefault(root, set()).update(pids)
         pids = sorted({p for ps in self.members.values() for p in ps})
         if self.probe is not None:
             self.probe.watch(pids)
@@ -112,8 +124,10 @@ class Observer:
 
     def verdicts(self, window_s: float | None = None) -> list[ServiceVerdict]:
         latest = self.ticks[-1]
-        old = self.window_start(window_s).snapshot
+        old_tick = self.window_start(window_s)
+        old = old_tick.snapshot
         snap = latest.snapshot
+        groups = latest.graph.groups()
         window_ns = snap.mono_ns - old.mono_ns
         out = []
         for root in self.roots:
@@ -124,33 +138,38 @@ class Observer:
                     continue
                 tids = {t.tid for t in sample.threads}
                 parks = self.tracker.parks.get(pid, {})
+                progress = window_progress(old.processes.get(pid), sample, window_ns, self.park)
+                if pid in latest.reading.accepts:  # counted by the probe since watched
+                    progress.accepts = latest.reading.accepts[pid] - old_tick.reading.accepts.get(
+                        pid, 0
+                    )
                 facts.append(
                     ProcessFacts(
                         sample=sample,
-                        progress=window_progress(
-                            old.processes.get(pid), sample, window_ns, self.park
-                        ),
+                        progress=progress,
                         parked_threads=sum(1 for x in parks.values() if x.parked),
                         parked_seconds=self.tracker.parked_seconds(pid, snap.mono_ns),
                         cycles=[c for c in latest.cycles if tids.intersection(c)],
                     )
                 )
             live = {f.sample.pid for f in facts}
-            gone = sorted(self._seen.get(root, set()) - live)
+            gone = sorted(self._seen.get(root, set()) - live)  # empty unless remember_gone
             v = classify_service(
                 root, facts, self.threshold_s, gone=gone, root_gone=root not in live
             )
-            v.reasons.extend(self._evidence(v, live, latest))
+            v.reasons.extend(self._evidence(v, live, latest, groups))
             out.append(v)
         return out
 
-    def _evidence(self, v: ServiceVerdict, pids: set[int], tick: Tick) -> list[str]:
+    def _evidence(
+        self, v: ServiceVerdict, pids: set[int], tick: Tick, groups: list[WordGroup]
+    ) -> list[str]:
         """The lock evidence behind a verdict, in words: its cycles, or its largest parked groups."""
         graph = tick.graph
         if v.state == DEADLOCKED:
             names = {t.tid: t.name for p in tick.snapshot.processes.values() for t in p.threads}
             return [describe_cycle(c, graph.edges, names) for c in v.cycles]
         if v.state in (STALLED, IDLE):
-            groups = [g for g in graph.groups() if pids.intersection(g.pids)]
-            return [describe_group(g, tick.snapshot.mono_ns) for g in groups[:3]]
+            mine = [g for g in groups if pids.intersection(g.pids)]
+            return [describe_group(g, tick.snapshot.mono_ns) for g in mine[:3]]
         return []

@@ -154,6 +154,21 @@ class ProcFS:
         text = self._read(pid, "stat")
         return parse_stat(text) if text else None
 
+    def cmdline(self, pid: int) -> str | None:
+        """The command line, arguments joined by spaces (the NULs that separate them)."""
+        raw = self._read_bytes(pid, "cmdline")
+        return raw.rstrip(b"\0").replace(b"\0", b" ").decode(errors="replace") if raw else None
+
+    def environ(self, pid: int) -> bytes | None:
+        return self._read_bytes(pid, "environ")
+
+    def _read_bytes(self, *parts: object) -> bytes | None:
+        try:
+            with open(os.path.join(self.root, *map(str, parts)), "rb") as f:
+                return f.read()
+        except OSError:
+            return None
+
     def tids(self, pid: int) -> list[int]:
         try:
             return sorted(int(n) for n in os.listdir(os.path.join(self.root, str(pid), "task")))

@@ -1,0 +1,161 @@
+"""The daemon's configuration: YAML, validated completely before anything is attached.
+
+Every error names the key that is wrong (``targets[2].cmdline``) and the bad value; unknown
+keys are errors, so a typo never silently turns a setting off.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any
+
+import yaml
+
+from .errors import UsageError
+
+DEFAULT_PORT = 9817
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")  # becomes a label value
+
+
+@dataclass(frozen=True)
+class Target:
+    """A selector: a process matching any of its fields is watched, with its descendants."""
+
+    name: str
+    cmdline: re.Pattern[str] | None = None  # searched in the space-joined /proc/PID/cmdline
+    comm: re.Pattern[str] | None = None  # matched in full against /proc/PID/comm
+    pids: frozenset[int] = frozenset()
+    gpu: bool = False  # any process that holds GPU memory
+
+
+@dataclass(frozen=True)
+class Config:
+    listen: tuple[str, int] = ("0.0.0.0", DEFAULT_PORT)
+    interval_seconds: float = 1.0
+    park_threshold_seconds: float = 60.0
+    targets: tuple[Target, ...] = field(default_factory=tuple)
+    source: str = "built-in default"
+
+    @property
+    def listen_text(self) -> str:
+        host, port = self.listen
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _err(source: str, key: str, what: str) -> UsageError:
+    return UsageError(f"config {source}: {key}: {what}")
+
+
+def parse_listen(text: object, key: str = "listen", source: str = "--listen") -> tuple[str, int]:
+    """'HOST:PORT', '[v6]:PORT' or ':PORT' (all interfaces)."""
+    if not isinstance(text, str):
+        raise _err(source, key, f"want a string HOST:PORT, got {text!r}")
+    m = re.fullmatch(r"(?:\[([0-9A-Fa-f:.]+)\]|([^:\[\]]*)):(\d{1,5})", text.strip())
+    if not m:
+        raise _err(source, key, f"{text!r} is not HOST:PORT")
+    host = m.group(1) or m.group(2) or "0.0.0.0"
+    port = int(m.group(3))
+    if not 1 <= port <= 65535:
+        raise _err(source, key, f"port {port} is out of range 1-65535")
+    if m.group(1):
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise _err(source, key, f"{host!r} is not an IPv6 address") from None
+    elif not re.fullmatch(r"[A-Za-z0-9.-]+", host):
+        raise _err(source, key, f"{host!r} is not a host name or address")
+    return host, port
+
+
+def _number(
+    raw: Mapping[str, Any], key: str, default: float, lo: float, hi: float, src: str
+) -> float:
+    value = raw.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _err(src, key, f"want a number of seconds, got {value!r}")
+    if not lo <= value <= hi:
+        raise _err(src, key, f"{value} is out of range {lo:g}-{hi:g}")
+    return float(value)
+
+
+def _regex(value: object, key: str, src: str) -> re.Pattern[str]:
+    if not isinstance(value, str) or not value:
+        raise _err(src, key, f"want a regular expression string, got {value!r}")
+    try:
+        return re.compile(value)
+    except re.error as e:
+        raise _err(src, key, f"invalid regular expression {value!r}: {e}") from None
+
+
+def _target(raw: object, i: int, src: str) -> Target:
+    where = f"targets[{i}]"
+    if not isinstance(raw, dict):
+        raise _err(src, where, f"want a mapping with a name and selectors, got {raw!r}")
+    unknown = set(raw) - {"name", "cmdline", "comm", "pids", "gpu"}
+    if unknown:
+        raise _err(src, f"{where}.{sorted(unknown)[0]}", "unknown key")
+    name = raw.get("name")
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise _err(
+            src, f"{where}.name", f"want a short name of letters, digits, '_.-', got {name!r}"
+        )
+    cmdline = _regex(raw["cmdline"], f"{where}.cmdline", src) if "cmdline" in raw else None
+    comm = _regex(raw["comm"], f"{where}.comm", src) if "comm" in raw else None
+    pids = raw.get("pids", [])
+    if not isinstance(pids, list) or not all(
+        isinstance(p, int) and not isinstance(p, bool) and p > 0 for p in pids
+    ):
+        raise _err(src, f"{where}.pids", f"want a list of positive PIDs, got {pids!r}")
+    gpu = raw.get("gpu", False)
+    if not isinstance(gpu, bool):
+        raise _err(src, f"{where}.gpu", f"want true or false, got {gpu!r}")
+    if cmdline is None and comm is None and not pids and not gpu:
+        raise _err(src, where, f"target {name!r} selects nothing: give cmdline, comm, pids or gpu")
+    return Target(name, cmdline, comm, frozenset(pids), gpu)
+
+
+def validate(raw: object, source: str) -> Config:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise _err(source, "(top level)", f"want a mapping, got {type(raw).__name__}")
+    unknown = set(raw) - {"listen", "interval_seconds", "park_threshold_seconds", "targets"}
+    if unknown:
+        raise _err(source, sorted(map(str, unknown))[0], "unknown key")
+    listen = parse_listen(raw.get("listen", f":{DEFAULT_PORT}"), "listen", source)
+    interval = _number(raw, "interval_seconds", 1.0, 0.1, 3600, source)
+    threshold = _number(raw, "park_threshold_seconds", 60.0, 1, 86400 * 7, source)
+    targets_raw = raw.get("targets")
+    if not isinstance(targets_raw, list) or not targets_raw:
+        raise _err(source, "targets", f"want a non-empty list of targets, got {targets_raw!r}")
+    targets = tuple(_target(t, i, source) for i, t in enumerate(targets_raw))
+    names = [t.name for t in targets]
+    dup = next((n for n in names if names.count(n) > 1), None)
+    if dup:
+        raise _err(source, "targets", f"name {dup!r} is used twice")
+    return Config(listen, interval, threshold, targets, source)
+
+
+def load_text(text: str, source: str) -> Config:
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise UsageError(f"config {source}: not valid YAML: {e}".replace("\n", " ")) from None
+    return validate(raw, source)
+
+
+def load(path: str | None) -> Config:
+    """The config at ``path``, or the built-in default."""
+    if path is None:
+        text = resources.files("agent").joinpath("default-config.yaml").read_text()
+        return load_text(text, "built-in default")
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError as e:
+        raise UsageError(f"config {path}: cannot read it: {e.strerror}") from None
+    return load_text(text, path)

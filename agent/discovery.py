@@ -1,0 +1,158 @@
+"""Which processes to watch, grouped into services.
+
+A process matching a target is the root of a service named after the target; its
+descendants (TP ranks, scheduler and detokenizer workers) belong to it, and a matched
+process whose ancestor also matched folds into the ancestor's service. One pass over
+/proc per interval; a process's cmdline and environment are read once (cached by PID and
+start time, so a reused PID is read afresh).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+from .config import Target
+from .procfs import ProcFS
+
+# Environment variables that identify ranks and jobs; nothing else from the environment or
+# the command line ever becomes a label. Values must look like identifiers.
+ENV_LABELS = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "NODE_RANK",
+    "TORCHELASTIC_RUN_ID",
+    "SLURM_JOB_ID",
+    "SLURM_PROCID",
+    "SLURM_LOCALID",
+)
+_SAFE_VALUE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+
+
+@dataclass(frozen=True)
+class Service:
+    name: str  # the target's name
+    root: int
+    pids: tuple[int, ...]  # root first, then descendants
+
+
+@dataclass
+class _Known:
+    start: int
+    comm: str
+    ppid: int
+    cmdline: str | None = None
+    labels: dict[str, str] | None = None
+    matched: str | None = field(default=None)
+    checked: bool = False
+
+
+def env_labels(environ: bytes) -> dict[str, str]:
+    """Allow-listed environment values, as label names in lower case."""
+    out = {}
+    for item in environ.split(b"\0"):
+        key, sep, value = item.partition(b"=")
+        if not sep:
+            continue
+        k = key.decode(errors="replace")
+        if k in ENV_LABELS:
+            v = value.decode(errors="replace")
+            if _SAFE_VALUE.fullmatch(v):
+                out[k.lower()] = v
+    return out
+
+
+class Discovery:
+    def __init__(
+        self,
+        proc: ProcFS,
+        targets: Iterable[Target],
+        gpu_pids: Callable[[], set[int]] = set,
+        self_pid: int | None = None,
+    ) -> None:
+        self.proc = proc
+        self.targets = tuple(targets)
+        self.gpu_pids = gpu_pids
+        self.self_pid = self_pid  # never watch ourselves
+        self._known: dict[int, _Known] = {}
+
+    def set_targets(self, targets: Iterable[Target]) -> None:
+        self.targets = tuple(targets)
+        for k in self._known.values():
+            k.checked = False  # match again against the new selectors
+
+    def _match(self, pid: int, k: _Known, gpu: set[int]) -> str | None:
+        for t in self.targets:
+            if pid in t.pids or (t.gpu and pid in gpu):
+                return t.name
+            if t.comm is not None and t.comm.fullmatch(k.comm):
+                return t.name
+            if t.cmdline is not None:
+                if k.cmdline is None:
+                    k.cmdline = self.proc.cmdline(pid) or ""
+                if t.cmdline.search(k.cmdline):
+                    return t.name
+        return None
+
+    def scan(self) -> dict[int, Service]:
+        """Services by root PID, as /proc shows them now."""
+        gpu = self.gpu_pids() if any(t.gpu for t in self.targets) else set()
+        seen: dict[int, _Known] = {}
+        for pid in self.proc.pids():
+            if pid == self.self_pid:
+                continue
+            st = self.proc.stat(pid)
+            if st is None or st.state in ("Z", "X"):
+                continue
+            k = self._known.get(pid)
+            if k is None or k.start != st.start_ticks:
+                k = _Known(st.start_ticks, st.comm, st.ppid)
+            k.ppid = st.ppid  # re-parenting happens
+            if not k.checked or pid in gpu or (k.matched and self._gpu_only(k.matched)):
+                k.matched = self._match(pid, k, gpu)
+                k.checked = True
+            seen[pid] = k
+        self._known = seen  # forget exited processes: bounded by live ones
+        children: dict[int, list[int]] = {}
+        for pid, k in seen.items():
+            children.setdefault(k.ppid, []).append(pid)
+        services = {}
+        for pid, k in seen.items():
+            if k.matched is None or self._matched_ancestor(pid, seen):
+                continue
+            members, todo = [], [pid]
+            while todo:
+                p = todo.pop()
+                members.append(p)
+                todo.extend(sorted(children.get(p, ()), reverse=True))
+            services[pid] = Service(k.matched, pid, tuple(members))
+        return services
+
+    def _gpu_only(self, name: str) -> bool:
+        """A match by GPU memory alone is re-checked: the process may release the GPU."""
+        t = next((t for t in self.targets if t.name == name), None)
+        return t is not None and t.gpu and t.cmdline is None and t.comm is None and not t.pids
+
+    def _matched_ancestor(self, pid: int, seen: Mapping[int, _Known]) -> bool:
+        p = seen[pid].ppid
+        hops = 0
+        while p in seen and hops < 4096:  # a cycle in ppids cannot happen, but be bounded
+            if seen[p].matched is not None:
+                return True
+            p = seen[p].ppid
+            hops += 1
+        return False
+
+    def labels(self, pid: int) -> dict[str, str]:
+        """The allow-listed environment labels of a watched process (read once)."""
+        k = self._known.get(pid)
+        if k is None:
+            return {}
+        if k.labels is None:
+            raw = self.proc.environ(pid)
+            k.labels = env_labels(raw) if raw is not None else {}
+        return k.labels

@@ -1,0 +1,154 @@
+"""Config validation: every error names the key, nothing but UsageError ever escapes."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from agent.config import load, load_text, parse_listen, validate
+from agent.errors import UsageError
+
+GOOD = """
+listen: "127.0.0.1:9900"
+interval_seconds: 0.5
+park_threshold_seconds: 30
+targets:
+  - name: sglang
+    cmdline: "sglang\\\\.launch_server"
+  - name: workers
+    comm: "python3?"
+  - name: any-gpu
+    gpu: true
+  - name: pinned
+    pids: [1234, 5678]
+"""
+
+
+def test_a_full_config_loads():
+    c = load_text(GOOD, "good.yaml")
+    assert c.listen == ("127.0.0.1", 9900)
+    assert (c.interval_seconds, c.park_threshold_seconds) == (0.5, 30.0)
+    assert [t.name for t in c.targets] == ["sglang", "workers", "any-gpu", "pinned"]
+    assert c.targets[0].cmdline is not None and c.targets[0].cmdline.search(
+        "-m sglang.launch_server"
+    )
+    assert c.targets[3].pids == {1234, 5678}
+
+
+def test_the_built_in_default_is_valid_and_matches_known_servers():
+    c = load(None)
+    assert c.listen == ("0.0.0.0", 9817)
+    assert any(t.gpu for t in c.targets)
+    lines = {
+        "sglang": "python3 -m sglang.launch_server --model-path x --tp 8",
+        "vllm": "/usr/bin/python3 -m vllm.entrypoints.openai.api_server --model m",
+        "triton": "/opt/tritonserver/bin/tritonserver --model-repository=/models",
+        "torchrun": "/usr/bin/python3 /usr/local/bin/torchrun --nproc-per-node 8 train.py",
+        "text-generation-inference": "text-generation-launcher --model-id m",
+        "tensorrt-llm": "trtllm-serve /models/llama",
+    }
+    for name, cmdline in lines.items():
+        hits = [t.name for t in c.targets if t.cmdline is not None and t.cmdline.search(cmdline)]
+        assert hits == [name], (name, hits)
+    for t in c.targets:
+        if t.cmdline is not None:
+            assert not t.cmdline.search("python3 -m http.server 8000"), t.name
+
+
+@pytest.mark.parametrize(
+    ("text", "names"),
+    [
+        ("listen: ':9817'\nfoo: 1\ntargets: [{name: a, pids: [1]}]", "foo: unknown key"),
+        ("targets: [{name: a, pids: [1], cmdlin: x}]", "targets[0].cmdlin: unknown key"),
+        ("targets: [{name: a, cmdline: 'sglang('}]", "targets[0].cmdline: invalid regular"),
+        ("targets: [{name: a, comm: ''}]", "targets[0].comm"),
+        ("targets: [{name: a, pids: [-3]}]", "targets[0].pids"),
+        ("targets: [{name: a, pids: 12}]", "targets[0].pids"),
+        ("targets: [{name: a, gpu: 'yes'}]", "targets[0].gpu"),
+        ("targets: [{name: a}]", "targets[0]: target 'a' selects nothing"),
+        ("targets: [{name: 'a b', pids: [1]}]", "targets[0].name"),
+        ("targets: [{name: a, pids: [1]}, {name: a, pids: [2]}]", "name 'a' is used twice"),
+        ("targets: []", "targets: want a non-empty list"),
+        ("interval_seconds: -1\ntargets: [{name: a, pids: [1]}]", "interval_seconds: -1"),
+        (
+            "interval_seconds: fast\ntargets: [{name: a, pids: [1]}]",
+            "interval_seconds: want a number",
+        ),
+        ("park_threshold_seconds: 1e9\ntargets: [{name: a, pids: [1]}]", "park_threshold_seconds"),
+        (
+            "listen: 'localhost'\ntargets: [{name: a, pids: [1]}]",
+            "listen: 'localhost' is not HOST:PORT",
+        ),
+        ("listen: ':99999'\ntargets: [{name: a, pids: [1]}]", "listen: port 99999 is out of range"),
+        ("listen: 9817\ntargets: [{name: a, pids: [1]}]", "listen: want a string"),
+        ("- just\n- a list", "(top level)"),
+        ("targets: [{name: a, pids: [1]}\n", "not valid YAML"),
+    ],
+)
+def test_bad_config_names_the_key(text, names):
+    with pytest.raises(UsageError) as e:
+        load_text(text, "bad.yaml")
+    msg = str(e.value)
+    assert msg.startswith("config bad.yaml: "), msg
+    assert names in msg, msg
+    assert "\n" not in msg
+    assert e.value.exit_code == 2
+
+
+def test_missing_file_is_a_usage_error(tmp_path):
+    with pytest.raises(UsageError, match="cannot read it"):
+        load(str(tmp_path / "nope.yaml"))
+
+
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [
+        (":9817", ("0.0.0.0", 9817)),
+        ("127.0.0.1:1", ("127.0.0.1", 1)),
+        ("[::1]:9817", ("::1", 9817)),
+        ("node-3.local:80", ("node-3.local", 80)),
+    ],
+)
+def test_parse_listen(text, want):
+    assert parse_listen(text) == want
+
+
+@pytest.mark.parametrize("text", ["[::1:9817", "[zz]:1", "a b:1", "host:", "host:0"])
+def test_parse_listen_rejects(text):
+    with pytest.raises(UsageError, match="--listen"):
+        parse_listen(text)
+
+
+_yamlish = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=12),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+_keys = st.sampled_from(["listen", "interval_seconds", "park_threshold_seconds", "targets"])
+
+
+@given(st.dictionaries(_keys, _yamlish, max_size=4) | _yamlish)
+def test_validate_raises_only_usage_errors(raw):
+    try:
+        validate(raw, "fuzz")
+    except UsageError as e:
+        assert str(e).startswith("config fuzz: ")
+
+
+_target_keys = st.sampled_from(["name", "cmdline", "comm", "pids", "gpu", "other"])
+_targets = st.lists(
+    st.dictionaries(_target_keys, _yamlish | st.text(max_size=8), max_size=5), max_size=3
+)
+
+
+@given(_targets)
+def test_validate_targets_raises_only_usage_errors(targets):
+    try:
+        c = validate({"targets": targets}, "fuzz")
+    except UsageError as e:
+        assert str(e).startswith("config fuzz: ")
+    else:
+        assert len(c.targets) == len(targets)
