@@ -1,7 +1,7 @@
 """The only module that talks to bcc: compile bpf/*.bpf.c, attach, read maps.
 
-Everything it returns is plain data (agent.model.ProbeReading), so nothing
-above this module needs root, bcc or a kernel to be tested.
+Everything it returns is plain data (agent.model.ProbeReading, agent.status.ProgramStats),
+so nothing above this module needs root, bcc or a kernel to be tested.
 """
 
 from __future__ import annotations
@@ -9,16 +9,42 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import platform
 import re
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from .errors import KernelFeatureError
-from .model import FutexWait, InflightWait, ProbeEvent, ProbeReading
+from .model import FdWrites, FutexWait, InflightWait, ProbeEvent, ProbeReading, SocketEvent
+from .status import ProgramStats
 
 BPF_DIR = Path(os.environ.get("HANGWATCH_BPF_DIR", Path(__file__).resolve().parent.parent / "bpf"))
 FALLBACK_HEADERS = "/usr/src/hangwatch-kernel-headers"
+
+# The one BPF object, in this order: maps and helpers first, then the program files that use
+# them. Joined as one text rather than #included, because bcc rewrites map calls
+# (watched.lookup(...)) only in its main file; see bpf/maps.bpf.h.
+BPF_SOURCES = ("maps.bpf.h", "futex.bpf.c", "io.bpf.c")
+
+# Tracepoints compiled in only where the kernel has them: syscall -> -D flag.
+OPTIONAL_SYSCALLS = {
+    "futex_wait": "HAVE_FUTEX_WAIT",
+    "futex_waitv": "HAVE_FUTEX_WAITV",
+    "bind": "HAVE_BIND",
+    "listen": "HAVE_LISTEN",
+    "accept": "HAVE_ACCEPT",
+    "accept4": "HAVE_ACCEPT4",
+    "write": "HAVE_WRITE",
+    "writev": "HAVE_WRITEV",
+    "pwrite64": "HAVE_PWRITE64",
+}
+
+STATS_SYSCTL = Path("/proc/sys/kernel/bpf_stats_enabled")
+# bpf(2) BPF_ENABLE_STATS (Linux 5.8): stats stay on while the returned fd is open.
+SYS_BPF = {"x86_64": 321, "aarch64": 280}
+BPF_ENABLE_STATS = 32
+BPF_STATS_RUN_TIME = 0
 
 
 def header_defines(path: Path | None = None) -> dict[str, int]:
@@ -28,6 +54,19 @@ def header_defines(path: Path | None = None) -> dict[str, int]:
         m.group(1): int(m.group(2), 0)
         for m in re.finditer(r"^#define\s+(HW_\w+)\s+(0x[0-9a-fA-F]+|\d+)\b", text, re.M)
     }
+
+
+def bpf_text(bpf_dir: Path | None = None) -> str:
+    """BPF_SOURCES as one program; #line keeps compiler errors naming the real file.
+
+    (Line numbers after a TRACEPOINT_PROBE run a few lines late: bcc inserts the
+    tracepoint's argument struct above it before compiling.)
+    """
+    parts = []
+    for name in BPF_SOURCES:
+        path = (bpf_dir or BPF_DIR) / name
+        parts.append(f'#line 1 "{path}"\n{path.read_text()}')
+    return "\n".join(parts)
 
 
 def kernel_headers() -> str | None:
@@ -46,12 +85,55 @@ def kernel_headers() -> str | None:
     return FALLBACK_HEADERS if os.path.isdir(FALLBACK_HEADERS) else None
 
 
-class FutexProbe:
-    """The futex probe, attached for as long as the object lives (use as a context manager)."""
+def _program_name(func_name: bytes) -> str:
+    """b"tracepoint__syscalls__sys_enter_futex" -> "sys_enter_futex": what it attaches to."""
+    return func_name.decode().rsplit("__", 1)[-1]
 
-    def __init__(self, long_wait_s: float = 1.0, ringbuf_pages: int = 64) -> None:
+
+def _fdinfo(fd: int) -> dict[str, str]:
+    with open(f"/proc/self/fdinfo/{fd}") as f:
+        return dict(line.split(":", 1) for line in f.read().splitlines() if ":" in line)
+
+
+def _thread_alive(tgid: int, tid: int) -> bool:
+    return os.path.exists(f"/proc/{tgid}/task/{tid}")
+
+
+def _enable_stats_fd() -> int | None:
+    """BPF_ENABLE_STATS: an fd that keeps run-time stats on; the kernel undoes it on close,
+    even if we die without cleaning up. None where the syscall is unknown or refused."""
+    nr = SYS_BPF.get(platform.machine())
+    if nr is None:
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)
+    attr = ctypes.c_uint32(BPF_STATS_RUN_TIME)  # union bpf_attr { struct { __u32 type; } }
+    fd = libc.syscall(nr, BPF_ENABLE_STATS, ctypes.byref(attr), ctypes.sizeof(attr))
+    return fd if fd >= 0 else None
+
+
+def _once(undo: Callable[[], object]) -> Callable[[], None]:
+    """``undo`` on the first call only: closing the stats fd twice could close another fd."""
+    done = False
+
+    def run() -> None:
+        nonlocal done
+        if not done:
+            done = True
+            undo()
+
+    return run
+
+
+class KernelProbes:
+    """All of hangwatch's BPF programs in one object, attached for as long as it lives
+    (use as a context manager): futex waits, bind/listen, accepts and writes."""
+
+    def __init__(
+        self, long_wait_s: float = 1.0, ringbuf_pages: int = 64, bpf_dir: Path | None = None
+    ) -> None:
+        bpf_dir = bpf_dir or BPF_DIR
         try:
-            from bcc import BPF
+            from bcc import BPF  # only this module imports bcc
         except ImportError as e:
             raise KernelFeatureError(
                 "bcc is not importable",
@@ -66,40 +148,62 @@ class FutexProbe:
                 f"merged fallback at {FALLBACK_HEADERS}",
             )
         os.environ["BCC_KERNEL_SOURCE"] = headers
-        self._defs = header_defines()
+        self._defs = header_defines(bpf_dir / "hangwatch.h")
         cflags = [
-            f"-I{BPF_DIR}",
+            f"-I{bpf_dir}",
             f"-DLONG_WAIT_NS={int(long_wait_s * 1e9)}ULL",
             f"-DRINGBUF_PAGES={ringbuf_pages}",
         ]
-        for name, flag in (("futex_wait", "HAVE_FUTEX_WAIT"), ("futex_waitv", "HAVE_FUTEX_WAITV")):
-            if BPF.tracepoint_exists("syscalls", f"sys_enter_{name}"):
+        self.missing: list[str] = []  # optional syscalls this kernel has no tracepoints for
+        for name, flag in OPTIONAL_SYSCALLS.items():
+            if all(
+                BPF.tracepoint_exists("syscalls", f"sys_{side}_{name}")
+                for side in ("enter", "exit")
+            ):
                 cflags.append(f"-D{flag}")
+            else:
+                self.missing.append(name)
         t0 = time.monotonic()
         try:
-            self._bpf = BPF(src_file=str(BPF_DIR / "futex.bpf.c").encode(), cflags=cflags)
+            self._bpf = BPF(text=bpf_text(bpf_dir).encode(), cflags=cflags)
         except Exception as e:  # bcc raises bare Exception for compile and load failures
             raise KernelFeatureError(
-                f"the kernel refused the futex probe ({e})",
+                f"the kernel refused the BPF programs ({e})",
                 "check that the kernel has BPF, syscall tracepoints and tracefs mounted",
             ) from e
         self.load_seconds = time.monotonic() - t0
         self.programs = self._bpf.num_open_tracepoints()
-        self._watched = self._bpf["watched"]
-        self._inflight = self._bpf["inflight"]
-        self._refusals = self._bpf["refusals"]
-        self._hist = self._bpf["wait_hist"]
-        self._counters = self._bpf["counters"]
+        self._watched = self._bpf[b"watched"]
+        self._inflight = self._bpf[b"inflight"]
+        self._refusals = self._bpf[b"refusals"]
+        self._hist = self._bpf[b"wait_hist"]
+        self._counters = self._bpf[b"counters"]
+        self._accepts = self._bpf[b"accepts"]
+        self._fd_writes = self._bpf[b"fd_writes"]
+        self._write_calls = self._bpf[b"write_calls"]
         self._events: list[ProbeEvent] = []
-        self._bpf["events"].open_ring_buffer(self._on_event)
+        self._socket_events: list[SocketEvent] = []
+        self._event_kinds = {
+            self._defs["HW_EVENT_LONG_WAIT"]: "long-wait",
+            self._defs["HW_EVENT_EDEADLK"]: "edeadlk",
+            self._defs["HW_EVENT_BIND"]: "bind",
+            self._defs["HW_EVENT_LISTEN"]: "listen",
+        }
+        self._ring = self._bpf[b"events"]
+        self._ring.open_ring_buffer(self._on_event)
         self._watching: set[int] = set()
 
     def _on_event(self, _ctx: object, data: int, _size: int) -> None:
-        e = self._bpf["events"].event(data)
-        kind = "edeadlk" if e.kind == self._defs["HW_EVENT_EDEADLK"] else "long-wait"
-        self._events.append(
-            ProbeEvent(kind, e.ts_ns, e.tgid, e.tid, e.uaddr, e.op, e.duration_ns, e.ret)
-        )
+        e = self._ring.event(data)
+        kind = self._event_kinds.get(e.kind, str(e.kind))
+        if kind in ("bind", "listen"):
+            self._socket_events.append(
+                SocketEvent(kind, e.ts_ns, e.tgid, e.tid, e.fd, e.family, e.port, e.backlog)
+            )
+        else:
+            self._events.append(
+                ProbeEvent(kind, e.ts_ns, e.tgid, e.tid, e.uaddr, e.op, e.duration_ns, e.ret)
+            )
 
     def watch(self, tgids: Iterable[int]) -> None:
         """Make the watched set exactly ``tgids``."""
@@ -119,12 +223,42 @@ class FutexProbe:
                 with contextlib.suppress(KeyError):
                     del table[ctypes.c_uint32(tid)]
 
+    def forget_processes(self, tgids: Iterable[int]) -> None:
+        """Delete everything kept per process for ``tgids`` (gone, or no longer watched), so
+        the maps stay bounded as processes come and go."""
+        gone = set(tgids)
+        if not gone:
+            return
+        doomed = [
+            (self._hist, [k for k in self._hist if k.tgid in gone]),
+            (self._fd_writes, [k for k in self._fd_writes if k.tgid in gone]),
+            (self._write_calls, [k for k in self._write_calls if k.value >> 32 in gone]),
+            (self._inflight, [k for k, w in self._inflight.items() if w.tgid in gone]),
+            (self._refusals, [k for k, r in self._refusals.items() if r.tgid in gone]),
+            (self._accepts, [ctypes.c_uint32(t) for t in gone]),
+        ]
+        for table, keys in doomed:
+            for key in keys:
+                with contextlib.suppress(KeyError):  # the kernel side may have deleted it
+                    del table[key]
+
     def read(self) -> ProbeReading:
         self._bpf.ring_buffer_poll(0)
         events, self._events = tuple(self._events), []
+        sockets, self._socket_events = tuple(self._socket_events), []
         vector = self._defs["HW_SYSCALL_FUTEX_WAITV"]
+        edeadlk_only = self._defs["HW_WAIT_EDEADLK_ONLY"]
+        watching = self._watching
+        # Entries kept for unwatched processes (PI locks, for their EDEADLK) are not the
+        # caller's business until the process is watched; they are dropped here once their
+        # thread is gone, since no caller would ever name them in forget().
+        dead: list[int] = []
         inflight = {}
         for k, w in self._inflight.items():
+            if w.flags & edeadlk_only and w.tgid not in watching:
+                if not _thread_alive(w.tgid, k.value):
+                    dead.append(k.value)
+                continue
             wait = FutexWait(
                 uaddr=w.uaddr,
                 op=w.op,
@@ -134,21 +268,69 @@ class FutexProbe:
                 source="bpf",
             )
             inflight[k.value] = InflightWait(k.value, w.tgid, wait, w.word, w.owner_hint)
-        refusals = {k.value: (r.tgid, r.uaddr, r.ts_ns) for k, r in self._refusals.items()}
+        refusals = {}
+        for k, r in self._refusals.items():
+            if r.tgid in watching:
+                refusals[k.value] = (r.tgid, r.uaddr, r.ts_ns)
+            elif not _thread_alive(r.tgid, k.value):
+                dead.append(k.value)
+        if dead:
+            self.forget(dead)
         hist: dict[int, dict[int, int]] = {}
         for k, n in self._hist.items():
             hist.setdefault(k.tgid, {})[k.slot] = n.value
+        accepts = {k.value: n.value for k, n in self._accepts.items()}
+        writes: dict[int, dict[int, FdWrites]] = {}
+        for k, v in self._fd_writes.items():
+            writes.setdefault(k.tgid, {})[k.fd] = FdWrites(k.fd, v.bytes, v.calls, v.last_ns)
         counters: dict[str, int] = {}
         for per_cpu in self._counters.values():
             for c in per_cpu:
                 for name, _ in c._fields_:
                     counters[name] = counters.get(name, 0) + getattr(c, name)
-        return ProbeReading(inflight, refusals, events, hist, counters)
+        return ProbeReading(
+            inflight,
+            refusals,
+            events,
+            hist,
+            counters,
+            socket_events=sockets,
+            accepts=accepts,
+            writes=writes,
+        )
+
+    def program_stats(self) -> dict[str, ProgramStats]:
+        """Cumulative run time and count per attached program, named by its tracepoint
+        (``sys_enter_futex``). All zero unless stats are on: see ``enable_stats``."""
+        out = {}
+        for func_name, fn in self._bpf.funcs.items():
+            info = _fdinfo(fn.fd)
+            out[_program_name(func_name)] = ProgramStats(
+                run_seconds=int(info.get("run_time_ns", "0")) / 1e9,
+                run_count=int(info.get("run_cnt", "0")),
+            )
+        return out
+
+    def enable_stats(self) -> Callable[[], None] | None:
+        """Turn on the kernel's per-program run-time accounting (``kernel.bpf_stats_enabled``;
+        it costs every BPF program on the host two clock reads per run, so it is off by
+        default). Returns the function that turns it back off, or None when it could not be
+        turned on (not root)."""
+        fd = _enable_stats_fd()
+        if fd is not None:
+            return _once(lambda: os.close(fd))
+        # No such syscall here: the sysctl itself, restored to its old value on the way out.
+        try:
+            old = STATS_SYSCTL.read_text().strip()
+            STATS_SYSCTL.write_text("1\n")
+        except OSError:
+            return None
+        return _once(lambda: STATS_SYSCTL.write_text(f"{old}\n"))
 
     def close(self) -> None:
         self._bpf.cleanup()
 
-    def __enter__(self) -> FutexProbe:
+    def __enter__(self) -> KernelProbes:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -45,7 +45,7 @@ def main() -> int:
     from agent import preflight
 
     preflight.check()
-    from agent.probe import FutexProbe
+    from agent.probe import KernelProbes
 
     exe = build()
     res: dict[tuple[str, str], list[float]] = {}
@@ -54,7 +54,7 @@ def main() -> int:
         # Each round: no probe at all, then a freshly loaded probe, unwatched and watched.
         for kind in ("wait", "wake"):
             res.setdefault((kind, "none"), []).append(one_run(exe, args.calls, kind, None, False))
-        with FutexProbe() as probe:
+        with KernelProbes() as probe:
             for kind in ("wait", "wake"):
                 for mode in ("unwatched", "watched"):
                     res.setdefault((kind, mode), []).append(

@@ -1,54 +1,17 @@
 /* hangwatch futex probe: who waits on which futex word, now.
  *
- * For watched processes only, each futex wait (WAIT, WAIT_BITSET, LOCK_PI,
+ * For watched processes, each futex wait (WAIT, WAIT_BITSET, LOCK_PI,
  * LOCK_PI2, WAIT_REQUEUE_PI, futex_wait, futex_waitv) gets one in-flight entry
  * per thread at sys_enter, removed at sys_exit into a per-process log2
  * histogram of wait time. Waits longer than LONG_WAIT_NS and every EDEADLK
  * from a PI lock go to the ring buffer. Wake ops return before any map access.
  *
- * Settings arrive as -D compile-time constants from agent/probe.py.
+ * A PI lock of an unwatched process gets a minimal entry flagged
+ * HW_WAIT_EDEADLK_ONLY, so that a cycle the kernel refuses is known even if
+ * it formed before discovery reached the process; it feeds nothing else.
+ *
+ * Part of one object: follows maps.bpf.h (see there).
  */
-#include "hangwatch.h"
-
-#ifndef MAX_WATCHED
-#define MAX_WATCHED 4096
-#endif
-#ifndef MAX_INFLIGHT
-#define MAX_INFLIGHT 65536
-#endif
-#ifndef MAX_HIST
-#define MAX_HIST 32768
-#endif
-#ifndef MAX_REFUSALS
-#define MAX_REFUSALS 4096
-#endif
-#ifndef LONG_WAIT_NS
-#define LONG_WAIT_NS 1000000000ULL
-#endif
-#ifndef RINGBUF_PAGES
-#define RINGBUF_PAGES 64
-#endif
-
-BPF_HASH(watched, u32, u8, MAX_WATCHED);                    /* tgid -> 1, filled by user space */
-BPF_HASH(inflight, u32, struct hw_wait, MAX_INFLIGHT);      /* tid -> current wait */
-BPF_HASH(refusals, u32, struct hw_refusal, MAX_REFUSALS);   /* tid -> refused PI lock */
-BPF_HASH(wait_hist, struct hw_hist_key, u64, MAX_HIST);     /* (tgid, log2 ns) -> count */
-BPF_PERCPU_ARRAY(counters, struct hw_counters, 1);
-BPF_RINGBUF_OUTPUT(events, RINGBUF_PAGES);
-
-static __always_inline struct hw_counters *this_cpu_counters(void)
-{
-	u32 zero = 0;
-	return counters.lookup(&zero);
-}
-
-/* Per-CPU, so a plain increment is safe. (bcc forbids map calls inside macros.) */
-#define COUNT(field)                                                                               \
-	do {                                                                                       \
-		struct hw_counters *c_ = this_cpu_counters();                                      \
-		if (c_)                                                                            \
-			c_->field++;                                                               \
-	} while (0)
 
 static __always_inline int is_wait_cmd(u32 cmd)
 {
@@ -61,14 +24,30 @@ static __always_inline int is_pi_lock(u32 cmd)
 	return cmd == HW_FUTEX_LOCK_PI || cmd == HW_FUTEX_LOCK_PI2;
 }
 
+/* Only the EDEADLK of this lock will be reported: no user reads, no histogram. */
+static __always_inline int pi_enter_unwatched(u32 tid, u32 tgid, u64 uaddr, u32 cmd, u32 val)
+{
+	struct hw_wait w = {};
+	w.start_ns = bpf_ktime_get_ns();
+	w.uaddr = uaddr;
+	w.tgid = tgid;
+	w.op = cmd;
+	w.val = val;
+	w.syscall = HW_SYSCALL_FUTEX;
+	w.flags = HW_WAIT_EDEADLK_ONLY;
+	if (inflight.update(&tid, &w))
+		COUNT(inflight_full);
+	return 0;
+}
+
 static __always_inline int wait_enter(u64 uaddr, u32 cmd, u32 val, u32 syscall)
 {
 	u64 id = bpf_get_current_pid_tgid();
 	u32 tgid = id >> 32;
 	u32 tid = (u32)id;
 
-	if (!watched.lookup(&tgid))
-		return 0;
+	if (!is_watched(tgid))
+		return is_pi_lock(cmd) ? pi_enter_unwatched(tid, tgid, uaddr, cmd, val) : 0;
 
 	struct hw_wait w = {};
 	w.start_ns = bpf_ktime_get_ns();
@@ -91,25 +70,17 @@ static __always_inline int wait_enter(u64 uaddr, u32 cmd, u32 val, u32 syscall)
 	return 0;
 }
 
-static __always_inline void send_event(u32 kind, struct hw_wait *w, u32 tid, u64 now, u64 dur,
-				       long ret)
+static __always_inline void send_wait_event(u32 kind, struct hw_wait *w, u32 tid, u64 now,
+					    u64 dur, long ret)
 {
-	struct hw_event *e = events.ringbuf_reserve(sizeof(struct hw_event));
-	if (!e) {
-		COUNT(events_dropped);
+	struct hw_event *e = reserve_event(kind, w->tgid, tid, now);
+	if (!e)
 		return;
-	}
-	e->ts_ns = now;
 	e->uaddr = w->uaddr;
 	e->duration_ns = dur;
-	e->kind = kind;
-	e->tgid = w->tgid;
-	e->tid = tid;
 	e->op = w->op;
 	e->ret = ret;
-	e->pad = 0;
-	events.ringbuf_submit(e, 0);
-	COUNT(events_sent);
+	submit_event(e);
 }
 
 static __always_inline int wait_exit(long ret)
@@ -121,14 +92,17 @@ static __always_inline int wait_exit(long ret)
 
 	u64 now = bpf_ktime_get_ns();
 	u64 dur = now - w->start_ns;
+	int watched_wait = !(w->flags & HW_WAIT_EDEADLK_ONLY);
 
-	struct hw_hist_key key = {.tgid = w->tgid, .slot = bpf_log2l(dur)};
-	u64 zero = 0;
-	u64 *n = wait_hist.lookup_or_try_init(&key, &zero);
-	if (n)
-		__sync_fetch_and_add(n, 1);
-	else
-		COUNT(hist_full);
+	if (watched_wait) {
+		struct hw_hist_key key = {.tgid = w->tgid, .slot = bpf_log2l(dur)};
+		u64 zero = 0;
+		u64 *n = wait_hist.lookup_or_try_init(&key, &zero);
+		if (n)
+			__sync_fetch_and_add(n, 1);
+		else
+			COUNT(hist_full);
+	}
 
 	/* Any wait that ends means an earlier refusal no longer describes the thread. */
 	refusals.delete(&tid);
@@ -137,13 +111,14 @@ static __always_inline int wait_exit(long ret)
 		struct hw_refusal r = {.ts_ns = now, .uaddr = w->uaddr, .tgid = w->tgid};
 		if (refusals.update(&tid, &r))
 			COUNT(refusals_full);
-		send_event(HW_EVENT_EDEADLK, w, tid, now, dur, ret);
-	} else if (dur >= LONG_WAIT_NS) {
-		send_event(HW_EVENT_LONG_WAIT, w, tid, now, dur, ret);
+		send_wait_event(HW_EVENT_EDEADLK, w, tid, now, dur, ret);
+	} else if (watched_wait && dur >= LONG_WAIT_NS) {
+		send_wait_event(HW_EVENT_LONG_WAIT, w, tid, now, dur, ret);
 	}
 
 	inflight.delete(&tid);
-	COUNT(waits_ended);
+	if (watched_wait)
+		COUNT(waits_ended);
 	return 0;
 }
 

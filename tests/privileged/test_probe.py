@@ -1,0 +1,309 @@
+"""The kernel probes on their own: real BPF on this kernel, fixture programs, exact figures.
+
+Each test loads a fresh ``KernelProbes`` (in the test body, so a missing privilege fails the
+call phase like the rest of this directory), points it at fixture processes and reads what
+the kernel side kept. Map contents are checked per PID: other processes on the host may use
+the same syscalls meanwhile.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import socket
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from agent.errors import KernelFeatureError
+from agent.model import PI_LOCK_OPS, FdWrites, ProbeEvent, ProbeReading, SocketEvent
+from agent.probe import BPF_DIR, BPF_SOURCES, KernelProbes
+from tests.fixturelib import SYS_FUTEX, Fixture
+
+EDEADLK = 35
+FUTEX_WAKE = 1
+OpenProbes = Callable[[], KernelProbes]
+
+
+@pytest.fixture
+def open_probes() -> Iterator[OpenProbes]:
+    """Load the probes on demand; whatever was loaded is detached at teardown."""
+    opened: list[KernelProbes] = []
+
+    def open_() -> KernelProbes:
+        probes = KernelProbes()
+        opened.append(probes)
+        return probes
+
+    yield open_
+    for probes in opened:
+        probes.close()
+
+
+class Seen:
+    """Every reading's ring-buffer events kept across reads (each read drains them)."""
+
+    def __init__(self, probes: KernelProbes) -> None:
+        self.probes = probes
+        self.events: list[ProbeEvent] = []
+        self.socket_events: list[SocketEvent] = []
+        self.last = ProbeReading()
+
+    def read(self) -> ProbeReading:
+        self.last = self.probes.read()
+        self.events += self.last.events
+        self.socket_events += self.last.socket_events
+        return self.last
+
+    def until(self, predicate: Callable[[Seen], object], what: str, timeout: float = 5) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            self.read()
+            if predicate(self):
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"no {what} within {timeout} s; events {self.events}, socket events "
+                    f"{self.socket_events}, last reading {self.last}"
+                )
+            time.sleep(0.02)
+
+
+def assert_nothing_lost(r: ProbeReading) -> None:
+    lost = {k: v for k, v in r.counters.items() if k.endswith("_full") or k == "events_dropped"}
+    assert lost and not any(lost.values()), f"maps full or ring buffer drops: {lost}"
+
+
+def start_server(fx: Fixture) -> tuple[int, int, int]:
+    """Let a started listen_write fixture run: (port, listening fd, file fd)."""
+    fx.send("go")
+    info = fx.wait_for("LISTENING")
+    return info.get_int("port"), info.get_int("fd"), info.get_int("file_fd")
+
+
+def connect(port: int, times: int) -> None:
+    for _ in range(times):
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+
+
+# --- bind and listen: every process --------------------------------------------------------
+
+
+def test_bind_and_listen_reported_for_unwatched_process(open_probes: OpenProbes) -> None:
+    probes = open_probes()
+    seen = Seen(probes)
+    with Fixture.c("listen_write", "0", ready="STARTED") as fx:
+        port, fd, _ = start_server(fx)
+        fx.wait_for("READY")
+        pid = fx.pid
+        seen.until(
+            lambda s: any(e.tgid == pid and e.kind == "listen" for e in s.socket_events),
+            f"listen event from unwatched pid {pid}",
+        )
+    mine = [e for e in seen.socket_events if e.tgid == pid]
+    # The port asked for: the probing bind to port 0, then the real one to the port it found.
+    binds = [(e.family, e.port, e.tid) for e in mine if e.kind == "bind"]
+    assert binds == [(socket.AF_INET, 0, pid), (socket.AF_INET, port, pid)], mine
+    assert [e.fd for e in mine if e.kind == "bind"][-1] == fd, mine
+    listens = [(e.fd, e.backlog, e.family, e.port) for e in mine if e.kind == "listen"]
+    assert listens == [(fd, 17, 0, 0)], mine
+    r = seen.last
+    assert pid not in r.accepts and pid not in r.writes and pid not in r.wait_histogram, r
+    assert_nothing_lost(r)
+
+
+# --- accepts and writes: watched processes only --------------------------------------------
+
+
+def test_accepts_counted_for_watched_process_only(open_probes: OpenProbes) -> None:
+    probes = open_probes()
+    with (
+        Fixture.c("listen_write", "5", ready="STARTED") as watched,
+        Fixture.c("listen_write", "5", ready="STARTED") as other,
+    ):
+        probes.watch([watched.pid])
+        for fx in (watched, other):
+            port, _, _ = start_server(fx)
+            connect(port, 5)  # accept 2, accept4 3
+            fx.wait_for("READY")
+        r = probes.read()
+    assert r.accepts.get(watched.pid) == 5, r.accepts
+    assert other.pid not in r.accepts, r.accepts
+    assert_nothing_lost(r)
+
+
+def test_writes_counted_per_fd_for_watched_process_only(open_probes: OpenProbes) -> None:
+    probes = open_probes()
+    seen = Seen(probes)
+    with (
+        Fixture.c("listen_write", "0", ready="STARTED") as watched,
+        Fixture.c("listen_write", "0", ready="STARTED") as other,
+    ):
+        probes.watch([watched.pid])
+        t0 = time.monotonic_ns()
+        _, _, file_fd = start_server(watched)
+        watched.wait_for("READY")
+        start_server(other)
+        other.wait_for("READY")
+        # stdout is written too: the LISTENING and READY lines (STARTED came before the
+        # watch). The test can read READY before that write(2) reaches sys_exit: wait for it.
+        seen.until(
+            lambda s: s.last.writes.get(watched.pid, {}).get(1, FdWrites(1, 0, 0, 0)).calls == 2,
+            "the second stdout write",
+        )
+        t1 = time.monotonic_ns()
+        printed = [ln for ln in watched.lines if ln.split()[0] in ("LISTENING", "READY")]
+    r = seen.last
+    mine = r.writes[watched.pid]
+    f = mine.get(file_fd)
+    assert f is not None, mine
+    # write 100, writev 30 + 20, pwrite64 7
+    assert (f.fd, f.bytes, f.calls) == (file_fd, 157, 3), f
+    assert t0 <= f.last_ns <= mine[1].last_ns <= t1, (t0, mine, t1)
+    assert mine[1].bytes == sum(len(ln) + 1 for ln in printed), (printed, mine)
+    assert other.pid not in r.writes, r.writes
+    assert_nothing_lost(r)
+
+
+# --- PI deadlocks: every process -----------------------------------------------------------
+
+
+def test_edeadlk_reported_for_unwatched_process(open_probes: OpenProbes) -> None:
+    probes = open_probes()
+    seen = Seen(probes)
+    with Fixture.c("pi_deadlock", "--wait-for-go", ready="HOLDING") as fx:
+        pid = fx.pid
+        tids = set(fx.info.get_ints("tids"))
+        locks = set(fx.info.get_ints("locks"))
+        fx.send("go")
+        ready = fx.wait_for("READY")
+        (parked,) = ready.get_ints("parked_tids")  # refused with EDEADLK, parked on a dummy word
+        (lockpi,) = ready.get_ints("lockpi_tids")  # still in FUTEX_LOCK_PI
+        seen.until(
+            lambda s: any(e.kind == "edeadlk" and e.tgid == pid for e in s.events),
+            f"EDEADLK event from unwatched pid {pid}",
+        )
+        refused = [e for e in seen.events if e.tgid == pid]
+        assert [(e.kind, e.tid, e.ret) for e in refused] == [("edeadlk", parked, -EDEADLK)], refused
+        assert refused[0].uaddr in locks and refused[0].op in PI_LOCK_OPS, refused
+        r = seen.last
+        # Kept in the kernel, but not shown while unwatched: nothing else was recorded.
+        assert not (set(r.inflight) | set(r.refusals)) & tids, r
+        assert pid not in r.wait_histogram and r.counters["waits_started"] == 0, r
+
+        # Discovery reaches it later: the refusal, and the LOCK_PI still in flight, are there.
+        probes.watch([pid])
+        r = probes.read()
+        assert r.refusals.get(parked) == (pid, refused[0].uaddr, refused[0].ts_ns), r.refusals
+        assert lockpi in r.inflight and r.inflight[lockpi].wait.op in PI_LOCK_OPS, r.inflight
+        assert r.inflight[lockpi].wait.uaddr in locks - {refused[0].uaddr}, r.inflight
+        probes.watch([])
+    # Gone while unwatched: a read drops what was kept for its threads.
+    probes.read()
+    probes.watch([pid])
+    r = probes.read()
+    assert not (set(r.inflight) | set(r.refusals)) & tids, r
+    assert_nothing_lost(r)
+
+
+# --- bookkeeping ---------------------------------------------------------------------------
+
+
+def test_forget_processes_empties_per_process_maps(open_probes: OpenProbes) -> None:
+    probes = open_probes()
+    seen = Seen(probes)
+    with Fixture.c("listen_write", "2", ready="STARTED") as fx:
+        pid = fx.pid
+        probes.watch([pid])
+        port, _, _ = start_server(fx)
+        connect(port, 2)
+        tid = fx.wait_for("READY").get_int("tid")
+        # After READY it parks in a futex wait: in flight, after one timed wait (histogram).
+        seen.until(lambda s: tid in s.last.inflight, f"in-flight wait of {tid}")
+        r = seen.last
+        assert r.accepts.get(pid) == 2 and pid in r.writes and pid in r.wait_histogram, r
+        probes.forget_processes([pid])
+        r = probes.read()
+        assert pid not in r.accepts and pid not in r.writes and pid not in r.wait_histogram, r
+        assert tid not in r.inflight, r.inflight
+    assert_nothing_lost(r)
+
+
+def test_program_stats_count_runs_once_enabled(open_probes: OpenProbes) -> None:
+    probes = open_probes()
+    names = set(probes.program_stats())
+    for syscall in ("futex", "bind", "listen", "write", "writev", "pwrite64"):
+        assert {f"sys_enter_{syscall}", f"sys_exit_{syscall}"} <= names, names
+    assert {"sys_exit_accept", "sys_exit_accept4"} <= names, names
+    restore = probes.enable_stats()
+    assert callable(restore), "enable_stats() could not turn stats on as root"
+    try:
+        # One futex call of our own runs both futex programs at least once.
+        word = ctypes.c_uint32(0)
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.syscall(SYS_FUTEX, ctypes.byref(word), FUTEX_WAKE, 1, None, None, 0)
+        stats = probes.program_stats()
+    finally:
+        restore()
+    for name in ("sys_enter_futex", "sys_exit_futex"):
+        assert stats[name].run_count > 0 and stats[name].run_seconds > 0, stats
+
+
+def test_compile_errors_name_the_real_file(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    for name in (*BPF_SOURCES, "hangwatch.h"):
+        shutil.copy(BPF_DIR / name, tmp_path / name)
+    io = tmp_path / "io.bpf.c"
+    io.write_text("static int hw_broken(void) { return not_declared_anywhere; }\n" + io.read_text())
+    with pytest.raises(KernelFeatureError):
+        KernelProbes(bpf_dir=tmp_path)
+    err = capfd.readouterr().err
+    assert f"{io}:1:" in err and "not_declared_anywhere" in err, err
+
+
+# --- cost: measured, reported, never asserted ----------------------------------------------
+
+
+def write_cost(probes: KernelProbes | None, calls: int, watch: bool) -> tuple[float, ProbeReading]:
+    """ns per one-byte write(2) to /dev/null from a fresh write_loop, and the reading after."""
+    with Fixture.c("write_loop", str(calls), ready="STARTED") as fx:
+        if probes is not None and watch:
+            probes.watch([fx.pid])
+        fx.send("go")
+        done = fx.wait_for("READY", timeout=60)
+        r = probes.read() if probes is not None else ProbeReading()
+        if probes is not None:
+            probes.watch([])
+            probes.forget_processes([fx.pid])
+        ns = float(done["ns_per_call"])
+        # What the probe kept for it: exactly its writes when watched, nothing otherwise.
+        devnull = fx.info.get_int("fd")
+        got = r.writes.get(fx.pid, {}).get(devnull)
+        if probes is not None and watch:
+            assert got is not None and (got.bytes, got.calls) == (calls, calls), got
+        else:
+            assert got is None, got
+    return ns, r
+
+
+def measure_write_cost(rounds: int = 3, calls: int = 20_000) -> dict[str, float]:
+    """Median ns per write: no probe loaded, loaded but not watching the writer, watching it.
+    Each round loads the probes afresh, like bench/futex_overhead.py."""
+    runs: dict[str, list[float]] = {"none": [], "unwatched": [], "watched": []}
+    for _ in range(rounds):
+        runs["none"].append(write_cost(None, calls, watch=False)[0])
+        with KernelProbes() as probes:
+            runs["unwatched"].append(write_cost(probes, calls, watch=False)[0])
+            runs["watched"].append(write_cost(probes, calls, watch=True)[0])
+            assert_nothing_lost(probes.read())
+    return {k: statistics.median(v) for k, v in runs.items()}
+
+
+def test_write_cost_is_measured() -> None:
+    medians = measure_write_cost()
+    print("write(2) of 1 byte to /dev/null, ns/call:", medians)
+    assert all(v > 0 for v in medians.values()), medians
