@@ -1,0 +1,400 @@
+"""Prometheus metrics: the daemon's latest ``Exposition`` as metric families, on every scrape.
+
+``HangwatchCollector`` keeps nothing between scrapes: each ``collect()`` reads the latest
+exposition from its ``source`` and builds fresh families from it, so only processes present
+in that exposition produce samples and cardinality stays bounded by what is watched now.
+
+Labels: service metrics carry ``{service, pid, state}`` (pid is the service's root);
+process metrics carry ``{service, service_pid, pid, comm}`` plus the allow-listed
+environment labels (``rank``, ``local_rank``...): the union of the names present in the
+exposition, with "" where a process lacks one, so every sample of a family has the same
+label names. Never a TID: per-thread series would grow with every thread ever seen.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+from prometheus_client.exposition import generate_latest
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector, CollectorRegistry
+from prometheus_client.utils import floatToGoString
+
+from . import __version__
+from .classify import STATES
+from .status import AgentStatus, Exposition, ProcessStatus, ServiceStatus
+
+log = logging.getLogger(__name__)
+
+# The collector="..." name under which this collector reports its own scrape.
+EXPOSITION = "exposition"
+
+# Bucket bounds of hangwatch_futex_wait_seconds: 2^10, 2^12, ... 2^36 ns (1.024 us to 68.7 s),
+# the same for every process. Each bound is an edge of the probe's log2 slots, so the
+# cumulative counts are exact, not interpolated; powers of 4 rather than 2 halve the series per
+# process (14 bounds + Inf). Waits under ~1 us never really slept (the word had changed), and a
+# wait parked for good never ends, so it shows in parked_seconds, not here.
+BUCKET_LOG2_NS: tuple[int, ...] = tuple(range(10, 37, 2))
+BUCKET_BOUNDS_SECONDS: tuple[float, ...] = tuple(2**b / 1e9 for b in BUCKET_LOG2_NS)
+_BUCKET_LE: tuple[str, ...] = (*(floatToGoString(b) for b in BUCKET_BOUNDS_SECONDS), "+Inf")
+
+# Label names a process family uses itself; an environment label must not shadow them (and
+# "tid" is reserved so that an allow-listed TID variable can never become a per-thread label).
+_PROCESS_LABELS = ("service", "service_pid", "pid", "comm")
+_RESERVED = frozenset({*_PROCESS_LABELS, "state", "gpu", "le", "tid"})
+_NOT_LABEL_CHAR = re.compile(r"[^a-z0-9_]")
+
+
+def bucket_index(slot: int) -> int:
+    """Index in the bucket bounds (len(BUCKET_LOG2_NS) for +Inf) that takes log2 slot ``slot``.
+
+    Slot s counts waits in [2^s, 2^(s+1)) ns: the smallest bound >= 2^(s+1) ns holds them all.
+    """
+    edge = slot + 1
+    first, last = BUCKET_LOG2_NS[0], BUCKET_LOG2_NS[-1]
+    if edge <= first:
+        return 0
+    if edge > last:
+        return len(BUCKET_LOG2_NS)
+    return (edge - first + 1) // 2
+
+
+def futex_buckets(slots: Mapping[int, int]) -> tuple[list[tuple[str, float]], float]:
+    """Cumulative ``(le, count)`` buckets and the approximate sum in seconds of log2 slots.
+
+    The probe keeps counts only, so the sum counts each wait at its slot's midpoint,
+    1.5 * 2^s ns: within a factor of 1.5 of the truth, wait by wait.
+    """
+    counts = [0] * len(_BUCKET_LE)
+    total_ns = 0.0
+    for slot, n in slots.items():
+        counts[bucket_index(slot)] += n
+        total_ns += n * 1.5 * 2.0**slot
+    buckets = []
+    running = 0
+    for le, n in zip(_BUCKET_LE, counts):
+        running += n
+        buckets.append((le, float(running)))
+    return buckets, total_ns / 1e9
+
+
+def label_name(key: str) -> str:
+    """An environment variable's name as a valid label name that cannot shadow ours."""
+    name = _NOT_LABEL_CHAR.sub("_", key.lower())
+    if not name or name[0].isdigit() or name.startswith("__") or name in _RESERVED:
+        name = "env_" + name
+    return name
+
+
+def _gpu_order(gpu: str) -> tuple[int, int, str]:
+    # Numeric indices in numeric order ("2" before "10"), anything else after them.
+    return (0, int(gpu), gpu) if gpu.isdigit() else (1, 0, gpu)
+
+
+class _Families:
+    """One scrape's families, with one fixed set of process label names."""
+
+    def __init__(self, extra_labels: Sequence[str] = ()) -> None:
+        self.extra = tuple(extra_labels)
+        proc = [*_PROCESS_LABELS, *self.extra]
+
+        def gauge(name: str, doc: str, labels: Sequence[str]) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc, labels=labels)
+
+        def counter(name: str, doc: str, labels: Sequence[str]) -> CounterMetricFamily:
+            return CounterMetricFamily(name, doc, labels=labels)
+
+        self.service_state = gauge(
+            "hangwatch_service_state",
+            "Verdict for a service (a watched process and its descendants; pid is its root): "
+            "1 for its current state (deadlocked, stalled, idle or progressing), 0 for the "
+            "other three.",
+            ["service", "pid", "state"],
+        )
+        self.process_state = gauge(
+            "hangwatch_process_state",
+            "Verdict for one process of a service: 1 for its current state (deadlocked, "
+            "stalled, idle or progressing), 0 for the other three.",
+            [*proc, "state"],
+        )
+        self.threads = gauge("hangwatch_process_threads", "Threads of the process.", proc)
+        self.parked_threads = gauge(
+            "hangwatch_process_parked_threads",
+            "Threads of the process that are parked: blocked and doing no CPU work (timer "
+            "wake-ups are not work).",
+            proc,
+        )
+        self.parked_seconds = gauge(
+            "hangwatch_process_parked_seconds",
+            "How long every thread of the process has been parked (blocked with no CPU work); "
+            "0 if any thread works.",
+            proc,
+        )
+        self.lock_cycles = gauge(
+            "hangwatch_process_lock_cycles",
+            "Lock cycles (each thread waits for a lock the next one holds), stable across two "
+            "reads, that include threads of this process; above 0 means deadlocked.",
+            proc,
+        )
+        self.futex_wait = HistogramMetricFamily(
+            "hangwatch_futex_wait_seconds",
+            "How long the process's futex waits (lock, condition variable, barrier) lasted, "
+            "counted when each wait ended, since the process was watched; a wait still going "
+            "on is not counted. _sum is approximate: from log2 buckets, each wait counted at "
+            "the middle of its power-of-2 interval.",
+            labels=proc,
+        )
+        self.write_bytes = counter(
+            "hangwatch_process_write_bytes",
+            "Bytes the process wrote (files, pipes, sockets) since it was watched.",
+            proc,
+        )
+        self.last_write_age = gauge(
+            "hangwatch_process_last_write_age_seconds",
+            "Seconds since the process last wrote anything (a log line, a response); absent "
+            "until a write is seen.",
+            proc,
+        )
+        self.accepts = counter(
+            "hangwatch_process_accepts",
+            "Connections the process accepted since it was watched.",
+            proc,
+        )
+        self.listening_ports = gauge(
+            "hangwatch_process_listening_ports",
+            "TCP ports the process listens on.",
+            proc,
+        )
+        self.gpu_memory = gauge(
+            "hangwatch_process_gpu_memory_bytes",
+            "GPU memory the process holds on each GPU (gpu is the device index).",
+            [*proc, "gpu"],
+        )
+        self.gpu_utilization = gauge(
+            "hangwatch_gpu_utilization_ratio",
+            "Fraction of the last sample period (0 to 1) in which the GPU ran a kernel, from NVML.",
+            ["gpu"],
+        )
+        self.events_dropped = counter(
+            "hangwatch_bpf_events_dropped",
+            "Events the BPF programs could not send to the agent because the ring buffer was "
+            "full; above 0 means some long waits or deadlock refusals were missed.",
+            [],
+        )
+        self.maps_full = counter(
+            "hangwatch_bpf_map_full",
+            "Updates refused because a BPF map was full (in-flight waits, wait histograms, "
+            "refusals); above 0 means some waits were not seen or not counted.",
+            [],
+        )
+        self.program_seconds = counter(
+            "hangwatch_bpf_program_run_seconds",
+            "CPU time spent in each of hangwatch's BPF programs (counted only while sysctl "
+            "kernel.bpf_stats_enabled is 1).",
+            ["program"],
+        )
+        self.program_runs = counter(
+            "hangwatch_bpf_program_runs",
+            "Times each of hangwatch's BPF programs ran (counted only while sysctl "
+            "kernel.bpf_stats_enabled is 1).",
+            ["program"],
+        )
+        self.collector_success = gauge(
+            "hangwatch_collector_success",
+            "1 if the agent's collector succeeded on its last run, 0 if it failed (its "
+            'metrics may be missing or stale). collector="exposition" is this scrape reading '
+            "the agent's latest results.",
+            ["collector"],
+        )
+        self.collector_duration = gauge(
+            "hangwatch_collector_duration_seconds",
+            "How long the agent's collector took on its last run, in seconds.",
+            ["collector"],
+        )
+        self.build_info = gauge(
+            "hangwatch_build_info",
+            "Always 1; the version label says which hangwatch is running.",
+            ["version"],
+        )
+
+    def all(self) -> list[Metric]:
+        # Sorted by name, as Go exporters print them: easy to find one in a golden file.
+        fams = [v for v in vars(self).values() if isinstance(v, Metric)]
+        return sorted(fams, key=lambda m: m.name)
+
+    def populated(self) -> list[Metric]:
+        # An empty family would print HELP and TYPE with no sample: noise, so leave it out.
+        return [m for m in self.all() if m.samples]
+
+    def add_service(self, svc: ServiceStatus, unknown_state: Callable[[str], None]) -> None:
+        if svc.state not in STATES:
+            unknown_state(svc.state)
+        for state in STATES:
+            self.service_state.add_metric(
+                [svc.service, str(svc.pid), state], 1.0 if svc.state == state else 0.0
+            )
+
+    def add_process(
+        self, svc: ServiceStatus, p: ProcessStatus, unknown_state: Callable[[str], None]
+    ) -> None:
+        env = {label_name(k): v for k, v in p.labels.items()}
+        # The enclosing service's name and root, so process series join its service_state.
+        lv = [svc.service, str(svc.pid), str(p.pid), p.comm]
+        lv += [env.get(name, "") for name in self.extra]
+        if p.state not in STATES:
+            unknown_state(p.state)
+        for state in STATES:
+            self.process_state.add_metric([*lv, state], 1.0 if p.state == state else 0.0)
+        self.threads.add_metric(lv, p.threads)
+        self.parked_threads.add_metric(lv, p.parked_threads)
+        self.parked_seconds.add_metric(lv, p.parked_seconds)
+        self.lock_cycles.add_metric(lv, p.lock_cycles)
+        buckets, sum_s = futex_buckets(p.futex_wait_slots)
+        self.futex_wait.add_metric(lv, buckets, sum_s)
+        if p.write_bytes_total is not None:
+            self.write_bytes.add_metric(lv, p.write_bytes_total)
+        if p.last_write_age_seconds is not None:
+            self.last_write_age.add_metric(lv, p.last_write_age_seconds)
+        if p.accepts_total is not None:
+            self.accepts.add_metric(lv, p.accepts_total)
+        self.listening_ports.add_metric(lv, p.listening_ports)
+        for gpu in sorted(p.gpu_memory_bytes, key=_gpu_order):
+            self.gpu_memory.add_metric([*lv, gpu], p.gpu_memory_bytes[gpu])
+
+    def add_agent(self, agent: AgentStatus) -> None:
+        self.events_dropped.add_metric([], agent.events_dropped_total)
+        self.maps_full.add_metric([], agent.maps_full_total)
+        for name in sorted(agent.programs):
+            stats = agent.programs[name]
+            self.program_seconds.add_metric([name], stats.run_seconds)
+            self.program_runs.add_metric([name], stats.run_count)
+        for name in sorted(agent.collectors):
+            if name == EXPOSITION:
+                continue  # ours, added by the collector; a second sample would be a duplicate
+            c = agent.collectors[name]
+            self.add_collector(name, c.success, c.duration_seconds)
+        for gpu in sorted(agent.gpu_utilization, key=_gpu_order):
+            self.gpu_utilization.add_metric([gpu], agent.gpu_utilization[gpu])
+
+    def add_collector(self, name: str, success: bool, duration_s: float) -> None:
+        self.collector_success.add_metric([name], 1.0 if success else 0.0)
+        self.collector_duration.add_metric([name], duration_s)
+
+
+def _extra_label_names(exposition: Exposition) -> list[str]:
+    names = {label_name(k) for s in exposition.services for p in s.processes for k in p.labels}
+    return sorted(names)
+
+
+def _families_of(exposition: Exposition, unknown_state: Callable[[str], None]) -> _Families:
+    fams = _Families(_extra_label_names(exposition))
+    seen_services: set[tuple[str, int]] = set()
+    seen_processes: set[tuple[str, int, int]] = set()
+    for svc in sorted(exposition.services, key=lambda s: (s.service, s.pid)):
+        # A repeated series would make Prometheus drop the sample: first one wins.
+        if (svc.service, svc.pid) in seen_services:
+            continue
+        seen_services.add((svc.service, svc.pid))
+        fams.add_service(svc, unknown_state)
+        for p in sorted(svc.processes, key=lambda p: p.pid):
+            if (svc.service, svc.pid, p.pid) in seen_processes:
+                continue
+            seen_processes.add((svc.service, svc.pid, p.pid))
+            fams.add_process(svc, p, unknown_state)
+    fams.add_agent(exposition.agent)
+    return fams
+
+
+class HangwatchCollector(Collector):
+    """Turns the daemon's latest exposition into metric families, fresh on every scrape.
+
+    ``source`` returns the latest ``Exposition``, or None before the daemon's first tick
+    (then only build info and this collector's own success are exported). A scrape never
+    raises: if ``source`` or the conversion fails, the scrape still has build info and
+    ``hangwatch_collector_success{collector="exposition"} 0``, and the error is logged once
+    until a scrape succeeds again.
+    """
+
+    def __init__(
+        self,
+        source: Callable[[], Exposition | None],
+        *,
+        version: str = __version__,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self._source = source
+        self._version = version
+        self._clock = clock  # injectable so a golden /metrics text has a fixed duration
+        self._lock = threading.Lock()  # scrapes run on the HTTP server's threads
+        self._failing = False
+        self._unknown_states: set[str] = set()
+
+    def describe(self) -> list[Metric]:
+        # The names without samples: register() checks them for clashes and never calls
+        # collect(), which would read the source before the daemon's first tick.
+        return _Families().all()
+
+    def collect(self) -> list[Metric]:
+        start = self._clock()
+        try:
+            exposition = self._source()
+            fams = (
+                _families_of(exposition, self._unknown_state)
+                if exposition is not None
+                else _Families()
+            )
+            ok = True
+        except Exception:
+            fams, ok = _Families(), False  # drop any half-built families
+            self._log_failure()
+        else:
+            self._log_recovery()
+        fams.add_collector(EXPOSITION, ok, self._clock() - start)
+        fams.build_info.add_metric([self._version], 1.0)
+        return fams.populated()
+
+    def _log_failure(self) -> None:
+        with self._lock:
+            first, self._failing = not self._failing, True
+        if first:
+            log.exception("/metrics: cannot export the latest results; serving build info only")
+
+    def _log_recovery(self) -> None:
+        with self._lock:
+            recovered, self._failing = self._failing, False
+        if recovered:
+            log.info("/metrics: exporting the latest results again")
+
+    def _unknown_state(self, state: str) -> None:
+        with self._lock:
+            first = state not in self._unknown_states
+            self._unknown_states.add(state)
+        if first:
+            log.warning("/metrics: unknown state %r exported as 0 for all of %s", state, STATES)
+
+
+def registry_for(
+    source: Callable[[], Exposition | None],
+    *,
+    version: str = __version__,
+    clock: Callable[[], float] = time.perf_counter,
+) -> CollectorRegistry:
+    """A fresh registry holding only a ``HangwatchCollector`` (no process_/python_ metrics)."""
+    # auto_describe only matters for collectors without describe(); ours has one.
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(HangwatchCollector(source, version=version, clock=clock))
+    return registry
+
+
+def render(registry: CollectorRegistry) -> bytes:
+    """The /metrics text (Prometheus text format 0.0.4) of ``registry``."""
+    return generate_latest(registry)
