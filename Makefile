@@ -5,13 +5,14 @@ PYTEST_ARGS ?=
 
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lint test run bench clean
+.PHONY: help setup lint test run demo bench clean
 
 help:
 	@echo "make setup   install what hangwatch needs (apt packages, kernel headers, tracefs, .venv)"
 	@echo "make lint    ruff check, ruff format --check and mypy"
 	@echo "make test    setup, lint, then pytest (extra options: PYTEST_ARGS='-k futex')"
-	@echo "make run     diagnose three demo programs (a deadlock, a stall, an idle server)"
+	@echo "make run     the daemon on its built-in defaults, /metrics on :9817 (root)"
+	@echo "make demo    the daemon watching four demo programs, printing their states live"
 	@echo "make bench   cost of the futex probe per futex call, as ratios to no probe (root)"
 	@echo "make clean   remove .venv, built test fixtures and caches"
 
@@ -27,8 +28,12 @@ lint: setup
 test: setup lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-# Until the daemon lands (next issue), `make run` demonstrates `hangwatch diagnose`.
+# The daemon on its built-in defaults (GPU processes and known inference servers).
 run: setup
+	$(PY) -m agent run
+
+# The daemon watching four small programs (deadlock, stall, loading then idle, idle), live.
+demo: setup
 	$(PY) -m scripts.demo
 
 bench: setup

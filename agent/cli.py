@@ -30,6 +30,26 @@ exit codes: 0 ok, 2 bad input (names it), 3 missing privilege or kernel feature 
 """
 
 
+RUN_EPILOG = """\
+config (YAML; unknown keys are errors):
+  listen: "0.0.0.0:9817"
+  interval_seconds: 1
+  park_threshold_seconds: 60
+  targets:
+    - name: sglang
+      cmdline: "sglang\\\\.launch_server"   # regex on the space-joined command line
+    - name: workers
+      comm: "python3?"                  # regex matched in full against the process name
+    - name: any-gpu
+      gpu: true                         # any process that holds GPU memory
+    - name: pinned
+      pids: [1234]
+
+exit codes: 0 stopped by SIGTERM/SIGINT, 2 bad config or listen address (names the key),
+3 missing privilege or kernel feature
+"""
+
+
 def _positive_float(text: str) -> float:
     try:
         return float(text)
@@ -85,6 +105,28 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds to observe (default 5; at least two reads are taken)",
     )
     d.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    r = sub.add_parser(
+        "run",
+        help="the daemon: watch inference services and serve Prometheus metrics",
+        description="Watch every process that a target selects (and its descendants), give each\n"
+        "service a verdict every interval, log state changes, and serve /metrics.\n"
+        "Without --config: the built-in default (processes holding GPU memory, and the\n"
+        "command lines of SGLang, vLLM, TensorRT-LLM, Triton, TGI and torchrun).\n"
+        "SIGHUP reloads the config (a bad one is logged, the old one kept); SIGTERM stops.",
+        epilog=RUN_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    r.add_argument("--config", metavar="FILE", help="YAML config (default: the built-in one)")
+    r.add_argument(
+        "--listen",
+        metavar="HOST:PORT",
+        help="address for /metrics, overriding the config (default 0.0.0.0:9817)",
+    )
+    r.add_argument(
+        "--print-default-config",
+        action="store_true",
+        help="print the built-in config and exit (a starting point for --config)",
+    )
     return parser
 
 
@@ -103,6 +145,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                     as_json=args.json,
                 )
             )
+        if args.command == "run":
+            if args.print_default_config:
+                from importlib import resources
+
+                sys.stdout.write(
+                    resources.files("agent").joinpath("default-config.yaml").read_text()
+                )
+                return 0
+            from .daemon import run as run_daemon
+
+            return run_daemon(args.config, args.listen)
     except HangwatchError as e:
         print(f"hangwatch: {e}", file=sys.stderr)
         return e.exit_code

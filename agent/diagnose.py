@@ -252,14 +252,14 @@ def run(opts: DiagnoseOptions, out: TextIO = sys.stdout, log: TextIO = sys.stder
     validate(opts, proc)
     for notice in preflight.check():
         print(f"hangwatch: {notice}", file=log)
-    from .probe import FutexProbe  # bcc only after preflight mounted tracefs
+    from .probe import KernelProbes  # bcc only after preflight mounted tracefs
 
-    with FutexProbe(long_wait_s=min(1.0, opts.threshold_s)) as probe:
+    with KernelProbes(long_wait_s=min(1.0, opts.threshold_s)) as probe:
         observer = Observer(Sampler(proc), probe, threshold_s=opts.threshold_s)
         observer.set_roots(opts.pids)
         watched = observer.discover()  # before saying "attached": from here on, waits are seen
         print(
-            f"hangwatch: attached futex probe ({probe.programs} tracepoints) in "
+            f"hangwatch: attached probes ({probe.programs} tracepoints) in "
             f"{probe.load_seconds:.1f} s; watching {plural(len(watched), 'process', 'processes')} of "
             f"{plural(len(opts.pids), 'service')} for {opts.duration_s:g} s",
             file=log,
@@ -268,7 +268,9 @@ def run(opts: DiagnoseOptions, out: TextIO = sys.stdout, log: TextIO = sys.stder
         observe(observer, opts, log)
         verdicts = observer.verdicts()
         tick = observer.ticks[-1]
-    events = list(observer.events)
+    # The probe reports EDEADLK for every process; show those of the services asked about.
+    ours = {p for pids in observer.members.values() for p in pids}
+    events = [e for e in observer.events if e.tgid in ours]
     if opts.as_json:
         json.dump(to_json(verdicts, tick, opts, events), out, indent=2)
         out.write("\n")

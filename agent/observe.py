@@ -7,6 +7,7 @@ and update park times. Verdicts are then computed over a window of ticks.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -22,14 +23,15 @@ from .classify import (
     describe_cycle,
     describe_group,
 )
-from .model import ProbeEvent, ProbeReading, Snapshot
+from .model import ProbeEvent, ProbeReading, Snapshot, SocketEvent
+from .procfs import ProcFS
 from .progress import ParkSettings, ParkTracker, window_progress
 from .sampler import Sampler, descendants
 from .waitgraph import WaitForGraph, WordGroup
 
 
 class ProbeSource(Protocol):
-    """What the observer needs of a probe (agent.probe.FutexProbe, or a test's stand-in)."""
+    """What the observer needs of a probe (agent.probe.KernelProbes, or a test's stand-in)."""
 
     def watch(self, tgids: Iterable[int]) -> None: ...
     def read(self) -> ProbeReading: ...
@@ -42,6 +44,65 @@ class Tick:
     graph: WaitForGraph
     cycles: tuple[tuple[int, ...], ...]  # stable: seen with the same edges in the previous tick
     reading: ProbeReading
+
+
+def describe_fd(target: str | None, fd: int) -> str:
+    """What an fd is, in words, from its /proc/PID/fd link."""
+    if target is None:
+        return f"fd {fd}"
+    if target.startswith("socket:"):
+        return f"a socket (fd {fd})"
+    if target.startswith("pipe:"):
+        return f"a pipe (fd {fd})"
+    if target.startswith(("/dev/pts/", "/dev/tty")):
+        return f"the terminal {target}"
+    return target
+
+
+class ListenHistory:
+    """When each port started listening, from the probe's bind and listen events.
+
+    Events arrive for every process, watched or not (a server may listen before discovery
+    reaches it). Kept per (pid, port); pruned when the pid is gone.
+    """
+
+    def __init__(self, proc: ProcFS) -> None:
+        self.proc = proc
+        self._bound: dict[tuple[int, int], int] = {}  # (pid, fd) -> port asked for at bind
+        self.since: dict[tuple[int, int], int] = {}  # (pid, port) -> CLOCK_MONOTONIC of listen
+
+    def update(self, events: Iterable[SocketEvent]) -> None:
+        for e in events:
+            if e.kind == "bind" and e.port:
+                self._bound[(e.tgid, e.fd)] = e.port
+            elif e.kind == "listen":
+                # A bind to port 0 lets the kernel choose: then ask /proc which port it chose.
+                port = self._bound.get((e.tgid, e.fd)) or self._port_now(e.tgid, e.fd)
+                if port:
+                    self.since[(e.tgid, port)] = e.ts_ns
+
+    def _port_now(self, pid: int, fd: int) -> int | None:
+        target = self.proc.fd_target(pid, fd)
+        if not target or not target.startswith("socket:["):
+            return None
+        inode = int(target[8:-1])
+        return next((s.port for s in self.proc.tcp_sockets(pid) if s.inode == inode), None)
+
+    def prune(self, live: set[int]) -> None:
+        self._bound = {k: v for k, v in self._bound.items() if k[0] in live}
+        self.since = {k: v for k, v in self.since.items() if k[0] in live}
+
+    def describe(self, pids: set[int], snap: Snapshot) -> list[str]:
+        out = []
+        for pid in sorted(pids):
+            p = snap.processes.get(pid)
+            for port in sorted({lst.port for lst in p.listeners} if p else ()):
+                ns = self.since.get((pid, port))
+                if ns is not None:
+                    wall = snap.wall - (snap.mono_ns - ns) / 1e9
+                    at = time.strftime("%H:%M:%S", time.localtime(wall))
+                    out.append(f"port {port} listening since {at}")
+        return out
 
 
 class Observer:
@@ -71,6 +132,9 @@ class Observer:
         self._prev_sigs: set[frozenset] = set()
         self.ticks: deque[Tick] = deque(maxlen=keep_ticks)
         self.events: deque[ProbeEvent] = deque(maxlen=1000)  # ring-buffer events, newest last
+        self.sockets = ListenHistory(self.sampler.proc)
+        self._fd_names: dict[tuple[int, int], str] = {}  # (pid, fd) -> link when last written
+        self._fd_seen: dict[tuple[int, int], int] = {}  # (pid, fd) -> last_ns when named
 
     def set_roots(self, roots: Iterable[int]) -> None:
         self.roots = list(dict.fromkeys(roots))
@@ -96,6 +160,8 @@ class Observer:
         if self.probe is not None:
             reading = self.probe.read()
             self.events.extend(reading.events)
+        self.sockets.update(reading.socket_events)
+        self._name_written_fds(reading)
         snap = self.sampler.snapshot(pids, reading)
         live = {t.tid for p in snap.processes.values() for t in p.threads}
         if self.probe is not None:
@@ -107,6 +173,7 @@ class Observer:
         stable = tuple(sorted(c for sig, c in sigs.items() if sig in self._prev_sigs))
         self._prev_sigs = set(sigs)
         self.tracker.update(snap)
+        self.sockets.prune(set(snap.processes) | set(self.sampler.proc.pids()))
         tick = Tick(snap, graph, stable, reading)
         self.ticks.append(tick)
         return tick
@@ -170,6 +237,45 @@ class Observer:
             names = {t.tid: t.name for p in tick.snapshot.processes.values() for t in p.threads}
             return [describe_cycle(c, graph.edges, names) for c in v.cycles]
         if v.state in (STALLED, IDLE):
+            now = tick.snapshot.mono_ns
             mine = [g for g in groups if pids.intersection(g.pids)]
-            return [describe_group(g, tick.snapshot.mono_ns) for g in mine[:3]]
+            out = [describe_group(g, now) for g in mine[:3]]
+            out.extend(self.sockets.describe(pids, tick.snapshot))
+            out.extend(self._last_writes(pids, tick.reading, now))
+            return out
         return []
+
+    def _name_written_fds(self, reading: ProbeReading) -> None:
+        """Name each fd when it is written (a log closed later is still named), and only
+        then: a readlink per fd that changed, not per fd per tick."""
+        names = {}
+        for pid, fds in reading.writes.items():
+            for fd, w in fds.items():
+                key = (pid, fd)
+                old = self._fd_names.get(key)
+                if old is None or self._fd_seen.get(key) != w.last_ns:
+                    old = self.sampler.proc.fd_target(pid, fd) or old
+                    self._fd_seen[key] = w.last_ns
+                if old is not None:
+                    names[key] = old
+        self._fd_names = names  # bounded by the fds the probe still reports
+        self._fd_seen = {k: v for k, v in self._fd_seen.items() if k in names}
+
+    def _last_writes(self, pids: set[int], reading: ProbeReading, now: int) -> list[str]:
+        """The most recent write, and the most recent to a file (a log) if that was not it."""
+        writes = sorted(
+            ((w.last_ns, pid, w.fd) for pid in pids for w in reading.writes.get(pid, {}).values()),
+            reverse=True,
+        )
+        out = []
+        for i, (ns, pid, fd) in enumerate(writes):
+            target = self._fd_names.get((pid, fd))
+            is_file = (
+                target is not None and target.startswith("/") and not target.startswith("/dev/")
+            )
+            if i == 0 or is_file:
+                what = describe_fd(target, fd)
+                out.append(f"last write {(now - ns) / 1e9:.0f} s ago, to {what} (pid {pid})")
+            if is_file:
+                break
+        return out

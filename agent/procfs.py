@@ -220,6 +220,13 @@ class ProcFS:
                 out.add(int(link[8:-1]))
         return out
 
+    def fd_target(self, pid: int, fd: int) -> str | None:
+        """What an fd points to: a path, 'socket:[inode]', 'pipe:[inode]', ..."""
+        try:
+            return os.readlink(os.path.join(self.root, str(pid), "fd", str(fd)))
+        except OSError:
+            return None
+
     def net_namespace(self, pid: int) -> str | None:
         try:
             return os.readlink(os.path.join(self.root, str(pid), "ns", "net"))

@@ -1,0 +1,274 @@
+"""`hangwatch run`: watch every inference service on the host and export what it sees.
+
+One loop, one interval: discover services, tick the observer (the same code path as
+`diagnose`), classify over the progress window, log state changes, publish the exposition
+that the /metrics collectors read. Nothing here may crash the loop: a failing stage is
+logged and exported as a failed collector, and the next tick tries again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import replace
+from types import FrameType
+from typing import Any
+
+from . import __version__
+from . import config as config_mod
+from .classify import ServiceVerdict
+from .discovery import Discovery, Service
+from .errors import UsageError
+from .model import ProbeReading
+from .observe import Observer, Tick
+from .procfs import ProcFS
+from .sampler import Sampler
+from .status import (
+    AgentStatus,
+    CollectorStatus,
+    Exposition,
+    ProcessStatus,
+    ProgramStats,
+    ServiceStatus,
+)
+
+log = logging.getLogger("hangwatch")
+
+MIN_WINDOW_S = 5.0  # progress is judged over at least this much history
+
+
+def progress_window(interval_s: float) -> float:
+    return max(MIN_WINDOW_S, 2 * interval_s)
+
+
+def build_exposition(
+    verdicts: list[ServiceVerdict],
+    services: Mapping[int, Service],
+    tick: Tick,
+    labels: Mapping[int, Mapping[str, str]],
+    agent: AgentStatus,
+) -> Exposition:
+    """Plain data for the collectors, from one tick's verdicts and probe reading."""
+    reading: ProbeReading = tick.reading
+    now = tick.snapshot.mono_ns
+    out = []
+    for v in verdicts:
+        svc = services.get(v.pid)
+        name = svc.name if svc else "unknown"
+        procs = []
+        for p in v.processes:
+            sample = tick.snapshot.processes.get(p.pid)
+            if p.gone or sample is None:
+                continue
+            writes = reading.writes.get(p.pid, {})
+            last = max((w.last_ns for w in writes.values()), default=None)
+            procs.append(
+                ProcessStatus(
+                    service=name,
+                    root_pid=v.pid,
+                    pid=p.pid,
+                    comm=p.comm,
+                    state=p.state,
+                    threads=p.threads,
+                    parked_threads=p.parked_threads,
+                    parked_seconds=p.parked_seconds,
+                    lock_cycles=len(p.cycles),
+                    labels=dict(labels.get(p.pid, {})),
+                    write_bytes_total=sum(w.bytes for w in writes.values()),
+                    last_write_age_seconds=max(0.0, (now - last) / 1e9) if last else None,
+                    accepts_total=reading.accepts.get(p.pid, 0),
+                    listening_ports=len({lst.port for lst in sample.listeners}),
+                    futex_wait_slots=dict(reading.wait_histogram.get(p.pid, {})),
+                )
+            )
+        out.append(ServiceStatus(name, v.pid, v.state, tuple(procs)))
+    return Exposition(tuple(out), agent)
+
+
+class Daemon:
+    """The loop, its state, and what it publishes. Probe and /proc are constructor arguments."""
+
+    def __init__(self, cfg: config_mod.Config, proc: ProcFS, probe: Any) -> None:
+        self.cfg = cfg
+        self.proc = proc
+        self.probe = probe
+        self.discovery = Discovery(proc, cfg.targets, self_pid=os.getpid())
+        self.services: dict[int, Service] = {}
+        self.observer = self._observer(cfg)
+        self.exposition: Exposition | None = None
+        self.states: dict[tuple[str, int], str] = {}  # (service, root) -> last logged state
+        self.collectors: dict[str, CollectorStatus] = {}
+        self.stop = threading.Event()
+        self.reload_requested = threading.Event()
+        self.config_path: str | None = None
+
+    def _observer(self, cfg: config_mod.Config) -> Observer:
+        window = progress_window(cfg.interval_seconds)
+        return Observer(
+            Sampler(self.proc),
+            self.probe,
+            threshold_s=cfg.park_threshold_seconds,
+            keep_ticks=int(window / cfg.interval_seconds) + 3,  # a window, not more: memory
+            membership=lambda: {root: s.pids for root, s in self.services.items()},
+            remember_gone=False,
+        )
+
+    def _timed(self, name: str, fn: Any, *args: Any) -> Any:
+        t0 = time.monotonic()
+        try:
+            result = fn(*args)
+        except Exception:
+            self.collectors[name] = CollectorStatus(False, time.monotonic() - t0)
+            log.exception("collector %s failed; retrying next interval", name)
+            return None
+        self.collectors[name] = CollectorStatus(True, time.monotonic() - t0)
+        return result
+
+    def tick(self) -> None:
+        before = set(self.services)
+        services = self._timed("discovery", self.discovery.scan)
+        if services is not None:
+            self.services = services
+        for root in before - set(self.services):
+            self.states.pop(next((k for k in self.states if k[1] == root), ("", -1)), None)
+        tick = self._timed("proc", self.observer.tick)
+        if tick is None:
+            return
+        self._forget_gone(tick)
+        verdicts = self.observer.verdicts(progress_window(self.cfg.interval_seconds))
+        self._log_changes(verdicts)
+        labels = {pid: self.discovery.labels(pid) for pid in tick.snapshot.processes}
+        self.exposition = build_exposition(
+            verdicts, self.services, tick, labels, self._agent_status(tick)
+        )
+
+    def _forget_gone(self, tick: Tick) -> None:
+        """Per-process kernel state of processes that exited, so maps stay bounded."""
+        forget = getattr(self.probe, "forget_processes", None)
+        if forget is None:
+            return
+        live = set(tick.snapshot.processes)
+        known = (
+            set(tick.reading.accepts) | set(tick.reading.writes) | set(tick.reading.wait_histogram)
+        )
+        gone = known - live
+        if gone:
+            forget(gone)
+
+    def _agent_status(self, tick: Tick) -> AgentStatus:
+        c = tick.reading.counters
+        stats = getattr(self.probe, "program_stats", None)
+        programs: dict[str, ProgramStats] = (self._timed("bpf_stats", stats) or {}) if stats else {}
+        return AgentStatus(
+            version=__version__,
+            events_dropped_total=c.get("events_dropped", 0),
+            maps_full_total=sum(v for k, v in c.items() if k.endswith("_full")),
+            programs=programs,
+            collectors=dict(self.collectors),
+        )
+
+    def _log_changes(self, verdicts: list[ServiceVerdict]) -> None:
+        """A log line for every state change of a service, whether or not anyone scraped it."""
+        for v in verdicts:
+            svc = self.services.get(v.pid)
+            key = (svc.name if svc else "unknown", v.pid)
+            old = self.states.get(key)
+            if old != v.state:
+                self.states[key] = v.state
+                log.info(
+                    "service %s pid %d: %s -> %s: %s",
+                    key[0],
+                    v.pid,
+                    old or "new",
+                    v.state,
+                    "; ".join(v.reasons),
+                )
+
+    def reload(self) -> None:
+        """SIGHUP: load the config again; a bad one is logged and the old one kept."""
+        try:
+            new = config_mod.load(self.config_path)
+        except UsageError as e:
+            log.error("reload failed, keeping the running config: %s", e)
+            return
+        if new.listen != self.cfg.listen:
+            log.warning(
+                "listen %s -> %s needs a restart; keeping %s",
+                self.cfg.listen_text,
+                new.listen_text,
+                self.cfg.listen_text,
+            )
+            new = replace(new, listen=self.cfg.listen)
+        self.discovery.set_targets(new.targets)
+        self.observer.threshold_s = new.park_threshold_seconds
+        self.cfg = new
+        log.info("reloaded %s: %d targets", new.source, len(new.targets))
+
+    def loop(self) -> None:
+        while not self.stop.is_set():
+            started = time.monotonic()
+            if self.reload_requested.is_set():
+                self.reload_requested.clear()
+                self.reload()
+            self.tick()
+            self.stop.wait(max(0.0, self.cfg.interval_seconds - (time.monotonic() - started)))
+
+
+def run(config_path: str | None, listen: str | None) -> int:
+    from prometheus_client import start_http_server
+
+    from . import preflight
+    from .metrics import registry_for
+
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s hangwatch %(levelname)s %(message)s"
+    )
+    cfg = config_mod.load(config_path)  # exit 2 on any config error, before anything else
+    if listen is not None:
+        cfg = replace(cfg, listen=config_mod.parse_listen(listen))
+    for notice in preflight.check():
+        log.info("%s", notice)
+    holder: list[Daemon] = []
+    registry = registry_for(lambda: holder[0].exposition if holder else None)
+    host, port = cfg.listen
+    try:  # bind before attaching: a port in use must change nothing
+        server, _ = start_http_server(port, host, registry)
+    except OSError as e:
+        raise UsageError(f"listen {cfg.listen_text}: {e.strerror or e}") from None
+    from .probe import KernelProbes  # bcc only after preflight
+
+    try:
+        with KernelProbes(long_wait_s=min(1.0, cfg.park_threshold_seconds)) as probe:
+            enable = getattr(probe, "enable_stats", None)
+            restore = enable() if enable else None
+            daemon = Daemon(cfg, ProcFS(), probe)
+            daemon.config_path = config_path
+            holder.append(daemon)
+
+            def on_signal(signum: int, _frame: FrameType | None) -> None:
+                if signum == signal.SIGHUP:
+                    daemon.reload_requested.set()
+                else:
+                    daemon.stop.set()
+
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                signal.signal(sig, on_signal)
+            log.info(
+                "serving /metrics on %s; %d targets from %s; interval %g s, threshold %g s",
+                cfg.listen_text,
+                len(cfg.targets),
+                cfg.source,
+                cfg.interval_seconds,
+                cfg.park_threshold_seconds,
+            )
+            daemon.loop()
+            if restore is not None and callable(restore):
+                restore()
+    finally:
+        server.shutdown()
+    log.info("stopped; probes detached")
+    return 0

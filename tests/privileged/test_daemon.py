@@ -1,0 +1,191 @@
+"""The daemon end to end: real BPF, real fixtures, real scrapes of /metrics.
+
+A daemon started before the fixtures, watching them by cmdline selectors, must export the
+right state for each within a few intervals, and leave no BPF program behind on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.fixturelib import REPO_ROOT, Fixture
+from tests.privileged.bpfobjs import prog_ids
+
+INTERVAL = 0.5
+THRESHOLD = 2
+CONFIG = f"""
+listen: "127.0.0.1:{{port}}"
+interval_seconds: {INTERVAL}
+park_threshold_seconds: {THRESHOLD}
+targets:
+  - name: mutex-cycle
+    cmdline: "fixtures/build/deadlock_mutex"
+  - name: pi-cycle
+    cmdline: "fixtures/build/pi_deadlock"
+  - name: pool
+    cmdline: "fixtures/build/condvar_pool"
+  - name: loader
+    cmdline: "fixtures/loader\\\\.py"
+"""
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Daemon:
+    def __init__(self, config: Path, port: int) -> None:
+        self.port = port
+        self.log = config.with_suffix(".log")
+        self._log_f = self.log.open("w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "agent", "run", "--config", str(config)],
+            cwd=REPO_ROOT,
+            stdout=self._log_f,
+            stderr=subprocess.STDOUT,
+        )
+
+    def scrape(self) -> Samples | None:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5) as r:
+                text = r.read().decode()
+        except OSError:
+            return None
+        out: Samples = {}
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+        return out
+
+    def output(self) -> str:
+        self._log_f.flush()
+        return self.log.read_text()
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=30)
+        finally:
+            self._log_f.close()
+
+
+def value(samples: Samples, name: str, **labels: str) -> float | None:
+    """The one sample of ``name`` whose labels include ``labels``."""
+    hits = [v for (n, ls), v in samples.items() if n == name and labels.items() <= dict(ls).items()]
+    assert len(hits) <= 1, (name, labels, hits)
+    return hits[0] if hits else None
+
+
+def wait_until(daemon: Daemon, check: Callable[[Samples], bool], what: str, timeout: float = 20):
+    deadline = time.monotonic() + timeout
+    last: Samples | None = None
+    while time.monotonic() < deadline:
+        assert daemon.proc.poll() is None, f"daemon exited:\n{daemon.output()}"
+        last = daemon.scrape()
+        if last is not None and check(last):
+            return last
+        time.sleep(INTERVAL)
+    shown = "\n".join(
+        f"{n}{dict(ls)} {v}"
+        for (n, ls), v in sorted((last or {}).items())
+        if n.startswith("hangwatch_service_state") and v
+    )
+    pytest.fail(f"timed out waiting for {what}\nservice states:\n{shown}\nlog:\n{daemon.output()}")
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[Daemon]:
+    port = free_port()
+    cfg = tmp_path / "hangwatch.yaml"
+    cfg.write_text(CONFIG.format(port=port))
+    before = prog_ids()
+    d = Daemon(cfg, port)
+    try:
+        # /metrics answers before the probes attach (bind first); a first tick means attached.
+        wait_until(
+            d,
+            lambda s: value(s, "hangwatch_collector_success", collector="proc") == 1,
+            "the first tick",
+        )
+        d.added_progs = prog_ids() - before  # type: ignore[attr-defined]
+        yield d
+    finally:
+        rc = d.stop()
+    assert rc == 0, f"daemon exit {rc}\n{d.output()}"
+    assert d.added_progs, "the daemon loaded no BPF program?"  # type: ignore[attr-defined]
+    left = d.added_progs & prog_ids()  # type: ignore[attr-defined]
+    assert not left, f"BPF programs left after SIGTERM: {sorted(left)}"
+
+
+def state_is(service: str, state: str) -> Callable[[Samples], bool]:
+    return lambda s: value(s, "hangwatch_service_state", service=service, state=state) == 1
+
+
+def test_daemon_reports_each_fixture_and_detaches_on_sigterm(daemon: Daemon) -> None:
+    with (
+        Fixture.c("deadlock_mutex") as mutex,
+        Fixture.c("pi_deadlock", "--wait-for-go", ready="HOLDING") as pi,
+        Fixture.c("condvar_pool", "8") as pool,
+        Fixture.py("loader", "--load-seconds", "3", ready="LOADING") as loader,
+    ):
+        # Discovery must pick the new PI process up before it locks, so the EDEADLK is seen.
+        wait_until(
+            daemon,
+            lambda s: value(s, "hangwatch_process_threads", pid=str(pi.pid)) is not None,
+            "the PI fixture to be watched",
+        )
+        pi.send("go")
+        pi.wait_for("READY")
+
+        s = wait_until(daemon, state_is("mutex-cycle", "deadlocked"), "the mutex cycle")
+        assert value(s, "hangwatch_process_lock_cycles", pid=str(mutex.pid)) == 1
+        assert value(s, "hangwatch_service_state", service="mutex-cycle", state="stalled") == 0
+
+        wait_until(daemon, state_is("pi-cycle", "deadlocked"), "the PI cycle")
+
+        s = wait_until(daemon, state_is("pool", "stalled"), "the parked pool to stall")
+        pid = str(pool.pid)
+        threads = value(s, "hangwatch_process_threads", pid=pid)
+        assert threads == 9 and value(s, "hangwatch_process_parked_threads", pid=pid) == threads
+        parked = value(s, "hangwatch_process_parked_seconds", pid=pid)
+        assert parked is not None and parked >= THRESHOLD
+
+        s = wait_until(daemon, state_is("loader", "idle"), "the loader to finish and listen")
+        pid = str(loader.pid)
+        assert (value(s, "hangwatch_process_listening_ports", pid=pid) or 0) >= 1
+        written = value(s, "hangwatch_process_write_bytes_total", pid=pid)
+        assert written is not None and written > 0, "the loader's log writes were not counted"
+
+        # No TID label anywhere, whatever the exposition holds.
+        assert not any("tid" in dict(ls) for (_, ls) in s)
+
+    # Exited fixtures disappear from the metrics within a few intervals.
+    gone = {str(p.pid) for p in (mutex, pi, pool, loader)}
+    wait_until(
+        daemon,
+        lambda s: not any(dict(ls).get("pid") in gone for (_, ls) in s),
+        "exited fixtures to leave the metrics",
+    )
+    log = daemon.output()
+    assert "service mutex-cycle pid" in log and "-> deadlocked" in log, log
+    # The loader's verdict carries the evidence the probes gathered: when its port began
+    # listening (a bind to port 0, resolved from /proc) and where its last write went.
+    idle = next(line for line in log.splitlines() if "service loader" in line and "-> idle" in line)
+    assert re.search(r"port \d+ listening since \d\d:\d\d:\d\d", idle), idle
+    assert re.search(r"last write \d+ s ago, to /\S+ \(pid \d+\)", idle), idle
