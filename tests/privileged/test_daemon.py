@@ -189,3 +189,73 @@ def test_daemon_reports_each_fixture_and_detaches_on_sigterm(daemon: Daemon) -> 
     idle = next(line for line in log.splitlines() if "service loader" in line and "-> idle" in line)
     assert re.search(r"port \d+ listening since \d\d:\d\d:\d\d", idle), idle
     assert re.search(r"last write \d+ s ago, to /\S+ \(pid \d+\)", idle), idle
+
+
+# --- bad input changes nothing; SIGHUP reloads or keeps the old config ----------------------
+
+
+def run_daemon(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "agent", "run", *args],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def test_bad_config_exits_2_naming_the_key_and_attaches_nothing(tmp_path: Path) -> None:
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("targets:\n  - name: a\n    cmdline: 'sglang('\n")
+    before = prog_ids()
+    r = run_daemon("--config", str(cfg))
+    assert r.returncode == 2, r.stderr
+    assert "targets[0].cmdline" in r.stderr and "sglang(" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert prog_ids() - before == set()
+
+
+def test_listen_address_in_use_exits_2_and_attaches_nothing() -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        before = prog_ids()
+        r = run_daemon("--listen", f"127.0.0.1:{port}")
+    assert r.returncode == 2, r.stderr
+    assert f"listen 127.0.0.1:{port}" in r.stderr and "in use" in r.stderr, r.stderr
+    assert prog_ids() - before == set()
+
+
+def test_bad_listen_flag_exits_2() -> None:
+    r = run_daemon("--listen", "nowhere")
+    assert r.returncode == 2 and "--listen" in r.stderr and "nowhere" in r.stderr, r.stderr
+
+
+def test_sighup_keeps_the_old_config_when_the_new_one_is_bad(
+    daemon: Daemon, tmp_path: Path
+) -> None:
+    cfg = tmp_path / "hangwatch.yaml"
+    good = cfg.read_text()
+    cfg.write_text(good + "  - name: broken\n    cmdline: '('\n")
+    daemon.proc.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 10
+    while "reload failed" not in daemon.output() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert "reload failed, keeping the running config" in daemon.output()
+    assert "targets[4].cmdline" in daemon.output()
+    # Still serving, with the old targets: a new pool is picked up by the old selector.
+    with Fixture.c("condvar_pool", "2") as pool:
+        wait_until(
+            daemon,
+            lambda s: value(s, "hangwatch_process_threads", pid=str(pool.pid)) == 3,
+            "the old config to keep working",
+        )
+    # A good new config is taken: a new target name appears for a new process.
+    cfg.write_text(good + "  - name: busy\n    cmdline: 'fixtures/build/busy'\n")
+    daemon.proc.send_signal(signal.SIGHUP)
+    with Fixture.c("busy", "1") as busy:
+        wait_until(daemon, state_is("busy", "progressing"), "the reloaded config's new target")
+        assert str(busy.pid)
+    assert "reloaded" in daemon.output()
