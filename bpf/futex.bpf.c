@@ -24,16 +24,22 @@ static __always_inline int is_pi_lock(u32 cmd)
 	return cmd == HW_FUTEX_LOCK_PI || cmd == HW_FUTEX_LOCK_PI2;
 }
 
+static __always_inline void init_wait(struct hw_wait *w, u64 uaddr, u32 tgid, u32 cmd, u32 val,
+				      u32 syscall)
+{
+	w->start_ns = bpf_ktime_get_ns();
+	w->uaddr = uaddr;
+	w->tgid = tgid;
+	w->op = cmd;
+	w->val = val;
+	w->syscall = syscall;
+}
+
 /* Only the EDEADLK of this lock will be reported: no user reads, no histogram. */
 static __always_inline int pi_enter_unwatched(u32 tid, u32 tgid, u64 uaddr, u32 cmd, u32 val)
 {
 	struct hw_wait w = {};
-	w.start_ns = bpf_ktime_get_ns();
-	w.uaddr = uaddr;
-	w.tgid = tgid;
-	w.op = cmd;
-	w.val = val;
-	w.syscall = HW_SYSCALL_FUTEX;
+	init_wait(&w, uaddr, tgid, cmd, val, HW_SYSCALL_FUTEX);
 	w.flags = HW_WAIT_EDEADLK_ONLY;
 	if (inflight.update(&tid, &w))
 		COUNT(inflight_full);
@@ -50,12 +56,7 @@ static __always_inline int wait_enter(u64 uaddr, u32 cmd, u32 val, u32 syscall)
 		return is_pi_lock(cmd) ? pi_enter_unwatched(tid, tgid, uaddr, cmd, val) : 0;
 
 	struct hw_wait w = {};
-	w.start_ns = bpf_ktime_get_ns();
-	w.uaddr = uaddr;
-	w.tgid = tgid;
-	w.op = cmd;
-	w.val = val;
-	w.syscall = syscall;
+	init_wait(&w, uaddr, tgid, cmd, val, syscall);
 	int err = bpf_probe_read_user(&w.word, sizeof(w.word), (void *)uaddr);
 	/* The owner hint only means something for glibc mutexes (plain waits);
 	 * a PI word carries its owner itself. */
