@@ -206,3 +206,34 @@ class ProbeReading:
     accepts: Mapping[int, int] = field(default_factory=dict)  # tgid -> accepts since watched
     # tgid -> fd -> writes since watched
     writes: Mapping[int, Mapping[int, FdWrites]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class GpuDevice:
+    index: int
+    uuid: str
+    name: str
+    memory_total: int  # bytes
+    memory_used: int  # bytes
+    utilization: float | None  # 0..1, the device's busy share in the driver's last sample period
+
+
+@dataclass(frozen=True)
+class GpuProcessUse:
+    """One process on one GPU."""
+
+    gpu: int  # device index
+    memory_bytes: int | None  # None: the driver does not say
+    sm_utilization: float  # 0..1 over the last sampling window; 0 when it has no sample
+
+
+@dataclass(frozen=True)
+class GpuReading:
+    """One read of NVML, as plain data. ``ok`` False: nothing here is evidence of anything."""
+
+    ok: bool
+    error: str | None = None  # why not ok, in words
+    devices: tuple[GpuDevice, ...] = ()
+    processes: Mapping[int, tuple[GpuProcessUse, ...]] = field(default_factory=dict)  # by pid
+    errors_total: int = 0  # NVML errors since the source started
+    duration_s: float = 0.0
