@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from .gpuverdict import ProcessGpu, describe_idle, describe_spin
 from .model import ProcessSample, plural
 from .progress import ProcessProgress
 from .waitgraph import WaitEdge, WordGroup
@@ -34,6 +35,7 @@ class ProcessVerdict:
     cycles: list[tuple[int, ...]] = field(default_factory=list)
     listening_ports: tuple[int, ...] = ()
     gone: bool = False
+    gpu_spin: bool = False  # host parked past the threshold while its GPUs stay pegged
 
 
 @dataclass
@@ -44,6 +46,7 @@ class ServiceVerdict:
     cycles: list[tuple[int, ...]]
     processes: list[ProcessVerdict]
     gone: bool = False
+    gpu_spin: bool = False
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,7 @@ class ProcessFacts:
     parked_threads: int
     parked_seconds: float
     cycles: Sequence[tuple[int, ...]] = ()
+    gpu: ProcessGpu | None = None  # None: NVML did not answer, or it holds no GPU
 
 
 def _all_threads(n: int) -> str:
@@ -110,6 +114,18 @@ def classify_process(facts: ProcessFacts, threshold_s: float) -> ProcessVerdict:
         v.state = DEADLOCKED
         v.reasons.append(f"{plural(len(facts.cycles), 'lock cycle')} among its threads")
         return v
+    gpu = facts.gpu
+    host_work = bool(prog.working_tids or prog.write_bytes or prog.accepts)
+    if (
+        gpu is not None
+        and not host_work
+        and facts.parked_threads == n
+        and min(facts.parked_seconds, gpu.high_for_s) >= threshold_s
+    ):
+        v.state, v.gpu_spin = STALLED, True
+        v.reasons.append(f"{_all_threads(n)} parked for {_fmt_s(facts.parked_seconds)}")
+        v.reasons.append(describe_spin([gpu]))
+        return v
     if prog.did_work:
         v.reasons.extend(prog.signals())
         return v
@@ -120,6 +136,9 @@ def classify_process(facts: ProcessFacts, threshold_s: float) -> ProcessVerdict:
         facts.parked_seconds, threshold_s, s.listeners, s.unread_bytes, _all_threads(n)
     )
     v.reasons.extend(why)
+    idle_gpu = describe_idle({s.pid: gpu}) if gpu is not None else None
+    if idle_gpu:
+        v.reasons.append(idle_gpu)
     return v
 
 
@@ -173,6 +192,11 @@ def classify_service(
     if cycles:
         reasons = [f"{plural(len(cycles), 'lock cycle')} stable across two reads"]
         return ServiceVerdict(root, DEADLOCKED, reasons, cycles, verdicts)
+    spinning = [f for f, v in zip(procs, verdicts) if v.gpu_spin]
+    host_working = [v for v in verdicts if v.state == PROGRESSING and not v.gone]
+    if spinning and not host_working:
+        reasons = [describe_spin(f.gpu for f in spinning if f.gpu is not None)]
+        return ServiceVerdict(root, STALLED, reasons, cycles, verdicts, gpu_spin=True)
     working = [v for v in verdicts if v.state == PROGRESSING and not v.gone]
     if working:
         reasons = [f"process {v.pid} ({v.comm}): {'; '.join(v.reasons)}" for v in working]
@@ -197,4 +221,7 @@ def classify_service(
         sum(f.sample.unread_bytes for f in procs),
         who,
     )
+    idle_gpu = describe_idle({f.sample.pid: f.gpu for f in procs if f.gpu is not None})
+    if idle_gpu:
+        reasons.append(idle_gpu)
     return ServiceVerdict(root, state, reasons, cycles, verdicts)

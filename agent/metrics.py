@@ -179,10 +179,43 @@ class _Families:
             "GPU memory the process holds on each GPU (gpu is the device index).",
             [*proc, "gpu"],
         )
+        self.process_gpu_utilization = gauge(
+            "hangwatch_process_gpu_utilization_ratio",
+            "Share of the GPU's SMs (0 to 1) the process kept busy since the last read, from "
+            "NVML's per-process samples; 0 when the driver has no sample for it.",
+            [*proc, "gpu"],
+        )
         self.gpu_utilization = gauge(
             "hangwatch_gpu_utilization_ratio",
             "Fraction of the last sample period (0 to 1) in which the GPU ran a kernel, from NVML.",
             ["gpu"],
+        )
+        self.gpu_memory_used = gauge(
+            "hangwatch_gpu_memory_used_bytes",
+            "GPU memory in use on the device, all processes together, from NVML.",
+            ["gpu"],
+        )
+        self.gpu_memory_total = gauge(
+            "hangwatch_gpu_memory_total_bytes",
+            "GPU memory on the device, from NVML.",
+            ["gpu"],
+        )
+        self.gpu_info = gauge(
+            "hangwatch_gpu_info",
+            "Always 1; names each GPU index: its UUID and model.",
+            ["gpu", "uuid", "name"],
+        )
+        self.gpu_errors = counter(
+            "hangwatch_gpu_errors",
+            "NVML calls that failed since the agent started (a lost GPU, a driver reload); "
+            "the GPU collector backs off and retries, and no verdict uses a failed read.",
+            [],
+        )
+        self.gpu_spin = gauge(
+            "hangwatch_service_gpu_spin",
+            "1 when the service is stalled with its GPUs at high utilisation while every host "
+            "thread is parked past the threshold (a collective spinning on the GPU), else 0.",
+            ["service", "pid"],
         )
         self.events_dropped = counter(
             "hangwatch_bpf_events_dropped",
@@ -242,6 +275,7 @@ class _Families:
             self.service_state.add_metric(
                 [svc.service, str(svc.pid), state], 1.0 if svc.state == state else 0.0
             )
+        self.gpu_spin.add_metric([svc.service, str(svc.pid)], 1.0 if svc.gpu_spin else 0.0)
 
     def add_process(
         self, svc: ServiceStatus, p: ProcessStatus, unknown_state: Callable[[str], None]
@@ -269,6 +303,8 @@ class _Families:
         self.listening_ports.add_metric(lv, p.listening_ports)
         for gpu in sorted(p.gpu_memory_bytes, key=_gpu_order):
             self.gpu_memory.add_metric([*lv, gpu], p.gpu_memory_bytes[gpu])
+        for gpu in sorted(p.gpu_utilization, key=_gpu_order):
+            self.process_gpu_utilization.add_metric([*lv, gpu], p.gpu_utilization[gpu])
 
     def add_agent(self, agent: AgentStatus) -> None:
         self.events_dropped.add_metric([], agent.events_dropped_total)
@@ -282,8 +318,15 @@ class _Families:
                 continue  # ours, added by the collector; a second sample would be a duplicate
             c = agent.collectors[name]
             self.add_collector(name, c.success, c.duration_seconds)
-        for gpu in sorted(agent.gpu_utilization, key=_gpu_order):
-            self.gpu_utilization.add_metric([gpu], agent.gpu_utilization[gpu])
+        for d in sorted(agent.gpus, key=lambda d: d.index):
+            gpu = str(d.index)
+            self.gpu_info.add_metric([gpu, d.uuid, d.name], 1.0)
+            self.gpu_memory_used.add_metric([gpu], d.memory_used)
+            self.gpu_memory_total.add_metric([gpu], d.memory_total)
+            if d.utilization is not None:
+                self.gpu_utilization.add_metric([gpu], d.utilization)
+        if agent.gpus or agent.gpu_errors_total:
+            self.gpu_errors.add_metric([], agent.gpu_errors_total)
 
     def add_collector(self, name: str, success: bool, duration_s: float) -> None:
         self.collector_success.add_metric([name], 1.0 if success else 0.0)

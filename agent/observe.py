@@ -23,7 +23,8 @@ from .classify import (
     describe_cycle,
     describe_group,
 )
-from .model import ProbeEvent, ProbeReading, Snapshot, SocketEvent
+from .gpuverdict import GpuHistory, describe_active
+from .model import GpuReading, ProbeEvent, ProbeReading, Snapshot, SocketEvent
 from .procfs import ProcFS
 from .progress import ParkSettings, ParkTracker, window_progress
 from .sampler import Sampler, descendants
@@ -38,12 +39,21 @@ class ProbeSource(Protocol):
     def forget(self, tids: Iterable[int]) -> None: ...
 
 
+class GpuSourceLike(Protocol):
+    """What diagnose and the daemon need of agent.gpu.GpuSource (tests inject a fake NVML)."""
+
+    def read(self) -> GpuReading: ...
+    def pids(self) -> set[int]: ...
+    def close(self) -> None: ...
+
+
 @dataclass(frozen=True)
 class Tick:
     snapshot: Snapshot
     graph: WaitForGraph
     cycles: tuple[tuple[int, ...], ...]  # stable: seen with the same edges in the previous tick
     reading: ProbeReading
+    gpu: GpuReading | None = None  # None: no GPU source
 
 
 def describe_fd(target: str | None, fd: int) -> str:
@@ -133,6 +143,7 @@ class Observer:
         self.ticks: deque[Tick] = deque(maxlen=keep_ticks)
         self.events: deque[ProbeEvent] = deque(maxlen=1000)  # ring-buffer events, newest last
         self.sockets = ListenHistory(self.sampler.proc)
+        self.gpu_history = GpuHistory()
         self._fd_names: dict[tuple[int, int], str] = {}  # (pid, fd) -> link when last written
         self._fd_seen: dict[tuple[int, int], int] = {}  # (pid, fd) -> last_ns when named
 
@@ -154,7 +165,8 @@ class Observer:
             self.probe.watch(pids)
         return pids
 
-    def tick(self) -> Tick:
+    def tick(self, gpu: GpuReading | None = None) -> Tick:
+        """One observation; ``gpu`` is this interval's NVML reading, when there is a source."""
         pids = self.discover()
         reading = ProbeReading()
         if self.probe is not None:
@@ -174,7 +186,8 @@ class Observer:
         self._prev_sigs = set(sigs)
         self.tracker.update(snap)
         self.sockets.prune(set(snap.processes) | set(self.sampler.proc.pids()))
-        tick = Tick(snap, graph, stable, reading)
+        self.gpu_history.update(gpu, self.ticks[-1].gpu if self.ticks else None, snap.mono_ns)
+        tick = Tick(snap, graph, stable, reading, gpu)
         self.ticks.append(tick)
         return tick
 
@@ -210,6 +223,9 @@ class Observer:
                     progress.accepts = latest.reading.accepts[pid] - old_tick.reading.accepts.get(
                         pid, 0
                     )
+                gpu = self.gpu_history.facts(pid, latest.gpu, old_tick.gpu, snap.mono_ns)
+                if gpu is not None and gpu.active:
+                    progress.gpu_active, progress.gpu_detail = True, describe_active(gpu)
                 facts.append(
                     ProcessFacts(
                         sample=sample,
@@ -217,6 +233,7 @@ class Observer:
                         parked_threads=sum(1 for x in parks.values() if x.parked),
                         parked_seconds=self.tracker.parked_seconds(pid, snap.mono_ns),
                         cycles=[c for c in latest.cycles if tids.intersection(c)],
+                        gpu=gpu,
                     )
                 )
             live = {f.sample.pid for f in facts}

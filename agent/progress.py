@@ -42,6 +42,7 @@ class ProcessProgress:
     write_bytes: int | None = None  # None: not measurable (no /proc/PID/io access)
     accepts: int | None = None  # fed by the daemon's accept probe
     gpu_active: bool | None = None  # fed by the GPU source
+    gpu_detail: str | None = None  # what the GPU did, in words
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -62,7 +63,7 @@ class ProcessProgress:
         if self.accepts:
             out.append(f"accepted {plural(self.accepts, 'connection')}")
         if self.gpu_active:
-            out.append("GPU active")
+            out.append(self.gpu_detail or "GPU active")
         return out
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from .model import GpuDevice
+
 
 @dataclass(frozen=True)
 class ProcessStatus:
@@ -30,8 +32,9 @@ class ProcessStatus:
     listening_ports: int = 0
     # futex wait durations since watched: log2(ns) slot -> count, from the probe's histogram
     futex_wait_slots: Mapping[int, int] = field(default_factory=dict)
-    # GPU: index -> bytes held by this process (filled by the GPU source, next issue)
+    # GPU index -> bytes this process holds there, and its SM utilisation there (0..1)
     gpu_memory_bytes: Mapping[str, int] = field(default_factory=dict)
+    gpu_utilization: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,7 @@ class ServiceStatus:
     pid: int  # root pid
     state: str
     processes: tuple[ProcessStatus, ...] = ()
+    gpu_spin: bool = False  # stalled with its GPUs pegged while every host thread is parked
 
 
 @dataclass(frozen=True)
@@ -64,7 +68,8 @@ class AgentStatus:
     programs: Mapping[str, ProgramStats] = field(default_factory=dict)  # by program name
     # by collector name: "probe", "proc", "gpu", ...
     collectors: Mapping[str, CollectorStatus] = field(default_factory=dict)
-    gpu_utilization: Mapping[str, float] = field(default_factory=dict)  # gpu index -> 0..1
+    gpus: tuple[GpuDevice, ...] = ()  # from the last good NVML reading
+    gpu_errors_total: int = 0  # NVML errors since start
 
 
 @dataclass(frozen=True)

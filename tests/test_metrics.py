@@ -32,6 +32,7 @@ from agent.metrics import (
     registry_for,
     render,
 )
+from agent.model import GpuDevice
 from agent.status import (
     AgentStatus,
     CollectorStatus,
@@ -59,7 +60,13 @@ CONTRACT = {
     "hangwatch_process_accepts_total",
     "hangwatch_process_listening_ports",
     "hangwatch_process_gpu_memory_bytes",
+    "hangwatch_process_gpu_utilization_ratio",
     "hangwatch_gpu_utilization_ratio",
+    "hangwatch_gpu_memory_used_bytes",
+    "hangwatch_gpu_memory_total_bytes",
+    "hangwatch_gpu_info",
+    "hangwatch_gpu_errors_total",
+    "hangwatch_service_gpu_spin",
     "hangwatch_bpf_events_dropped_total",
     "hangwatch_bpf_map_full_total",
     "hangwatch_bpf_program_run_seconds_total",
@@ -91,6 +98,7 @@ SGLANG = ServiceStatus(
             "sglang", 100, 101, "sglang::schedul", STALLED, threads=40, parked_threads=40,
             parked_seconds=312.5, labels={"rank": "0", "local_rank": "0"},
             futex_wait_slots={10: 100, 11: 7, 23: 2, 37: 1}, gpu_memory_bytes={"0": 70 * GiB},
+            gpu_utilization={"0": 0.0},
         ),
         proc(
             "sglang", 100, 102, "sglang::schedul", STALLED, threads=40, parked_threads=40,
@@ -136,7 +144,12 @@ AGENT = AgentStatus(
         "discovery": CollectorStatus(True, 0.002),
         "gpu": CollectorStatus(False, 0.5),
     },
-    gpu_utilization={"1": 0.0, "0": 0.0, "10": 0.25},
+    gpus=(
+        GpuDevice(1, "GPU-bbbb", "NVIDIA H200", 141 * GiB, 71 * GiB, 0.0),
+        GpuDevice(0, "GPU-aaaa", "NVIDIA H200", 141 * GiB, 71 * GiB, 0.0),
+        GpuDevice(10, "GPU-cccc", "NVIDIA H200", 141 * GiB, 1 * GiB, 0.25),
+    ),
+    gpu_errors_total=3,
 )
 EXPOSITION = Exposition((SGLANG, PINNED, HTTP), AGENT)
 
@@ -313,6 +326,26 @@ def test_gpu_memory_per_gpu_and_utilization():
     )
     assert reg.get_sample_value("hangwatch_process_gpu_memory_bytes", {**ROOT, "gpu": "0"}) is None
     assert reg.get_sample_value("hangwatch_gpu_utilization_ratio", {"gpu": "10"}) == 0.25
+    assert (
+        reg.get_sample_value("hangwatch_process_gpu_utilization_ratio", {**RANK0, "gpu": "0"}) == 0
+    )
+    assert reg.get_sample_value("hangwatch_gpu_memory_used_bytes", {"gpu": "0"}) == 71 * GiB
+    assert reg.get_sample_value("hangwatch_gpu_memory_total_bytes", {"gpu": "10"}) == 141 * GiB
+    info = {"gpu": "1", "uuid": "GPU-bbbb", "name": "NVIDIA H200"}
+    assert reg.get_sample_value("hangwatch_gpu_info", info) == 1
+    assert reg.get_sample_value("hangwatch_gpu_errors_total") == 3
+
+
+def test_gpu_spin_is_one_per_service():
+    spinning = Exposition(
+        (ServiceStatus("nccl", 7, "stalled", (), gpu_spin=True), ServiceStatus("ok", 8, "idle")),
+        AgentStatus(version="x"),
+    )
+    reg = registry_for(lambda: spinning)
+    assert reg.get_sample_value("hangwatch_service_gpu_spin", {"service": "nccl", "pid": "7"}) == 1
+    assert reg.get_sample_value("hangwatch_service_gpu_spin", {"service": "ok", "pid": "8"}) == 0
+    # No GPU reading at all: no device series and no error counter.
+    assert reg.get_sample_value("hangwatch_gpu_errors_total") is None
 
 
 def test_self_metrics():
