@@ -23,8 +23,8 @@ from . import config as config_mod
 from .classify import ServiceVerdict
 from .discovery import Discovery, Service
 from .errors import UsageError
-from .model import ProbeReading
-from .observe import Observer, Tick
+from .model import GpuDevice, GpuReading, ProbeReading
+from .observe import GpuSourceLike, Observer, Tick
 from .procfs import ProcFS
 from .sampler import Sampler
 from .status import (
@@ -52,8 +52,9 @@ def build_exposition(
     labels: Mapping[int, Mapping[str, str]],
     agent: AgentStatus,
 ) -> Exposition:
-    """Plain data for the collectors, from one tick's verdicts and probe reading."""
+    """Plain data for the collectors, from one tick's verdicts, probe and GPU readings."""
     reading: ProbeReading = tick.reading
+    gpu = tick.gpu if tick.gpu is not None and tick.gpu.ok else None
     now = tick.snapshot.mono_ns
     out = []
     for v in verdicts:
@@ -66,6 +67,7 @@ def build_exposition(
                 continue
             writes = reading.writes.get(p.pid, {})
             last = max((w.last_ns for w in writes.values()), default=None)
+            uses = gpu.processes.get(p.pid, ()) if gpu is not None else ()
             procs.append(
                 ProcessStatus(
                     service=name,
@@ -83,20 +85,31 @@ def build_exposition(
                     accepts_total=reading.accepts.get(p.pid, 0),
                     listening_ports=len({lst.port for lst in sample.listeners}),
                     futex_wait_slots=dict(reading.wait_histogram.get(p.pid, {})),
+                    gpu_memory_bytes={
+                        str(u.gpu): u.memory_bytes for u in uses if u.memory_bytes is not None
+                    },
+                    gpu_utilization={str(u.gpu): u.sm_utilization for u in uses},
                 )
             )
-        out.append(ServiceStatus(name, v.pid, v.state, tuple(procs)))
+        out.append(ServiceStatus(name, v.pid, v.state, tuple(procs), gpu_spin=v.gpu_spin))
     return Exposition(tuple(out), agent)
 
 
 class Daemon:
     """The loop, its state, and what it publishes. Probe and /proc are constructor arguments."""
 
-    def __init__(self, cfg: config_mod.Config, proc: ProcFS, probe: Any) -> None:
+    def __init__(
+        self, cfg: config_mod.Config, proc: ProcFS, probe: Any, gpu: GpuSourceLike | None = None
+    ) -> None:
         self.cfg = cfg
         self.proc = proc
         self.probe = probe
-        self.discovery = Discovery(proc, cfg.targets, self_pid=os.getpid())
+        self.gpu = gpu
+        self.gpus: tuple[GpuDevice, ...] = ()  # devices of the last good NVML reading
+        self.gpu_errors = 0
+        self.discovery = Discovery(
+            proc, cfg.targets, gpu_pids=gpu.pids if gpu else set, self_pid=os.getpid()
+        )
         self.services: dict[int, Service] = {}
         self.observer = self._observer(cfg)
         self.exposition: Exposition | None = None
@@ -128,14 +141,27 @@ class Daemon:
         self.collectors[name] = CollectorStatus(True, time.monotonic() - t0)
         return result
 
+    def _read_gpu(self) -> GpuReading | None:
+        """NVML once per tick, before discovery (the gpu selector needs it). The source never
+        raises; a failed read is exported as a failed collector and used as no evidence."""
+        if self.gpu is None:
+            return None
+        reading = self.gpu.read()
+        self.collectors["gpu"] = CollectorStatus(reading.ok, reading.duration_s)
+        self.gpu_errors = reading.errors_total
+        if reading.ok:
+            self.gpus = reading.devices
+        return reading
+
     def tick(self) -> None:
         before = set(self.services)
+        gpu = self._read_gpu()
         services = self._timed("discovery", self.discovery.scan)
         if services is not None:
             self.services = services
         for root in before - set(self.services):
             self.states.pop(next((k for k in self.states if k[1] == root), ("", -1)), None)
-        tick = self._timed("proc", self.observer.tick)
+        tick = self._timed("proc", self.observer.tick, gpu)
         if tick is None:
             return
         self._forget_gone(tick)
@@ -169,6 +195,8 @@ class Daemon:
             maps_full_total=sum(v for k, v in c.items() if k.endswith("_full")),
             programs=programs,
             collectors=dict(self.collectors),
+            gpus=self.gpus,
+            gpu_errors_total=self.gpu_errors,
         )
 
     def _log_changes(self, verdicts: list[ServiceVerdict]) -> None:
@@ -239,13 +267,15 @@ def run(config_path: str | None, listen: str | None) -> int:
         server, _ = start_http_server(port, host, registry)
     except OSError as e:
         raise UsageError(f"listen {cfg.listen_text}: {e.strerror or e}") from None
+    from .gpu import GpuSource
     from .probe import KernelProbes  # bcc only after preflight
 
     try:
         with KernelProbes(long_wait_s=min(1.0, cfg.park_threshold_seconds)) as probe:
             enable = getattr(probe, "enable_stats", None)
             restore = enable() if enable else None
-            daemon = Daemon(cfg, ProcFS(), probe)
+            gpu = GpuSource()
+            daemon = Daemon(cfg, ProcFS(), probe, gpu)
             daemon.config_path = config_path
             holder.append(daemon)
 
@@ -265,9 +295,12 @@ def run(config_path: str | None, listen: str | None) -> int:
                 cfg.interval_seconds,
                 cfg.park_threshold_seconds,
             )
-            daemon.loop()
-            if restore is not None and callable(restore):
-                restore()
+            try:
+                daemon.loop()
+            finally:
+                gpu.close()
+                if restore is not None and callable(restore):
+                    restore()
     finally:
         server.shutdown()
     log.info("stopped; probes detached")

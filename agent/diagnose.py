@@ -12,7 +12,7 @@ from typing import TextIO
 from .classify import ServiceVerdict, describe_group
 from .errors import UsageError
 from .model import ProbeEvent, plural
-from .observe import Observer, Tick
+from .observe import GpuSourceLike, Observer, Tick
 from .procfs import ProcFS
 from .sampler import Sampler
 
@@ -64,12 +64,14 @@ def validate(opts: DiagnoseOptions, proc: ProcFS) -> None:
             raise UsageError(f"--pid {pid} is a thread of process {tgid}", f"give --pid {tgid}")
 
 
-def observe(observer: Observer, opts: DiagnoseOptions, log: TextIO) -> None:
+def observe(
+    observer: Observer, opts: DiagnoseOptions, log: TextIO, gpu: GpuSourceLike | None = None
+) -> None:
     """Tick for the duration; at least two ticks, so a cycle can be confirmed."""
     start = time.monotonic()
     n = 0
     while True:
-        observer.tick()
+        observer.tick(gpu.read() if gpu is not None else None)
         n += 1
         elapsed = time.monotonic() - start
         if elapsed >= opts.duration_s and n >= 2:
@@ -100,6 +102,60 @@ def probe_summary(tick: Tick, events: Sequence[ProbeEvent]) -> dict:
         ],
         "long_waits": sum(1 for e in events if e.kind == "long-wait"),
     }
+
+
+def gpu_summary(tick: Tick) -> dict:
+    """The GPU section: what NVML said, or why it said nothing."""
+    g = tick.gpu
+    if g is None:
+        return {"ok": False, "error": "no GPU source"}
+    if not g.ok:
+        return {"ok": False, "error": g.error}
+    return {
+        "ok": True,
+        "devices": [
+            {
+                "index": d.index,
+                "uuid": d.uuid,
+                "name": d.name,
+                "memory_used": d.memory_used,
+                "memory_total": d.memory_total,
+                "utilization": d.utilization,
+            }
+            for d in g.devices
+        ],
+        "processes": {
+            str(pid): [
+                {"gpu": u.gpu, "memory_bytes": u.memory_bytes, "sm_utilization": u.sm_utilization}
+                for u in uses
+            ]
+            for pid, uses in g.processes.items()
+            if pid in tick.snapshot.processes
+        },
+    }
+
+
+def gpu_lines(tick: Tick) -> list[str]:
+    g = tick.gpu
+    if g is None:
+        return []
+    if not g.ok:
+        return [f"GPU: not read ({g.error})"]
+    lines = [
+        f"GPU {d.index} {d.name}: {d.memory_used / 1e9:.1f} of {d.memory_total / 1e9:.0f} GB used"
+        + (f", {d.utilization:.0%} busy" if d.utilization is not None else "")
+        for d in g.devices
+    ]
+    for pid, uses in sorted(g.processes.items()):
+        p = tick.snapshot.processes.get(pid)
+        if p is None:
+            continue
+        for u in uses:
+            held = f"{u.memory_bytes / 1e9:.1f} GB" if u.memory_bytes is not None else "? GB"
+            lines.append(
+                f"  pid {pid} ({p.comm}) on GPU {u.gpu}: {held}, {u.sm_utilization:.0%} SM"
+            )
+    return lines or ["GPU: NVML answered; no GPU on this host"]
 
 
 def to_json(
@@ -163,6 +219,7 @@ def to_json(
         "observed_at": time.strftime(ISO, time.localtime(snap.wall)),
         "services": services,
         "probe": probe_summary(tick, events),
+        "gpu": gpu_summary(tick),
     }
 
 
@@ -229,6 +286,7 @@ def render_text(
                 more = f" and {len(tids) - 8} more" if len(tids) > 8 else ""
                 lines.append(f"    {plural(len(tids), 'thread')} {what}: {who}{more}")
         lines.append("")
+    lines.extend(gpu_lines(tick))
     probe = probe_summary(tick, events)
     c = probe["counters"]
     lost = sum(
@@ -252,8 +310,10 @@ def run(opts: DiagnoseOptions, out: TextIO = sys.stdout, log: TextIO = sys.stder
     validate(opts, proc)
     for notice in preflight.check():
         print(f"hangwatch: {notice}", file=log)
+    from .gpu import GpuSource
     from .probe import KernelProbes  # bcc only after preflight mounted tracefs
 
+    gpu = GpuSource()
     with KernelProbes(long_wait_s=min(1.0, opts.threshold_s)) as probe:
         observer = Observer(Sampler(proc), probe, threshold_s=opts.threshold_s)
         observer.set_roots(opts.pids)
@@ -265,7 +325,10 @@ def run(opts: DiagnoseOptions, out: TextIO = sys.stdout, log: TextIO = sys.stder
             file=log,
             flush=True,
         )
-        observe(observer, opts, log)
+        try:
+            observe(observer, opts, log, gpu)
+        finally:
+            gpu.close()
         verdicts = observer.verdicts()
         tick = observer.ticks[-1]
     # The probe reports EDEADLK for every process; show those of the services asked about.

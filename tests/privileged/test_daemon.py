@@ -73,7 +73,8 @@ class Daemon:
         return out
 
     def output(self) -> str:
-        self._log_f.flush()
+        if not self._log_f.closed:
+            self._log_f.flush()
         return self.log.read_text()
 
     def stop(self) -> int:
@@ -259,3 +260,28 @@ def test_sighup_keeps_the_old_config_when_the_new_one_is_bad(
         wait_until(daemon, state_is("busy", "progressing"), "the reloaded config's new target")
         assert str(busy.pid)
     assert "reloaded" in daemon.output()
+
+
+def test_gpu_target_on_a_host_without_nvml(tmp_path: Path) -> None:
+    """No GPU here: the daemon serves on, says so once, and exports the GPU collector failed."""
+    port = free_port()
+    cfg = tmp_path / "gpu.yaml"
+    cfg.write_text(
+        f'listen: "127.0.0.1:{port}"\ninterval_seconds: {INTERVAL}\n'
+        "targets:\n  - name: any-gpu\n    gpu: true\n"
+    )
+    d = Daemon(cfg, port)
+    try:
+        s = wait_until(
+            d,
+            lambda s: value(s, "hangwatch_collector_success", collector="gpu") == 0,
+            "the GPU collector to report failure",
+        )
+        assert value(s, "hangwatch_collector_success", collector="proc") == 1
+        time.sleep(6 * INTERVAL)  # several more ticks: still one line about NVML
+        assert d.scrape() is not None
+    finally:
+        rc = d.stop()
+    log = d.output()
+    assert rc == 0, log
+    assert log.count("NVML not available") == 1, log

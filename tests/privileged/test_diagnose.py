@@ -293,3 +293,13 @@ def test_thread_id_instead_of_pid_is_a_usage_error() -> None:
     msg = f"{argv}\nexit {r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr}"
     assert r.returncode == 2, msg
     assert f"--pid {tid} is a thread of process {fx.pid}" in r.stderr, msg
+
+
+def test_diagnose_says_why_there_is_no_gpu_section(diagnose: Diagnose) -> None:
+    with Fixture.c("busy", "1") as fx:
+        d = diagnose(fx.pid)
+    d.service(fx.pid)  # a clean run
+    gpu = d.report["gpu"] if d.report else {}
+    assert gpu.get("ok") is False and "NVML not available" in (gpu.get("error") or ""), d.explain(
+        "no GPU here: want the reason in the gpu section"
+    )
