@@ -1,0 +1,187 @@
+"""The shipped Prometheus rules: promtool accepts them and their unit tests pass, every alert
+has a runbook in docs/deploy.md, and every metric and label they use is one the daemon exports.
+
+The exported names come from ``tests/golden/metrics.txt`` (the /metrics text that
+tests/test_metrics.py checks byte for byte), so renaming a metric or a label without updating the
+rules fails here. promtool comes with Debian's ``prometheus`` package (``make setup`` installs
+it); without it these tests are skipped locally and fail under ``CI=true``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from agent.discovery import ENV_LABELS
+from agent.metrics import label_name
+
+ROOT = Path(__file__).resolve().parent.parent
+RULES = ROOT / "deploy" / "prometheus" / "hangwatch-rules.yml"
+RULE_TESTS = ROOT / "deploy" / "prometheus" / "tests" / "hangwatch-rules.test.yml"
+DEPLOY_DOC = ROOT / "docs" / "deploy.md"
+GOLDEN = ROOT / "tests" / "golden" / "metrics.txt"
+RUNBOOK_BASE = "https://github.com/hangwatch/hangwatch/blob/main/docs/deploy.md#"
+
+# Labels Prometheus adds to every scraped series.
+TARGET_LABELS = {"instance", "job"}
+# Metrics that are not the daemon's but that the rules may use.
+FOREIGN_METRICS = {"up": TARGET_LABELS}
+
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'|`[^`]*`')
+_IDENTIFIER = re.compile(r"(?<![\w:])[a-zA-Z_:][\w:]*")
+_SELECTOR = re.compile(r"(?<![\w:])([a-zA-Z_:][\w:]*)\s*\{([^}]*)\}")
+_MATCHER_LABEL = re.compile(r"(\w+)\s*(?:=~|!~|!=|=)")
+_GROUPING = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\(([^)]*)\)")
+_LABEL_REPLACE_TARGET = re.compile(r',\s*"(\w+)",\s*"[^"]*",\s*"\w*",\s*"[^"]*"\s*\)')
+
+
+def _load(path: Path) -> Any:
+    return yaml.safe_load(path.read_text())
+
+
+def _rules() -> list[dict[str, Any]]:
+    return [rule for group in _load(RULES)["groups"] for rule in group["rules"]]
+
+
+def _alerts() -> list[dict[str, Any]]:
+    return [rule for rule in _rules() if "alert" in rule]
+
+
+@pytest.fixture(scope="module")
+def promtool() -> str:
+    path = shutil.which("promtool")
+    if path is None:
+        reason = "promtool is not installed (Debian package `prometheus`; `make setup`)"
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"CI=true and {reason}", pytrace=False)
+        pytest.skip(reason)
+    return path
+
+
+def _run_promtool(promtool: str, *args: str) -> None:
+    done = subprocess.run(
+        [promtool, *args], capture_output=True, text=True, check=False, timeout=120
+    )
+    assert done.returncode == 0, (
+        f"promtool {' '.join(args)} exited {done.returncode}:\n{done.stdout}{done.stderr}"
+    )
+
+
+def test_promtool_check_rules(promtool: str) -> None:
+    _run_promtool(promtool, "check", "rules", str(RULES))
+
+
+def test_promtool_unit_tests(promtool: str) -> None:
+    _run_promtool(promtool, "test", "rules", str(RULE_TESTS))
+
+
+def test_every_alert_is_tested_firing_and_silent() -> None:
+    firing: set[str] = set()
+    silent: set[str] = set()
+    tested_exprs = []
+    for case in _load(RULE_TESTS)["tests"]:
+        for check in case.get("alert_rule_test", []):
+            (firing if check.get("exp_alerts") else silent).add(check["alertname"])
+        tested_exprs += [check["expr"] for check in case.get("promql_expr_test", [])]
+    for alert in _alerts():
+        name = alert["alert"]
+        assert name in firing, f"{name}: no promtool test where it fires"
+        assert name in silent, f"{name}: no promtool test where it stays silent"
+    for rule in _rules():
+        if "record" in rule:
+            assert any(rule["record"] in expr for expr in tested_exprs), (
+                f"{rule['record']}: no promql_expr_test reads it"
+            )
+
+
+def _slug(heading: str) -> str:
+    """The anchor GitHub gives a Markdown heading."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def _doc_anchors() -> set[str]:
+    text = DEPLOY_DOC.read_text()
+    text = re.sub(r"^```.*?^```", "", text, flags=re.MULTILINE | re.DOTALL)  # not # comments
+    return {_slug(m.group(1)) for m in re.finditer(r"^#{1,6}\s+(.+?)\s*#*\s*$", text, re.M)}
+
+
+@pytest.mark.parametrize("alert", _alerts(), ids=lambda a: a["alert"])
+def test_alert_has_annotations_and_a_runbook(alert: dict[str, Any]) -> None:
+    name = alert["alert"]
+    annotations = alert.get("annotations", {})
+    for key in ("summary", "description", "runbook_url"):
+        assert str(annotations.get(key, "")).strip(), f"{name}: no {key} annotation"
+    assert alert.get("labels", {}).get("severity") in {"critical", "warning"}, name
+    url = annotations["runbook_url"]
+    assert url.startswith(RUNBOOK_BASE), f"{name}: runbook_url {url} is not under {RUNBOOK_BASE}"
+    anchor = url[len(RUNBOOK_BASE) :]
+    assert anchor == _slug(name), f"{name}: runbook_url should point at its own heading ({anchor})"
+    assert anchor in _doc_anchors(), f"{name}: docs/deploy.md has no heading for #{anchor}"
+
+
+def _exported() -> dict[str, set[str]]:
+    """Each name a query can use for the daemon's metrics, with the labels its series carry."""
+    families = text_string_to_metric_families(GOLDEN.read_text())
+    env = {label_name(key) for key in ENV_LABELS}
+    names: dict[str, set[str]] = {}
+    for family in families:
+        labels = {label for sample in family.samples for label in sample.labels}
+        if "service_pid" in labels:  # a process metric: the allow-listed env labels may appear
+            labels |= env
+        # the parser strips a counter's _total and a histogram's suffixes from the family name
+        suffixes = {
+            "counter": ["_total"],
+            "histogram": ["_bucket", "_sum", "_count"],
+        }.get(family.type, [""])
+        for suffix in suffixes:
+            names[family.name + suffix] = labels | TARGET_LABELS
+    return names
+
+
+def test_rules_use_only_exported_metrics_and_labels() -> None:
+    exported = {**_exported(), **FOREIGN_METRICS}
+    recorded = {rule["record"] for rule in _rules() if "record" in rule}
+    created = set()  # labels that the rules make with label_replace
+    for rule in _rules():
+        created |= set(_LABEL_REPLACE_TARGET.findall(rule["expr"]))
+    every_label = set().union(*exported.values()) | created
+    problems = []
+    for rule in _rules():
+        name = rule.get("alert") or rule["record"]
+        expr = rule["expr"]
+        for ident in _IDENTIFIER.findall(_STRING.sub('""', expr)):
+            if ident.startswith("hangwatch:") and ident not in recorded:
+                problems.append(f"{name}: {ident} is not recorded by any rule")
+            elif (ident.startswith("hangwatch_") or ident in FOREIGN_METRICS) and (
+                ident not in exported
+            ):
+                problems.append(f"{name}: {ident} is not exported (tests/golden/metrics.txt)")
+        for metric, body in _SELECTOR.findall(expr):
+            for label in _MATCHER_LABEL.findall(body):
+                if metric in exported and label not in exported[metric]:
+                    problems.append(f"{name}: {metric} has no label {label}")
+        for group in _GROUPING.findall(expr):
+            for label in filter(None, (part.strip() for part in group.split(","))):
+                if label not in every_label:
+                    problems.append(f"{name}: no metric has a label {label}")
+    assert not problems, "\n".join(problems)
+
+
+def test_metric_name_check_catches_a_wrong_name() -> None:
+    # The check above must see names inside selectors and functions, and not inside strings.
+    expr = 'rate(hangwatch_nope_total[5m]) > 0 and label_replace(up, "x", "hangwatch_ok", "", "")'
+    found = _IDENTIFIER.findall(_STRING.sub('""', expr))
+    assert [i for i in found if i.startswith("hangwatch_") or i == "up"] == [
+        "hangwatch_nope_total",
+        "up",
+    ]
+    assert "hangwatch_nope_total" not in _exported()
