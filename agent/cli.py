@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="observe processes for a few seconds and give each service a verdict",
         description="Attach the futex probe, read /proc, observe for --duration seconds and\n"
         "report each service (a PID and its descendants) with its state and evidence.\n"
-        "Needs root, or CAP_BPF, CAP_PERFMON and CAP_SYS_PTRACE.",
+        "Needs root, or CAP_BPF, CAP_PERFMON, CAP_SYS_PTRACE and CAP_DAC_READ_SEARCH.",
         epilog=DIAGNOSE_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -7,19 +7,21 @@ import subprocess
 
 from .errors import KernelFeatureError
 
+CAP_DAC_READ_SEARCH = 2
 CAP_SYS_PTRACE = 19
 CAP_SYS_ADMIN = 21
 CAP_PERFMON = 38
 CAP_BPF = 39
 CAP_NAMES = {
+    CAP_DAC_READ_SEARCH: "CAP_DAC_READ_SEARCH",
     CAP_SYS_PTRACE: "CAP_SYS_PTRACE",
     CAP_SYS_ADMIN: "CAP_SYS_ADMIN",
     CAP_PERFMON: "CAP_PERFMON",
     CAP_BPF: "CAP_BPF",
 }
 HOW = (
-    "run as root (sudo hangwatch ...), or grant CAP_BPF, CAP_PERFMON and CAP_SYS_PTRACE "
-    "(e.g. setpriv --ambient-caps +bpf,+perfmon,+sys_ptrace ...)"
+    "run as root (sudo hangwatch ...), or grant CAP_BPF, CAP_PERFMON, CAP_SYS_PTRACE and "
+    "CAP_DAC_READ_SEARCH (e.g. setpriv --ambient-caps +bpf,+perfmon,+sys_ptrace,+dac_read_search ...)"
 )
 TRACEFS_DIRS = ("/sys/kernel/tracing", "/sys/kernel/debug/tracing")
 
@@ -41,6 +43,10 @@ def missing_caps(caps: int) -> list[str]:
         out.append("CAP_PERFMON")
     if not have(CAP_SYS_PTRACE):
         out.append("CAP_SYS_PTRACE")  # to read lock words in /proc/PID/mem
+    if not have(CAP_DAC_READ_SEARCH):
+        # /proc/PID/{syscall,mem,io,environ,fd} are 0400 and owned by the target's user:
+        # without it, evidence about non-root targets is silently missing.
+        out.append("CAP_DAC_READ_SEARCH")
     return out
 
 
