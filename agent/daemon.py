@@ -154,13 +154,12 @@ class Daemon:
         return reading
 
     def tick(self) -> None:
-        before = set(self.services)
         gpu = self._read_gpu()
         services = self._timed("discovery", self.discovery.scan)
         if services is not None:
             self.services = services
-        for root in before - set(self.services):
-            self.states.pop(next((k for k in self.states if k[1] == root), ("", -1)), None)
+        # A service that is gone logs "new" if its root PID comes back: bounded by live ones.
+        self.states = {k: v for k, v in self.states.items() if k[1] in self.services}
         tick = self._timed("proc", self.observer.tick, gpu)
         if tick is None:
             return
