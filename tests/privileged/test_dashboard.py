@@ -10,15 +10,9 @@ host cannot produce them (tests/test_deploy.py checks every dashboard name again
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import shutil
 import socket
-import subprocess
 import time
-import urllib.parse
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,6 +21,7 @@ import pytest
 
 from tests.fixturelib import Fixture
 from tests.privileged.daemonlib import INTERVAL, Daemon, Samples, free_port, value, wait_until
+from tests.privileged.promlib import Prometheus
 from tests.test_deploy import (
     dashboard_metric_names,
     exprs,
@@ -140,74 +135,6 @@ def test_every_metric_the_dashboard_queries_is_exported(daemon: Daemon) -> None:
 
 
 # --- the same queries in a real Prometheus ----------------------------------------------------
-
-
-def prometheus_binary() -> str:
-    found = shutil.which("prometheus")
-    if found is None:
-        msg = "the prometheus server is not installed (make setup installs Debian's package)"
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(msg)
-        pytest.skip(msg)
-    return found
-
-
-class Prometheus:
-    """A throwaway server scraping the daemon every second as job "hangwatch"."""
-
-    def __init__(self, tmp: Path, target_port: int) -> None:
-        self.port = free_port()
-        cfg = tmp / "prometheus.yml"
-        cfg.write_text(
-            json.dumps(
-                {
-                    "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-                    "scrape_configs": [
-                        {
-                            "job_name": "hangwatch",
-                            "static_configs": [{"targets": [f"127.0.0.1:{target_port}"]}],
-                        }
-                    ],
-                }
-            )
-        )
-        self.log_path = tmp / "prometheus.log"
-        self._log = self.log_path.open("w")
-        self.proc = subprocess.Popen(
-            [
-                prometheus_binary(),
-                f"--config.file={cfg}",
-                f"--storage.tsdb.path={tmp / 'tsdb'}",
-                f"--web.listen-address=127.0.0.1:{self.port}",
-            ],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-        )
-
-    def query(self, expr: str) -> dict:
-        """The API's whole answer, errors included (a bad query is HTTP 400 with a body)."""
-        url = f"http://127.0.0.1:{self.port}/api/v1/query?" + urllib.parse.urlencode(
-            {"query": expr}
-        )
-        try:
-            with urllib.request.urlopen(url, timeout=10) as r:
-                return json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            return json.loads(e.read())
-
-    def results(self, expr: str) -> list[dict] | None:
-        try:
-            answer = self.query(expr)
-        except OSError:
-            return None
-        return answer["data"]["result"] if answer.get("status") == "success" else None
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        finally:
-            self._log.close()
 
 
 def grafana_regex(value: str) -> str:

@@ -9,11 +9,7 @@ for the pool's pid, and nothing at all for the idle server.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +17,7 @@ import pytest
 
 from tests.fixturelib import REPO_ROOT, Fixture
 from tests.privileged.daemonlib import INTERVAL, Daemon, free_port, value, wait_until
+from tests.privileged.promlib import Prometheus
 
 RULES = sorted((REPO_ROOT / "deploy" / "prometheus").glob("*.yml"))
 CONFIG = f"""
@@ -38,63 +35,6 @@ targets:
 ACTIVE = ("pending", "firing")
 
 
-def prometheus_binary() -> str:
-    found = shutil.which("prometheus")
-    if found is None:
-        msg = "the prometheus server is not installed (make setup installs Debian's package)"
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(msg)
-        pytest.skip(msg)
-    return found
-
-
-class Prometheus:
-    def __init__(self, tmp: Path, target_port: int) -> None:
-        self.port = free_port()
-        cfg = tmp / "prometheus.yml"
-        cfg.write_text(
-            json.dumps(  # JSON is YAML: no template escaping to get wrong
-                {
-                    "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-                    "rule_files": [str(p) for p in RULES],
-                    "scrape_configs": [
-                        {
-                            "job_name": "hangwatch",
-                            "static_configs": [{"targets": [f"127.0.0.1:{target_port}"]}],
-                        }
-                    ],
-                }
-            )
-        )
-        self.log = (tmp / "prometheus.log").open("w")
-        self.proc = subprocess.Popen(
-            [
-                prometheus_binary(),
-                f"--config.file={cfg}",
-                f"--storage.tsdb.path={tmp / 'tsdb'}",
-                f"--web.listen-address=127.0.0.1:{self.port}",
-            ],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-        )
-        self.log_path = tmp / "prometheus.log"
-
-    def api(self, path: str) -> dict:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/api/v1/{path}", timeout=5) as r:
-            return json.loads(r.read())["data"]
-
-    def alerts(self) -> list[dict]:
-        try:
-            return self.api("alerts")["alerts"]
-        except OSError:
-            return []
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=30)
-        self.log.close()
-
-
 @pytest.fixture
 def stack(tmp_path: Path) -> Iterator[tuple[Daemon, Prometheus]]:
     assert RULES, "no rule files in deploy/prometheus"
@@ -109,7 +49,7 @@ def stack(tmp_path: Path) -> Iterator[tuple[Daemon, Prometheus]]:
             lambda s: value(s, "hangwatch_collector_success", collector="proc") == 1,
             "the daemon's first tick",
         )
-        prom = Prometheus(tmp_path, port)
+        prom = Prometheus(tmp_path, port, RULES)
         yield d, prom
     finally:
         if prom is not None:
