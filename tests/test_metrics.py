@@ -46,7 +46,7 @@ GOLDEN = Path(__file__).parent / "golden" / "metrics.txt"
 VERSION = "0.0.0-test"  # fixed, so the golden file does not change with releases
 GiB = 1 << 30
 
-# Every family the contract (DESIGN.md "Metrics") and the brief name, as exposed.
+# Every family the metrics contract names (the README's metrics table), as exposed.
 CONTRACT = {
     "hangwatch_service_state",
     "hangwatch_process_state",

@@ -2,7 +2,7 @@
 
 Each test starts a fixture (tests/fixtures, checked by tests/test_fixtures.py), runs the real
 tool against it with ``--json --threshold 1 --duration 2`` and checks the state from the
-DESIGN.md contract. Failures print the whole JSON report and the tool's stderr.
+JSON contract (README, `hangwatch diagnose`). Failures print the whole JSON report and the tool's stderr.
 """
 
 from __future__ import annotations
