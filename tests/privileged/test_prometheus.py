@@ -65,7 +65,7 @@ def test_alerts_fire_for_the_hangs_and_never_for_the_idle_server(stack) -> None:
         Fixture.py("idle_http") as http,
     ):
         want = {("HangwatchDeadlock", str(mutex.pid)), ("HangwatchAllThreadsParked", str(pool.pid))}
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 90  # generous: a loaded CI machine ticks late
         active: list[dict] = []
         while time.monotonic() < deadline:
             active = [a for a in prom.alerts() if a["state"] in ACTIVE]
