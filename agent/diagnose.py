@@ -84,8 +84,7 @@ def _since(tick: Tick, ns: int | None, fmt: str = "%H:%M:%S") -> str:
     """Wall-clock time of a CLOCK_MONOTONIC instant of this tick."""
     if not ns:
         return ""
-    wall = tick.snapshot.wall - (tick.snapshot.mono_ns - ns) / 1e9
-    return time.strftime(fmt, time.localtime(wall))
+    return time.strftime(fmt, time.localtime(tick.snapshot.wall_of(ns)))
 
 
 ISO = "%Y-%m-%dT%H:%M:%S%z"
@@ -257,10 +256,11 @@ def render_text(
             if p.state != v.state:  # otherwise the service's reasons already say it
                 lines.extend(f"      {r}" for r in p.reasons)
             shown: set[int] = set()
+            own = {x.tid for x in sample.threads}
             for g in groups:
                 if p.pid not in g.pids:
                     continue
-                tids = [t for t in g.tids if t in {x.tid for x in sample.threads}]
+                tids = [t for t in g.tids if t in own]
                 shown.update(tids)
                 who = ", ".join(f"{t} ({names.get(t, '?')})" for t in tids[:8])
                 more = f" and {len(tids) - 8} more" if len(tids) > 8 else ""

@@ -134,6 +134,10 @@ class Snapshot:
     # tid -> pid for live threads outside the watched processes that a lock names as owner
     foreign_owners: Mapping[int, int] = field(default_factory=dict)
 
+    def wall_of(self, mono_ns: int) -> float:
+        """time.time() of a CLOCK_MONOTONIC instant, by this snapshot's pair of clocks."""
+        return self.wall - (self.mono_ns - mono_ns) / 1e9
+
     def tid_to_pid(self) -> dict[int, int]:
         out = dict(self.foreign_owners)
         for p in self.processes.values():

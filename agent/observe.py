@@ -98,7 +98,11 @@ class ListenHistory:
         inode = int(target[8:-1])
         return next((s.port for s in self.proc.tcp_sockets(pid) if s.inode == inode), None)
 
-    def prune(self, live: set[int]) -> None:
+    def prune(self) -> None:
+        """Drop entries of processes that are gone: a stat per pid held (few: binders and
+        listeners), not a listing of all of /proc per tick."""
+        held = {k[0] for k in self._bound} | {k[0] for k in self.since}
+        live = {pid for pid in held if self.proc.stat(pid) is not None}
         self._bound = {k: v for k, v in self._bound.items() if k[0] in live}
         self.since = {k: v for k, v in self.since.items() if k[0] in live}
 
@@ -109,8 +113,7 @@ class ListenHistory:
             for port in sorted({lst.port for lst in p.listeners} if p else ()):
                 ns = self.since.get((pid, port))
                 if ns is not None:
-                    wall = snap.wall - (snap.mono_ns - ns) / 1e9
-                    at = time.strftime("%H:%M:%S", time.localtime(wall))
+                    at = time.strftime("%H:%M:%S", time.localtime(snap.wall_of(ns)))
                     out.append(f"port {port} listening since {at}")
         return out
 
@@ -185,7 +188,7 @@ class Observer:
         stable = tuple(sorted(c for sig, c in sigs.items() if sig in self._prev_sigs))
         self._prev_sigs = set(sigs)
         self.tracker.update(snap)
-        self.sockets.prune(set(snap.processes) | set(self.sampler.proc.pids()))
+        self.sockets.prune()
         self.gpu_history.update(gpu, self.ticks[-1].gpu if self.ticks else None, snap.mono_ns)
         tick = Tick(snap, graph, stable, reading, gpu)
         self.ticks.append(tick)
