@@ -6,6 +6,7 @@ keys are errors, so a typo never silently turns a setting off.
 
 from __future__ import annotations
 
+import difflib
 import ipaddress
 import re
 from collections.abc import Mapping
@@ -19,6 +20,12 @@ from .errors import UsageError
 
 DEFAULT_PORT = 9817
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")  # becomes a label value
+PID_MAX = 4194304  # the kernel's ceiling for pid_max (PID_MAX_LIMIT on 64-bit)
+_EXPONENT = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)[eE][-+]?\d{1,3}")
+MAX_REGEX = 1024  # characters: a selector is a short pattern, not a document
+MAX_CONFIG_BYTES = 1 << 20  # a config is a page of YAML; more is a wrong file
+TOP_KEYS = ("listen", "interval_seconds", "park_threshold_seconds", "targets")
+TARGET_KEYS = ("name", "cmdline", "comm", "pids", "gpu")
 
 
 @dataclass(frozen=True)
@@ -47,16 +54,39 @@ class Config:
 
 
 def _err(source: str, key: str, what: str) -> UsageError:
+    if source.startswith("--"):  # a flag, not a file: "--listen: ..."
+        return UsageError(f"{source}: {what}")
     return UsageError(f"config {source}: {key}: {what}")
+
+
+def show(value: object, limit: int = 60) -> str:
+    """repr() cut to one short line: error messages name the bad value, not a whole document."""
+    try:
+        text = repr(value)
+    except (ValueError, RecursionError):  # an int too long to print, a nested structure
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def unknown_key(raw: Mapping[Any, Any], known: tuple[str, ...]) -> tuple[str, str] | None:
+    """The first key not in ``known``, and what to say about it (the closest known key)."""
+    bad = sorted((k for k in raw if k not in known), key=show)  # keys of any YAML type
+    if not bad:
+        return None
+    key = bad[0]
+    name = key if isinstance(key, str) and len(key) <= 60 else show(key)
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    hint = f"unknown key (did you mean {close[0]!r}?)" if close else "unknown key"
+    return name, f"{hint}; known: {', '.join(known)}"
 
 
 def parse_listen(text: object, key: str = "listen", source: str = "--listen") -> tuple[str, int]:
     """'HOST:PORT', '[v6]:PORT' or ':PORT' (all interfaces)."""
     if not isinstance(text, str):
-        raise _err(source, key, f"want a string HOST:PORT, got {text!r}")
+        raise _err(source, key, f"want a string HOST:PORT, got {show(text)}")
     m = re.fullmatch(r"(?:\[([0-9A-Fa-f:.]+)\]|([^:\[\]]*)):(\d{1,5})", text.strip())
     if not m:
-        raise _err(source, key, f"{text!r} is not HOST:PORT")
+        raise _err(source, key, f"{show(text)} is not HOST:PORT")
     host = m.group(1) or m.group(2) or "0.0.0.0"
     port = int(m.group(3))
     if not 1 <= port <= 65535:
@@ -65,54 +95,62 @@ def parse_listen(text: object, key: str = "listen", source: str = "--listen") ->
         try:
             ipaddress.IPv6Address(host)
         except ValueError:
-            raise _err(source, key, f"{host!r} is not an IPv6 address") from None
-    elif not re.fullmatch(r"[A-Za-z0-9.-]+", host):
-        raise _err(source, key, f"{host!r} is not a host name or address")
+            raise _err(source, key, f"{show(host)} is not an IPv6 address") from None
+    elif not re.fullmatch(r"[A-Za-z0-9.-]{1,253}", host):
+        raise _err(source, key, f"{show(host)} is not a host name or address")
     return host, port
 
 
 def _number(
     raw: Mapping[str, Any], key: str, default: float, lo: float, hi: float, src: str
 ) -> float:
-    value = raw.get(key, default)
+    value = given = raw.get(key, default)
+    if isinstance(value, str) and _EXPONENT.fullmatch(value.strip()):
+        value = float(value)  # YAML 1.1 reads 1e3 (no dot, no sign) as a string
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _err(src, key, f"want a number of seconds, got {value!r}")
-    if not lo <= value <= hi:
-        raise _err(src, key, f"{value} is out of range {lo:g}-{hi:g}")
+        raise _err(src, key, f"want a number of seconds, got {show(value)}")
+    if not lo <= value <= hi:  # also NaN
+        shown = given[:60] if isinstance(given, str) else show(given)
+        raise _err(src, key, f"{shown} is out of range {lo:g}-{hi:g} seconds")
     return float(value)
 
 
 def _regex(value: object, key: str, src: str) -> re.Pattern[str]:
     if not isinstance(value, str) or not value:
-        raise _err(src, key, f"want a regular expression string, got {value!r}")
+        raise _err(src, key, f"want a regular expression string, got {show(value)}")
+    if len(value) > MAX_REGEX:
+        raise _err(src, key, f"regular expression of {len(value)} characters (at most {MAX_REGEX})")
     try:
         return re.compile(value)
     except re.error as e:
-        raise _err(src, key, f"invalid regular expression {value!r}: {e}") from None
+        raise _err(src, key, f"invalid regular expression {show(value)}: {e}") from None
+    except (OverflowError, RecursionError, ValueError) as e:  # a{99999999999}, deep nesting
+        raise _err(src, key, f"invalid regular expression {show(value)}: {e}") from None
 
 
 def _target(raw: object, i: int, src: str) -> Target:
     where = f"targets[{i}]"
     if not isinstance(raw, dict):
-        raise _err(src, where, f"want a mapping with a name and selectors, got {raw!r}")
-    unknown = set(raw) - {"name", "cmdline", "comm", "pids", "gpu"}
+        raise _err(src, where, f"want a mapping with a name and selectors, got {show(raw)}")
+    unknown = unknown_key(raw, TARGET_KEYS)
     if unknown:
-        raise _err(src, f"{where}.{sorted(unknown)[0]}", "unknown key")
+        raise _err(src, f"{where}.{unknown[0]}", unknown[1])
     name = raw.get("name")
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise _err(
-            src, f"{where}.name", f"want a short name of letters, digits, '_.-', got {name!r}"
+            src, f"{where}.name", f"want a short name of letters, digits, '_.-', got {show(name)}"
         )
     cmdline = _regex(raw["cmdline"], f"{where}.cmdline", src) if "cmdline" in raw else None
     comm = _regex(raw["comm"], f"{where}.comm", src) if "comm" in raw else None
     pids = raw.get("pids", [])
-    if not isinstance(pids, list) or not all(
-        isinstance(p, int) and not isinstance(p, bool) and p > 0 for p in pids
-    ):
-        raise _err(src, f"{where}.pids", f"want a list of positive PIDs, got {pids!r}")
+    if not isinstance(pids, list):
+        raise _err(src, f"{where}.pids", f"want a list of PIDs, got {show(pids)}")
+    for p in pids:
+        if isinstance(p, bool) or not isinstance(p, int) or not 0 < p <= PID_MAX:
+            raise _err(src, f"{where}.pids", f"{show(p)} is not a PID (1-{PID_MAX})")
     gpu = raw.get("gpu", False)
     if not isinstance(gpu, bool):
-        raise _err(src, f"{where}.gpu", f"want true or false, got {gpu!r}")
+        raise _err(src, f"{where}.gpu", f"want true or false, got {show(gpu)}")
     if cmdline is None and comm is None and not pids and not gpu:
         raise _err(src, where, f"target {name!r} selects nothing: give cmdline, comm, pids or gpu")
     return Target(name, cmdline, comm, frozenset(pids), gpu)
@@ -123,15 +161,15 @@ def validate(raw: object, source: str) -> Config:
         raw = {}
     if not isinstance(raw, dict):
         raise _err(source, "(top level)", f"want a mapping, got {type(raw).__name__}")
-    unknown = set(raw) - {"listen", "interval_seconds", "park_threshold_seconds", "targets"}
+    unknown = unknown_key(raw, TOP_KEYS)
     if unknown:
-        raise _err(source, sorted(map(str, unknown))[0], "unknown key")
+        raise _err(source, *unknown)
     listen = parse_listen(raw.get("listen", f":{DEFAULT_PORT}"), "listen", source)
     interval = _number(raw, "interval_seconds", 1.0, 0.1, 3600, source)
     threshold = _number(raw, "park_threshold_seconds", 60.0, 1, 86400 * 7, source)
     targets_raw = raw.get("targets")
     if not isinstance(targets_raw, list) or not targets_raw:
-        raise _err(source, "targets", f"want a non-empty list of targets, got {targets_raw!r}")
+        raise _err(source, "targets", f"want a non-empty list of targets, got {show(targets_raw)}")
     targets = tuple(_target(t, i, source) for i, t in enumerate(targets_raw))
     names = [t.name for t in targets]
     dup = next((n for n in names if names.count(n) > 1), None)
@@ -144,7 +182,10 @@ def load_text(text: str, source: str) -> Config:
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise UsageError(f"config {source}: not valid YAML: {e}".replace("\n", " ")) from None
+        what = " ".join(str(e).split())
+        raise UsageError(f"config {source}: not valid YAML: {what}") from None
+    except RecursionError:  # "[[[[..." thousands deep
+        raise UsageError(f"config {source}: not valid YAML: nested too deeply") from None
     return validate(raw, source)
 
 
@@ -154,8 +195,12 @@ def load(path: str | None) -> Config:
         text = resources.files("agent").joinpath("default-config.yaml").read_text()
         return load_text(text, "built-in default")
     try:
-        with open(path) as f:
-            text = f.read()
+        with open(path, encoding="utf-8") as f:
+            text = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as e:
-        raise UsageError(f"config {path}: cannot read it: {e.strerror}") from None
+        raise UsageError(f"config {path}: cannot read it: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise UsageError(f"config {path}: not UTF-8 text (byte {e.start})") from None
+    if len(text) > MAX_CONFIG_BYTES:
+        raise UsageError(f"config {path}: larger than {MAX_CONFIG_BYTES} characters")
     return load_text(text, path)

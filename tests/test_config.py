@@ -84,6 +84,35 @@ def test_the_built_in_default_is_valid_and_matches_known_servers():
         ("listen: 9817\ntargets: [{name: a, pids: [1]}]", "listen: want a string"),
         ("- just\n- a list", "(top level)"),
         ("targets: [{name: a, pids: [1]}\n", "not valid YAML"),
+        # The closest known key is suggested for a typo.
+        (
+            "intervall_seconds: 1\ntargets: [{name: a, pids: [1]}]",
+            "intervall_seconds: unknown key (did you mean 'interval_seconds'?)",
+        ),
+        ("targets: [{name: a, pid: [1]}]", "targets[0].pid: unknown key (did you mean 'pids'?)"),
+        ("targets: [{name: a, pids: [1], 3: x}]", "targets[0].3: unknown key; known: name,"),
+        # Absurd numbers, each named with the value given.
+        ("interval_seconds: 0\ntargets: [{name: a, pids: [1]}]", "interval_seconds: 0 is out"),
+        ("interval_seconds: 1e9\ntargets: [{name: a, pids: [1]}]", "interval_seconds: 1e9 is"),
+        ("interval_seconds: .nan\ntargets: [{name: a, pids: [1]}]", "interval_seconds: nan is"),
+        ("interval_seconds: .inf\ntargets: [{name: a, pids: [1]}]", "interval_seconds: inf is"),
+        (
+            "park_threshold_seconds: -5\ntargets: [{name: a, pids: [1]}]",
+            "park_threshold_seconds: -5 is out of range",
+        ),
+        ("listen: ':70000'\ntargets: [{name: a, pids: [1]}]", "port 70000 is out of range"),
+        ("listen: '[::1]'\ntargets: [{name: a, pids: [1]}]", "'[::1]' is not HOST:PORT"),
+        ("targets: [{name: a, pids: [99999999]}]", "targets[0].pids: 99999999 is not a PID"),
+        ("targets: [{name: a, pids: [true]}]", "targets[0].pids: True is not a PID"),
+        # Regexes re.compile refuses with something other than re.error.
+        (
+            "targets: [{name: a, cmdline: 'a{99999999999}'}]",
+            "targets[0].cmdline: invalid regular expression 'a{99999999999}'",
+        ),
+        (f"targets: [{{name: a, comm: '{'(' * 2000}{')' * 2000}'}}]", "targets[0].comm: regular"),
+        (f"targets: [{{name: a, comm: '{'x' * 2000}'}}]", "at most 1024"),
+        ("[" * 5000, "not valid YAML: nested too deeply"),
+        ("targets: !!python/object:os.system x", "not valid YAML"),
     ],
 )
 def test_bad_config_names_the_key(text, names):
@@ -101,6 +130,35 @@ def test_missing_file_is_a_usage_error(tmp_path):
         load(str(tmp_path / "nope.yaml"))
 
 
+def test_unreadable_files_are_usage_errors(tmp_path):
+    with pytest.raises(UsageError, match="cannot read it"):
+        load(str(tmp_path))  # a directory
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"targets: \xff\xfe\n")
+    with pytest.raises(UsageError, match="not UTF-8 text"):
+        load(str(binary))
+    huge = tmp_path / "huge.yaml"
+    huge.write_text("#" * (2 << 20))
+    with pytest.raises(UsageError, match="larger than"):
+        load(str(huge))
+
+
+def test_bad_values_are_shown_short():
+    """A huge bad value is cut, not dumped: the error stays one short line."""
+    with pytest.raises(UsageError) as e:
+        validate({"targets": [{"name": "a", "pids": "x" * 10_000}]}, "big.yaml")
+    assert len(str(e.value)) < 200, str(e.value)
+    with pytest.raises(UsageError) as e:
+        validate({"interval_seconds": 10**5000, "targets": [{"name": "a", "pids": [1]}]}, "b")
+    assert "interval_seconds" in str(e.value) and len(str(e.value)) < 200
+
+
+def test_yaml_exponent_without_a_dot_is_a_number():
+    """YAML 1.1 reads 1e0 as a string; the config takes it as the number it looks like."""
+    c = load_text("interval_seconds: 1e0\ntargets: [{name: a, pids: [1]}]", "x")
+    assert c.interval_seconds == 1.0
+
+
 @pytest.mark.parametrize(
     ("text", "want"),
     [
@@ -114,10 +172,14 @@ def test_parse_listen(text, want):
     assert parse_listen(text) == want
 
 
-@pytest.mark.parametrize("text", ["[::1:9817", "[zz]:1", "a b:1", "host:", "host:0"])
+@pytest.mark.parametrize(
+    "text", ["[::1:9817", "[zz]:1", "a b:1", "host:", "host:0", ":70000", "h_st:80", "a:80:1"]
+)
 def test_parse_listen_rejects(text):
-    with pytest.raises(UsageError, match="--listen"):
+    with pytest.raises(UsageError) as e:
         parse_listen(text)
+    assert str(e.value).startswith("--listen: "), str(e.value)
+    assert "\n" not in str(e.value)
 
 
 _yamlish = st.recursive(
