@@ -1,7 +1,9 @@
 """Readers of /proc, rooted anywhere so tests can point them at a fixture tree.
 
-The parse_* functions are pure (text in, values out) and fuzzed; the ProcFS
-methods add the I/O and turn "the process went away mid-read" into None.
+The parse_* functions are pure (text in, values out), total and fuzzed: text that is not the
+format gives None (or skips the line), never an exception. The ProcFS methods add the I/O
+and turn "the process went away mid-read" into None too. A comm is whatever bytes a process
+chose (prctl PR_SET_NAME), so nothing here may trust a file to be UTF-8 or well formed.
 """
 
 from __future__ import annotations
@@ -17,6 +19,16 @@ SYS_FUTEX_WAIT = 454
 
 TCP_LISTEN = 0x0A
 TCP_ESTABLISHED = 0x01
+U64 = 1 << 64
+
+
+def _uint(text: str, base: int = 10, limit: int = U64) -> int | None:
+    """A non-negative integer below ``limit``, or None."""
+    try:
+        value = int(text, base)
+    except ValueError:
+        return None
+    return value if 0 <= value < limit else None
 
 
 @dataclass(frozen=True)
@@ -56,17 +68,18 @@ class MemMap:
     inode: int
 
 
-def parse_stat(text: str) -> ProcStat:
+def parse_stat(text: str) -> ProcStat | None:
     """/proc/PID/stat; comm may hold spaces and parentheses, so split at the last ')'."""
-    lp, rp = text.index("("), text.rindex(")")
-    rest = text[rp + 2 :].split()
-    return ProcStat(
-        pid=int(text[:lp]),
-        comm=text[lp + 1 : rp],
-        state=rest[0],
-        ppid=int(rest[1]),
-        start_ticks=int(rest[19]),
-    )
+    lp, rp = text.find("("), text.rfind(")")
+    if lp < 0 or rp < lp:
+        return None
+    rest = text[rp + 1 :].split()
+    if len(rest) < 20 or len(rest[0]) != 1:
+        return None
+    pid, ppid, start = _uint(text[:lp].strip(), limit=1 << 31), _uint(rest[1]), _uint(rest[19])
+    if not pid or ppid is None or ppid >= 1 << 31 or start is None:
+        return None
+    return ProcStat(pid=pid, comm=text[lp + 1 : rp], state=rest[0], ppid=ppid, start_ticks=start)
 
 
 def parse_syscall(text: str) -> SyscallLine | None:
@@ -74,33 +87,49 @@ def parse_syscall(text: str) -> SyscallLine | None:
     parts = text.split()
     if not parts or parts[0] == "running":
         return None
-    nr = int(parts[0])
-    sp = int(parts[-2], 16) if len(parts) >= 3 else None
-    if nr < 0:
-        return SyscallLine(nr, (), sp)
-    return SyscallLine(nr, tuple(int(a, 16) for a in parts[1:7]), sp)
+    if parts[0] == "-1":
+        sp = _uint(parts[-2], 16) if len(parts) >= 3 else None
+        return SyscallLine(-1, (), sp)
+    nr = _uint(parts[0], limit=1 << 16)
+    if nr is None or len(parts) != 9:  # nr, six arguments, sp, pc
+        return None
+    args = tuple(_uint(a, 16) for a in parts[1:9])
+    if any(a is None for a in args):
+        return None
+    return SyscallLine(nr, tuple(a for a in args[:6] if a is not None), args[6])
 
 
 def parse_exec_start_ms(text: str) -> float | None:
     for line in text.splitlines():
         if line.startswith("se.exec_start"):
-            return float(line.split(":", 1)[1])
+            try:
+                value = float(line.split(":", 1)[1])
+            except (IndexError, ValueError):
+                return None
+            return value if 0 <= value < float(U64) else None  # also NaN
     return None
 
 
-def parse_schedstat(text: str) -> int:
-    return int(text.split()[0])
+def parse_schedstat(text: str) -> int | None:
+    parts = text.split()
+    return _uint(parts[0]) if parts else None
 
 
 def parse_io_wchar(text: str) -> int | None:
     for line in text.splitlines():
         if line.startswith("wchar:"):
-            return int(line.split()[1])
+            parts = line.split()
+            return _uint(parts[1]) if len(parts) == 2 else None
     return None
 
 
-def _addr(hexaddr: str, family: str) -> str:
-    raw = bytes.fromhex(hexaddr)
+def _addr(hexaddr: str, family: str) -> str | None:
+    try:
+        raw = bytes.fromhex(hexaddr)
+    except ValueError:
+        return None
+    if len(raw) != (4 if family == "tcp" else 16):
+        return None
     if family == "tcp":
         return socket.inet_ntop(socket.AF_INET, struct.pack("<I", struct.unpack(">I", raw)[0]))
     # IPv6: four 32-bit words, each in host (little-endian) order
@@ -115,21 +144,33 @@ def parse_net_tcp(text: str, family: str) -> list[TcpSocket]:
         f = line.split()
         if len(f) < 10:
             continue
-        local, st, queues, inode = f[1], int(f[3], 16), f[4], int(f[9])
-        host, port = local.rsplit(":", 1)
-        tx, rx = queues.split(":")
-        out.append(
-            TcpSocket(
-                family, _addr(host, family), int(port, 16), st, int(tx, 16), int(rx, 16), inode
-            )
-        )
+        host, _, port_hex = f[1].rpartition(":")
+        tx_hex, _, rx_hex = f[4].partition(":")
+        addr = _addr(host, family)
+        port, st = _uint(port_hex, 16, 1 << 16), _uint(f[3], 16, 1 << 8)
+        tx, rx, inode = _uint(tx_hex, 16, 1 << 32), _uint(rx_hex, 16, 1 << 32), _uint(f[9])
+        if addr is None or port is None or st is None or tx is None or rx is None:
+            continue  # not a line of this format: skip it, keep the rest
+        if inode is None:
+            continue
+        out.append(TcpSocket(family, addr, port, st, tx, rx, inode))
     return out
 
 
-def parse_maps_line(line: str) -> MemMap:
+def parse_maps_line(line: str) -> MemMap | None:
     f = line.split(maxsplit=5)
-    start, end = f[0].split("-")
-    return MemMap(int(start, 16), int(end, 16), f[1], int(f[2], 16), f[3], int(f[4]))
+    if len(f) < 5:
+        return None
+    start_hex, _, end_hex = f[0].partition("-")
+    start, end, offset, inode = (
+        _uint(start_hex, 16),
+        _uint(end_hex, 16),
+        _uint(f[2], 16),
+        _uint(f[4]),
+    )
+    if start is None or end is None or end < start or offset is None or inode is None:
+        return None
+    return MemMap(start, end, f[1], offset, f[3], inode)
 
 
 class ProcFS:
@@ -140,7 +181,8 @@ class ProcFS:
 
     def _read(self, *parts: object) -> str | None:
         try:
-            with open(os.path.join(self.root, *map(str, parts))) as f:
+            # Not UTF-8 strict: a comm or a path may hold any bytes.
+            with open(os.path.join(self.root, *map(str, parts)), errors="replace") as f:
                 return f.read()
         except (FileNotFoundError, ProcessLookupError, PermissionError):
             return None
@@ -148,7 +190,7 @@ class ProcFS:
             return None  # ESRCH and the like: the thread is exiting
 
     def pids(self) -> list[int]:
-        return [int(n) for n in os.listdir(self.root) if n.isdigit()]
+        return [int(n) for n in os.listdir(self.root) if n.isascii() and n.isdigit()]
 
     def stat(self, pid: int) -> ProcStat | None:
         text = self._read(pid, "stat")
@@ -171,7 +213,8 @@ class ProcFS:
 
     def tids(self, pid: int) -> list[int]:
         try:
-            return sorted(int(n) for n in os.listdir(os.path.join(self.root, str(pid), "task")))
+            names = os.listdir(os.path.join(self.root, str(pid), "task"))
+            return sorted(int(n) for n in names if n.isascii() and n.isdigit())
         except OSError:
             return []
 
@@ -197,7 +240,8 @@ class ProcFS:
             return None
         for line in text.splitlines():
             if line.startswith("Tgid:"):
-                return int(line.split()[1])
+                parts = line.split()
+                return (_uint(parts[1], limit=1 << 31) or None) if len(parts) == 2 else None
         return None
 
     def io_wchar(self, pid: int) -> int | None:
@@ -216,8 +260,9 @@ class ProcFS:
                 link = os.readlink(os.path.join(fd_dir, name))
             except OSError:
                 continue
-            if link.startswith("socket:["):
-                out.add(int(link[8:-1]))
+            inode = _uint(link[8:-1]) if link.startswith("socket:[") else None
+            if inode is not None:
+                out.add(inode)
         return out
 
     def fd_target(self, pid: int, fd: int) -> str | None:
@@ -244,7 +289,9 @@ class ProcFS:
 
     def maps(self, pid: int) -> list[MemMap]:
         text = self._read(pid, "maps")
-        return [parse_maps_line(line) for line in text.splitlines()] if text else []
+        if not text:
+            return []
+        return [m for m in map(parse_maps_line, text.splitlines()) if m is not None]
 
     def open_memory(self, pid: int) -> ProcessMemory | None:
         try:
