@@ -24,6 +24,8 @@ HOW = (
     "CAP_DAC_READ_SEARCH (e.g. setpriv --ambient-caps +bpf,+perfmon,+sys_ptrace,+dac_read_search ...)"
 )
 TRACEFS_DIRS = ("/sys/kernel/tracing", "/sys/kernel/debug/tracing")
+# The tracepoints nothing works without; the other syscalls' programs are optional (probe.py).
+REQUIRED_TRACEPOINTS = ("sys_enter_futex", "sys_exit_futex")
 
 
 def effective_caps(status_text: str) -> int:
@@ -50,11 +52,22 @@ def missing_caps(caps: int) -> list[str]:
     return out
 
 
-def _tracefs_ready() -> bool:
-    return any(os.path.isdir(os.path.join(d, "events", "syscalls")) for d in TRACEFS_DIRS)
+def _tracefs_ready(dirs: tuple[str, ...]) -> bool:
+    return any(os.path.isdir(os.path.join(d, "events", "syscalls")) for d in dirs)
 
 
-def check(btf_path: str = "/sys/kernel/btf/vmlinux") -> list[str]:
+def missing_tracepoints(dirs: tuple[str, ...] = TRACEFS_DIRS) -> list[str]:
+    """Required syscall tracepoints that no mounted tracefs has."""
+    return [
+        tp
+        for tp in REQUIRED_TRACEPOINTS
+        if not any(os.path.exists(os.path.join(d, "events", "syscalls", tp, "id")) for d in dirs)
+    ]
+
+
+def check(
+    btf_path: str = "/sys/kernel/btf/vmlinux", tracefs_dirs: tuple[str, ...] = TRACEFS_DIRS
+) -> list[str]:
     """Raise KernelFeatureError for what is missing; return notices for what we fixed.
 
     Must run before bcc is imported: bcc fixes its tracefs path at import time.
@@ -69,15 +82,21 @@ def check(btf_path: str = "/sys/kernel/btf/vmlinux") -> list[str]:
             "hangwatch needs Linux >= 5.8 built with CONFIG_DEBUG_INFO_BTF=y",
         )
     notices = []
-    if not _tracefs_ready():
+    if not _tracefs_ready(tracefs_dirs):
         # Minimal hosts and containers often lack the mount; we are privileged, so fix it.
         for fs, where in (("debugfs", "/sys/kernel/debug"), ("tracefs", "/sys/kernel/tracing")):
             subprocess.run(["mount", "-t", fs, fs, where], capture_output=True, check=False)
-        if not _tracefs_ready():
+        if not _tracefs_ready(tracefs_dirs):
             raise KernelFeatureError(
                 "tracefs with syscall tracepoints is not available",
                 "mount it (mount -t tracefs tracefs /sys/kernel/tracing) on a kernel built "
                 "with CONFIG_FTRACE_SYSCALLS=y",
             )
         notices.append("mounted tracefs at /sys/kernel/tracing")
+    absent = missing_tracepoints(tracefs_dirs)
+    if absent:
+        raise KernelFeatureError(
+            f"the kernel has no syscall tracepoint {', '.join(absent)}",
+            "hangwatch needs a kernel built with CONFIG_FTRACE_SYSCALLS=y",
+        )
     return notices
