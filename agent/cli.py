@@ -45,12 +45,17 @@ config (YAML; unknown keys are errors):
     - name: pinned
       pids: [1234]
 
-exit codes: 0 stopped by SIGTERM/SIGINT, 2 bad config or listen address (names the key),
-3 missing privilege or kernel feature
+web config (--web-config FILE; a restart, not SIGHUP, applies a change):
+  tls_server_config: {cert_file: tls.crt, key_file: tls.key}
+  basic_auth_users: {prometheus: "$2b$10$..."}   # a bcrypt hash: docs/security.md
+
+exit codes: 0 stopped by SIGTERM/SIGINT, 2 bad config, web config or listen address (names
+the key), 3 missing privilege or kernel feature (names it)
 """
 
 
 def _positive_float(text: str) -> float:
+    """A number; its range is checked with the other input (diagnose.validate)."""
     try:
         return float(text)
     except ValueError:
@@ -123,6 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="address for /metrics, overriding the config (default 0.0.0.0:9817)",
     )
     r.add_argument(
+        "--web-config",
+        metavar="FILE",
+        help="TLS and basic auth for /metrics: a web config file in the Prometheus exporter "
+        "format (tls_server_config, basic_auth_users); see docs/security.md",
+    )
+    r.add_argument(
         "--print-default-config",
         action="store_true",
         help="print the built-in config and exit (a starting point for --config)",
@@ -155,7 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return 0
             from .daemon import run as run_daemon
 
-            return run_daemon(args.config, args.listen)
+            return run_daemon(args.config, args.listen, args.web_config)
     except HangwatchError as e:
         print(f"hangwatch: {e}", file=sys.stderr)
         return e.exit_code

@@ -245,27 +245,31 @@ class Daemon:
             self.stop.wait(max(0.0, self.cfg.interval_seconds - (time.monotonic() - started)))
 
 
-def run(config_path: str | None, listen: str | None) -> int:
-    from prometheus_client import start_http_server
+def run(config_path: str | None, listen: str | None, web_config: str | None = None) -> int:
+    from prometheus_client import make_wsgi_app
 
-    from . import preflight
+    from . import preflight, webconfig
     from .metrics import registry_for
 
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s hangwatch %(levelname)s %(message)s"
     )
-    cfg = config_mod.load(config_path)  # exit 2 on any config error, before anything else
+    # Every input is checked before anything else, and exits 2 naming what is wrong.
+    cfg = config_mod.load(config_path)
     if listen is not None:
         cfg = replace(cfg, listen=config_mod.parse_listen(listen))
+    web = webconfig.load(web_config) if web_config is not None else None
     for notice in preflight.check():
         log.info("%s", notice)
     holder: list[Daemon] = []
     registry = registry_for(lambda: holder[0].exposition if holder else None)
     host, port = cfg.listen
     try:  # bind before attaching: a port in use must change nothing
-        server, _ = start_http_server(port, host, registry)
+        server, _ = webconfig.serve(host, port, make_wsgi_app(registry), web)
     except OSError as e:
         raise UsageError(f"listen {cfg.listen_text}: {e.strerror or e}") from None
+    if web is not None and web.users and web.tls is None:
+        log.warning("basic auth without TLS: passwords cross the network in the clear")
     from .gpu import GpuSource
     from .probe import KernelProbes  # bcc only after preflight
 
@@ -287,8 +291,9 @@ def run(config_path: str | None, listen: str | None) -> int:
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 signal.signal(sig, on_signal)
             log.info(
-                "serving /metrics on %s; %d targets from %s; interval %g s, threshold %g s",
+                "serving /metrics on %s%s; %d targets from %s; interval %g s, threshold %g s",
                 cfg.listen_text,
+                _web_text(web),
                 len(cfg.targets),
                 cfg.source,
                 cfg.interval_seconds,
@@ -302,5 +307,14 @@ def run(config_path: str | None, listen: str | None) -> int:
                     restore()
     finally:
         server.shutdown()
+        server.server_close()
     log.info("stopped; probes detached")
     return 0
+
+
+def _web_text(web: Any) -> str:
+    if web is None:
+        return " (http, no auth)"
+    scheme = "https" if web.tls is not None else "http"
+    auth = f"basic auth for {len(web.users)} users" if web.users else "no auth"
+    return f" ({scheme}, {auth}, from {web.source})"

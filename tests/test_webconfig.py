@@ -1,0 +1,224 @@
+"""The web config (TLS and basic auth for /metrics): parsing, the auth check, the server.
+
+No root needed: a throwaway certificate from openssl, a server on a free loopback port.
+"""
+
+from __future__ import annotations
+
+import base64
+import shutil
+import ssl
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import bcrypt
+import pytest
+
+from agent.errors import UsageError
+from agent.webconfig import BasicAuth, load, parse, serve, with_basic_auth
+
+PASSWORD = b"s3cret-scrape"
+HASH = bcrypt.hashpw(PASSWORD, bcrypt.gensalt(rounds=4)).decode()
+
+
+def basic(user: str, password: bytes) -> str:
+    return "Basic " + base64.b64encode(user.encode() + b":" + password).decode()
+
+
+OPENSSL_REQ = [
+    "openssl",
+    "req",
+    "-x509",
+    "-newkey",
+    "rsa:2048",
+    "-nodes",
+    "-days",
+    "1",
+    "-subj",
+    "/CN=localhost",
+]
+
+
+def make_cert(d: Path) -> tuple[Path, Path]:
+    """A throwaway self-signed certificate for 127.0.0.1 and localhost, and its key."""
+    cert, key = d / "tls.crt", d / "tls.key"
+    san = "subjectAltName=IP:127.0.0.1,DNS:localhost"
+    cmd = [*OPENSSL_REQ, "-addext", san, "-keyout", str(key), "-out", str(cert)]
+    subprocess.run(cmd, check=True, capture_output=True)
+    return cert, key
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    d = tmp_path_factory.mktemp("certs")
+    make_cert(d)
+    return d
+
+
+# --- parsing --------------------------------------------------------------------------------
+
+
+def test_a_full_web_config_loads(certs: Path) -> None:
+    path = certs / "web.yml"
+    path.write_text(
+        "tls_server_config:\n  cert_file: tls.crt\n  key_file: tls.key\n"
+        "  min_version: TLS13\n"
+        f"basic_auth_users:\n  prometheus: '{HASH}'\n"
+    )
+    web = load(str(path))
+    assert web.tls is not None and web.tls.cert_file == str(certs / "tls.crt")  # relative
+    assert web.tls.min_version == ssl.TLSVersion.TLSv1_3
+    assert web.users == {"prometheus": HASH.encode()}
+
+
+def test_an_empty_web_config_is_plain_http() -> None:
+    web = parse("", "web.yml")
+    assert web.tls is None and not web.users
+
+
+@pytest.mark.parametrize(
+    ("text", "names"),
+    [
+        ("tls_server_config: {cert_file: tls.crt, key_file: tls.key}\nbasic_auth: {}", "basic_auth: unknown key (did you mean 'basic_auth_users'?)"),
+        ("tls_server_config: {cert: tls.crt, key_file: tls.key}", "tls_server_config.cert: unknown key (did you mean 'cert_file'?)"),
+        ("tls_server_config: {key_file: tls.key}", "tls_server_config.cert_file: want a file name"),
+        ("tls_server_config: {cert_file: nope.crt, key_file: tls.key}", "cert_file: 'nope.crt' is not a readable file"),
+        ("tls_server_config: {cert_file: tls.crt, key_file: tls.crt}", "cannot load cert_file"),
+        ("tls_server_config: {cert_file: tls.key, key_file: tls.key}", "cannot load cert_file"),
+        ("tls_server_config: {cert_file: tls.crt, key_file: tls.key, client_auth_type: Maybe}", "client_auth_type: 'Maybe' is not one of"),
+        ("tls_server_config: {cert_file: tls.crt, key_file: tls.key, client_auth_type: RequireAndVerifyClientCert}", "client_ca_file: RequireAndVerifyClientCert needs"),
+        ("tls_server_config: {cert_file: tls.crt, key_file: tls.key, client_ca_file: tls.crt}", "client certificates are not checked"),
+        ("tls_server_config: {cert_file: tls.crt, key_file: tls.key, client_auth_type: RequireAndVerifyClientCert, client_ca_file: tls.key}", "client_ca_file: cannot load"),
+        ("tls_server_config: {cert_file: tls.crt, key_file: tls.key, min_version: TLS10}", "min_version: 'TLS10' is not one of"),
+        ("tls_server_config: {cert_file: tls.crt, key_file: tls.key, cipher_suites: [x]}", "cipher_suites: not supported by hangwatch"),
+        ("http_server_config: {http2: false}", "http_server_config: not supported"),
+        ("tls_server_config: [a]", "tls_server_config: want a mapping"),
+        ("basic_auth_users: {}", "basic_auth_users: empty"),
+        ("basic_auth_users: {prometheus: hunter2}", "basic_auth_users.prometheus: want a bcrypt hash"),
+        ("basic_auth_users: {prometheus: '$2y$31$abcdefghijklmnopqrstuuabcdefghijklmnopqrstuvwxyzABCDE'}", "want a bcrypt hash of cost 4-15"),
+        ("basic_auth_users: {'a:b': x}", "'a:b' is not a user name"),
+        ("- a list", "(top level): want a mapping"),
+        ("basic_auth_users: {a: [1", "not valid YAML"),
+    ],
+)  # fmt: skip
+def test_bad_web_config_names_the_key(certs: Path, text: str, names: str) -> None:
+    with pytest.raises(UsageError) as e:
+        parse(text, "web.yml", str(certs))
+    msg = str(e.value)
+    assert msg.startswith("web config web.yml: "), msg
+    assert names in msg, msg
+    assert "\n" not in msg and e.value.exit_code == 2
+
+
+def test_an_encrypted_key_is_refused_without_a_prompt(certs: Path) -> None:
+    key, encrypted = str(certs / "tls.key"), str(certs / "enc.key")
+    cmd = ["openssl", "pkey", "-in", key, "-aes256", "-passout", "pass:x", "-out", encrypted]
+    subprocess.run(cmd, check=True, capture_output=True)
+    with pytest.raises(UsageError, match="cannot load cert_file"):
+        parse("tls_server_config: {cert_file: tls.crt, key_file: enc.key}", "w", str(certs))
+
+
+def test_a_missing_file_is_a_usage_error(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="cannot read it"):
+        load(str(tmp_path / "nope.yml"))
+
+
+# --- basic auth -----------------------------------------------------------------------------
+
+
+def test_basic_auth_checks_user_and_password() -> None:
+    auth = BasicAuth({"prometheus": HASH.encode()})
+    assert auth.allowed(basic("prometheus", PASSWORD))
+    assert auth.allowed(basic("prometheus", PASSWORD))  # the cached path
+    assert not auth.allowed(basic("prometheus", b"wrong"))
+    assert not auth.allowed(basic("grafana", PASSWORD))
+    assert not auth.allowed(basic("prometheus", PASSWORD + b"x"))
+    for header in [None, "", "Basic", "Basic !!!", "Bearer abc", "Basic " + "eA==", "Basic /w=="]:
+        assert not auth.allowed(header), header
+    assert not auth.allowed("Basic " + base64.b64encode(b"prometheus:\0").decode())
+
+
+def test_unknown_user_costs_a_bcrypt_round_too() -> None:
+    """No shortcut that would tell an unknown user from a wrong password by timing."""
+    slow = bcrypt.hashpw(PASSWORD, bcrypt.gensalt(rounds=10))
+    auth = BasicAuth({"prometheus": slow})
+
+    def timed(header: str) -> float:
+        t0 = time.perf_counter()
+        assert not auth.allowed(header)
+        return time.perf_counter() - t0
+
+    wrong_password = min(timed(basic("prometheus", b"nope")) for _ in range(3))
+    unknown_user = min(timed(basic("nobody", b"nope")) for _ in range(3))
+    assert unknown_user > wrong_password / 3, (unknown_user, wrong_password)
+
+
+def test_the_wsgi_wrapper_answers_401_with_a_challenge() -> None:
+    calls = []
+
+    def app(environ, start_response):
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        return [b"metrics\n"]
+
+    def start_response(status, headers):
+        calls.append((status, dict(headers)))
+
+    wrapped = with_basic_auth(app, BasicAuth({"prometheus": HASH.encode()}))
+    assert wrapped({"HTTP_AUTHORIZATION": basic("prometheus", PASSWORD)}, start_response) == [
+        b"metrics\n"
+    ]
+    assert calls[-1][0] == "200 OK"
+    body = wrapped({}, start_response)
+    status, headers = calls[-1]
+    assert status == "401 Unauthorized" and b"metrics" not in b"".join(body)
+    assert headers["WWW-Authenticate"].startswith('Basic realm="hangwatch"')
+
+
+# --- the server -----------------------------------------------------------------------------
+
+
+def _app(environ, start_response):
+    start_response("200 OK", [("Content-Type", "text/plain")])
+    return [b"hangwatch_up 1\n"]
+
+
+def test_server_with_tls_and_basic_auth(certs: Path) -> None:
+    web = parse(
+        f"tls_server_config: {{cert_file: tls.crt, key_file: tls.key}}\n"
+        f"basic_auth_users: {{prometheus: '{HASH}'}}\n",
+        "web.yml",
+        str(certs),
+    )
+    httpd, _ = serve("127.0.0.1", 0, _app, web)
+    port = httpd.server_address[1]
+    ctx = ssl.create_default_context(cafile=str(certs / "tls.crt"))
+    url = f"https://127.0.0.1:{port}/metrics"
+    try:
+        req = urllib.request.Request(url, headers={"Authorization": basic("prometheus", PASSWORD)})
+        with urllib.request.urlopen(req, context=ctx, timeout=5) as r:
+            assert r.read() == b"hangwatch_up 1\n"
+        for headers in ({}, {"Authorization": basic("prometheus", b"wrong")}):
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(
+                    urllib.request.Request(url, headers=headers), context=ctx, timeout=5
+                )
+            assert e.value.code == 401
+        with pytest.raises((urllib.error.URLError, ConnectionError, OSError)):
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+        # A client that connects and never says anything does not block the next scrape.
+        import socket
+
+        with socket.create_connection(("127.0.0.1", port)):
+            req = urllib.request.Request(
+                url, headers={"Authorization": basic("prometheus", PASSWORD)}
+            )
+            with urllib.request.urlopen(req, context=ctx, timeout=5) as r:
+                assert r.status == 200
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
