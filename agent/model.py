@@ -153,8 +153,6 @@ class InflightWait:
     tid: int
     tgid: int
     wait: FutexWait
-    word: int  # as read at sys_enter
-    owner_hint: int
 
 
 @dataclass(frozen=True)
@@ -210,6 +208,8 @@ class ProbeReading:
     accepts: Mapping[int, int] = field(default_factory=dict)  # tgid -> accepts since watched
     # tgid -> fd -> writes since watched
     writes: Mapping[int, Mapping[int, FdWrites]] = field(default_factory=dict)
+    # TIDs the kernel keeps an entry for (watched processes): forget them once gone
+    threads: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)

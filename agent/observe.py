@@ -180,7 +180,8 @@ class Observer:
         snap = self.sampler.snapshot(pids, reading)
         live = {t.tid for p in snap.processes.values() for t in p.threads}
         if self.probe is not None:
-            stale = [tid for tid in (*reading.inflight, *reading.refusals) if tid not in live]
+            kept = {*reading.inflight, *reading.refusals, *reading.threads}
+            stale = [tid for tid in kept if tid not in live]
             if stale:
                 self.probe.forget(stale)
         graph = WaitForGraph(snap)

@@ -14,6 +14,7 @@ import re
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 from .errors import KernelFeatureError
 from .model import FdWrites, FutexWait, InflightWait, ProbeEvent, ProbeReading, SocketEvent
@@ -41,6 +42,7 @@ OPTIONAL_SYSCALLS = {
 }
 
 STATS_SYSCTL = Path("/proc/sys/kernel/bpf_stats_enabled")
+PID_MAX = Path("/proc/sys/kernel/pid_max")
 # bpf(2) BPF_ENABLE_STATS (Linux 5.8): stats stay on while the returned fd is open.
 SYS_BPF = {"x86_64": 321, "aarch64": 280}
 BPF_ENABLE_STATS = 32
@@ -99,6 +101,24 @@ def _thread_alive(tgid: int, tid: int) -> bool:
     return os.path.exists(f"/proc/{tgid}/task/{tid}")
 
 
+def watched_words(pid_max_path: Path = PID_MAX) -> int:
+    """Words of the watched-process bitmap: one bit per possible PID (64-bit words)."""
+    try:
+        pid_max = int(pid_max_path.read_text())
+    except (OSError, ValueError):
+        pid_max = 1 << 22  # the kernel's ceiling (PID_MAX_LIMIT on 64-bit)
+    return pid_max // 64 + 1
+
+
+def _by_tid(table: Any) -> list[tuple[int, Any]]:
+    """(TID, value) for every entry of a map keyed by u32, in batches where the kernel
+    allows it (5.6+), else one by one (two syscalls per entry: slow with many threads)."""
+    try:
+        return [(int(k), v) for k, v in table.items_lookup_batch()]
+    except Exception:  # bcc raises bare Exception when the kernel refuses batch ops
+        return [(k.value, v) for k, v in table.items()]
+
+
 def _enable_stats_fd() -> int | None:
     """BPF_ENABLE_STATS: an fd that keeps run-time stats on; the kernel undoes it on close,
     even if we die without cleaning up. None where the syscall is unknown or refused."""
@@ -153,6 +173,7 @@ class KernelProbes:
             f"-I{bpf_dir}",
             f"-DLONG_WAIT_NS={int(long_wait_s * 1e9)}ULL",
             f"-DRINGBUF_PAGES={ringbuf_pages}",
+            f"-DWATCHED_WORDS={watched_words()}",
         ]
         self.missing: list[str] = []  # optional syscalls this kernel has no tracepoints for
         for name, flag in OPTIONAL_SYSCALLS.items():
@@ -174,13 +195,13 @@ class KernelProbes:
         self.load_seconds = time.monotonic() - t0
         self.programs = self._bpf.num_open_tracepoints()
         self._watched = self._bpf[b"watched"]
-        self._inflight = self._bpf[b"inflight"]
+        self._threads = self._bpf[b"threads"]
+        self._pi_ops = self._bpf[b"pi_ops"]
         self._refusals = self._bpf[b"refusals"]
         self._hist = self._bpf[b"wait_hist"]
         self._counters = self._bpf[b"counters"]
         self._accepts = self._bpf[b"accepts"]
         self._fd_writes = self._bpf[b"fd_writes"]
-        self._write_calls = self._bpf[b"write_calls"]
         self._events: list[ProbeEvent] = []
         self._socket_events: list[SocketEvent] = []
         self._event_kinds = {
@@ -192,6 +213,7 @@ class KernelProbes:
         self._ring = self._bpf[b"events"]
         self._ring.open_ring_buffer(self._on_event)
         self._watching: set[int] = set()
+        self._bits: dict[int, int] = {}  # word index -> bits, as written to the kernel
 
     def _on_event(self, _ctx: object, data: int, _size: int) -> None:
         e = self._ring.event(data)
@@ -206,20 +228,24 @@ class KernelProbes:
             )
 
     def watch(self, tgids: Iterable[int]) -> None:
-        """Make the watched set exactly ``tgids``."""
-        want = set(tgids)
-        one = ctypes.c_uint8(1)
-        for tgid in want - self._watching:
-            self._watched[ctypes.c_uint32(tgid)] = one
-        for tgid in self._watching - want:
-            with contextlib.suppress(KeyError):
-                del self._watched[ctypes.c_uint32(tgid)]
+        """Make the watched set exactly ``tgids`` (PIDs beyond the bitmap cannot be watched)."""
+        want = {t for t in tgids if 0 < t < self._watched.max_entries * 64}
+        changed = {t // 64 for t in want ^ self._watching}
+        for word in changed:
+            bits = 0
+            for t in range(word * 64, word * 64 + 64):
+                if t in want:
+                    bits |= 1 << (t % 64)
+            if bits != self._bits.get(word, 0):
+                self._watched[ctypes.c_int(word)] = ctypes.c_uint64(bits)
+                self._bits[word] = bits
         self._watching = want
 
     def forget(self, tids: Iterable[int]) -> None:
-        """Drop in-flight entries of threads that died in a wait (they never reach sys_exit)."""
+        """Drop what is kept for threads that are gone (a thread that dies in a wait never
+        reaches sys_exit; a thread's entry outlives its calls)."""
         for tid in tids:
-            for table in (self._inflight, self._refusals):
+            for table in (self._threads, self._refusals, self._pi_ops):
                 with contextlib.suppress(KeyError):
                     del table[ctypes.c_uint32(tid)]
 
@@ -232,9 +258,18 @@ class KernelProbes:
         doomed = [
             (self._hist, [k for k in self._hist if k.tgid in gone]),
             (self._fd_writes, [k for k in self._fd_writes if k.tgid in gone]),
-            (self._write_calls, [k for k in self._write_calls if k.value >> 32 in gone]),
-            (self._inflight, [k for k, w in self._inflight.items() if w.tgid in gone]),
-            (self._refusals, [k for k, r in self._refusals.items() if r.tgid in gone]),
+            (
+                self._threads,
+                [ctypes.c_uint32(k) for k, t in _by_tid(self._threads) if t.tgid in gone],
+            ),
+            (
+                self._refusals,
+                [ctypes.c_uint32(k) for k, r in _by_tid(self._refusals) if r.tgid in gone],
+            ),
+            (
+                self._pi_ops,
+                [ctypes.c_uint32(k) for k, o in _by_tid(self._pi_ops) if o.tgid in gone],
+            ),
             (self._accepts, [ctypes.c_uint32(t) for t in gone]),
         ]
         for table, keys in doomed:
@@ -242,38 +277,56 @@ class KernelProbes:
                 with contextlib.suppress(KeyError):  # the kernel side may have deleted it
                     del table[key]
 
+    def _waits(self) -> tuple[dict[int, InflightWait], set[int], list[int]]:
+        """In-flight waits of watched processes, the TIDs with an entry, and dead TIDs."""
+        vector = self._defs["HW_SYSCALL_FUTEX_WAITV"]
+        waiting = self._defs["HW_THREAD_WAITING"]
+        watching = self._watching
+        inflight = {}
+        tracked = set()
+        for tid, t in _by_tid(self._threads):
+            if t.tgid not in watching:
+                continue  # unwatched since: forget_processes deletes it
+            tracked.add(tid)
+            if t.flags & waiting:
+                wait = FutexWait(
+                    uaddr=t.uaddr,
+                    op=t.op,
+                    val=t.val,
+                    since_ns=t.start_ns,
+                    vector=t.syscall == vector,
+                    source="bpf",
+                )
+                inflight[tid] = InflightWait(tid, t.tgid, wait)
+        # A PI lock entered before the process was watched: its thread has no entry yet.
+        # The entry is the thread's last PI operation, which may have ended; the sampler
+        # keeps it only where /proc shows the thread still blocked on that word.
+        pi_locks = (self._defs["HW_FUTEX_LOCK_PI"], self._defs["HW_FUTEX_LOCK_PI2"])
+        dead = []
+        for tid, o in _by_tid(self._pi_ops):
+            if o.tgid not in watching or tid in tracked or o.op not in pi_locks:
+                continue
+            if not _thread_alive(o.tgid, tid):
+                dead.append(tid)
+                continue
+            wait = FutexWait(uaddr=o.uaddr, op=o.op, val=0, since_ns=o.start_ns, source="bpf")
+            inflight[tid] = InflightWait(tid, o.tgid, wait)
+        return inflight, tracked, dead
+
     def read(self) -> ProbeReading:
         self._bpf.ring_buffer_poll(0)
         events, self._events = tuple(self._events), []
         sockets, self._socket_events = tuple(self._socket_events), []
-        vector = self._defs["HW_SYSCALL_FUTEX_WAITV"]
-        edeadlk_only = self._defs["HW_WAIT_EDEADLK_ONLY"]
-        watching = self._watching
-        # Entries kept for unwatched processes (PI locks, for their EDEADLK) are not the
-        # caller's business until the process is watched; they are dropped here once their
-        # thread is gone, since no caller would ever name them in forget().
-        dead: list[int] = []
-        inflight = {}
-        for k, w in self._inflight.items():
-            if w.flags & edeadlk_only and w.tgid not in watching:
-                if not _thread_alive(w.tgid, k.value):
-                    dead.append(k.value)
-                continue
-            wait = FutexWait(
-                uaddr=w.uaddr,
-                op=w.op,
-                val=w.val,
-                since_ns=w.start_ns,
-                vector=w.syscall == vector,
-                source="bpf",
-            )
-            inflight[k.value] = InflightWait(k.value, w.tgid, wait, w.word, w.owner_hint)
+        inflight, tracked, dead = self._waits()
+        # Refusals of unwatched processes are not the caller's business until the process is
+        # watched; they are dropped here once their thread is gone, since no caller would
+        # ever name them in forget().
         refusals = {}
-        for k, r in self._refusals.items():
-            if r.tgid in watching:
-                refusals[k.value] = (r.tgid, r.uaddr, r.ts_ns)
-            elif not _thread_alive(r.tgid, k.value):
-                dead.append(k.value)
+        for tid, r in _by_tid(self._refusals):
+            if r.tgid in self._watching:
+                refusals[tid] = (r.tgid, r.uaddr, r.ts_ns)
+            elif not _thread_alive(r.tgid, tid):
+                dead.append(tid)
         if dead:
             self.forget(dead)
         hist: dict[int, dict[int, int]] = {}
@@ -297,6 +350,7 @@ class KernelProbes:
             socket_events=sockets,
             accepts=accepts,
             writes=writes,
+            threads=frozenset(tracked),
         )
 
     def program_stats(self) -> dict[str, ProgramStats]:

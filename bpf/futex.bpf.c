@@ -1,14 +1,21 @@
 /* hangwatch futex probe: who waits on which futex word, now.
  *
  * For watched processes, each futex wait (WAIT, WAIT_BITSET, LOCK_PI,
- * LOCK_PI2, WAIT_REQUEUE_PI, futex_wait, futex_waitv) gets one in-flight entry
- * per thread at sys_enter, removed at sys_exit into a per-process log2
- * histogram of wait time. Waits longer than LONG_WAIT_NS and every EDEADLK
- * from a PI lock go to the ring buffer. Wake ops return before any map access.
+ * LOCK_PI2, WAIT_REQUEUE_PI, futex_wait, futex_waitv) marks the thread's entry
+ * in `threads` as waiting at sys_enter, with the word, op and start time; at
+ * sys_exit the mark is cleared and the wait time goes to a per-process log2
+ * histogram. Waits longer than LONG_WAIT_NS and every EDEADLK of a PI lock go
+ * to the ring buffer. No user memory is read: the verdict re-reads lock words
+ * from /proc/PID/mem for the few threads that stay parked.
  *
- * A PI lock of an unwatched process gets a minimal entry flagged
- * HW_WAIT_EDEADLK_ONLY, so that a cycle the kernel refuses is known even if
- * it formed before discovery reached the process; it feeds nothing else.
+ * Cost is what this file is shaped by (docs/performance.md): unwatched
+ * processes pay one inlined bitmap test per call; wake ops return before any
+ * map access; a watched wait costs one hash lookup at each end, plus the
+ * histogram's.
+ *
+ * PI operations (rare: PI mutexes only) of every process record their word in
+ * the LRU map pi_ops, so that a cycle the kernel refuses with EDEADLK is known
+ * even if it formed before discovery reached the process.
  *
  * Part of one object: follows maps.bpf.h (see there).
  */
@@ -24,26 +31,17 @@ static __always_inline int is_pi_lock(u32 cmd)
 	return cmd == HW_FUTEX_LOCK_PI || cmd == HW_FUTEX_LOCK_PI2;
 }
 
-static __always_inline void init_wait(struct hw_wait *w, u64 uaddr, u32 tgid, u32 cmd, u32 val,
-				      u32 syscall)
+/* The operations that can return EDEADLK. */
+static __always_inline int is_pi_op(u32 cmd)
 {
-	w->start_ns = bpf_ktime_get_ns();
-	w->uaddr = uaddr;
-	w->tgid = tgid;
-	w->op = cmd;
-	w->val = val;
-	w->syscall = syscall;
+	return is_pi_lock(cmd) || cmd == HW_FUTEX_TRYLOCK_PI || cmd == HW_FUTEX_WAIT_REQUEUE_PI ||
+	       cmd == HW_FUTEX_CMP_REQUEUE_PI;
 }
 
-/* Only the EDEADLK of this lock will be reported: no user reads, no histogram. */
-static __always_inline int pi_enter_unwatched(u32 tid, u32 tgid, u64 uaddr, u32 cmd, u32 val)
+static __always_inline void pi_op_enter(u32 tid, u32 tgid, u64 uaddr, u32 cmd)
 {
-	struct hw_wait w = {};
-	init_wait(&w, uaddr, tgid, cmd, val, HW_SYSCALL_FUTEX);
-	w.flags = HW_WAIT_EDEADLK_ONLY;
-	if (inflight.update(&tid, &w))
-		COUNT(inflight_full);
-	return 0;
+	struct hw_pi_op op = {.start_ns = bpf_ktime_get_ns(), .uaddr = uaddr, .tgid = tgid, .op = cmd};
+	pi_ops.update(&tid, &op); /* LRU: evicts the oldest rather than failing */
 }
 
 static __always_inline int wait_enter(u64 uaddr, u32 cmd, u32 val, u32 syscall)
@@ -52,82 +50,104 @@ static __always_inline int wait_enter(u64 uaddr, u32 cmd, u32 val, u32 syscall)
 	u32 tgid = id >> 32;
 	u32 tid = (u32)id;
 
-	if (!is_watched(tgid))
-		return is_pi_lock(cmd) ? pi_enter_unwatched(tid, tgid, uaddr, cmd, val) : 0;
+	if (syscall == HW_SYSCALL_FUTEX && is_pi_op(cmd))
+		pi_op_enter(tid, tgid, uaddr, cmd);
+	if (!is_wait_cmd(cmd) || !is_watched(tgid))
+		return 0;
 
-	struct hw_wait w = {};
-	init_wait(&w, uaddr, tgid, cmd, val, syscall);
-	int err = bpf_probe_read_user(&w.word, sizeof(w.word), (void *)uaddr);
-	/* The owner hint only means something for glibc mutexes (plain waits);
-	 * a PI word carries its owner itself. */
-	if (!err && !is_pi_lock(cmd))
-		err = bpf_probe_read_user(&w.owner_hint, sizeof(w.owner_hint), (void *)(uaddr + 8));
-	w.read_ok = err == 0;
-
-	if (inflight.update(&tid, &w))
+	struct hw_thread *t = thread_entry(tid, tgid);
+	if (!t) {
 		COUNT(inflight_full);
-	else
-		COUNT(waits_started);
+		return 0;
+	}
+	t->start_ns = bpf_ktime_get_ns();
+	t->uaddr = uaddr;
+	t->op = cmd;
+	t->val = val;
+	t->syscall = syscall;
+	t->flags |= HW_THREAD_WAITING;
+	COUNT(waits_started);
 	return 0;
 }
 
-static __always_inline void send_wait_event(u32 kind, struct hw_wait *w, u32 tid, u64 now,
-					    u64 dur, long ret)
+static __always_inline void send_wait_event(u32 kind, u32 tgid, u32 tid, u64 uaddr, u32 op,
+					    u64 now, u64 dur, long ret)
 {
-	struct hw_event *e = reserve_event(kind, w->tgid, tid, now);
+	struct hw_event *e = reserve_event(kind, tgid, tid, now);
 	if (!e)
 		return;
-	e->uaddr = w->uaddr;
+	e->uaddr = uaddr;
 	e->duration_ns = dur;
-	e->op = w->op;
+	e->op = op;
 	e->ret = ret;
 	submit_event(e);
 }
 
+/* An EDEADLK (rare): keep the refused lock for the thread and report it. Returns 1 if kept. */
+static __always_inline int refused(u32 tid, u32 tgid, u64 now)
+{
+	struct hw_pi_op *op = pi_ops.lookup(&tid);
+	if (!op || !is_pi_lock(op->op))
+		return 0; /* a trylock or requeue refused: no thread blocks on it */
+	struct hw_refusal r = {.ts_ns = now, .uaddr = op->uaddr, .tgid = tgid};
+	int kept = refusals.update(&tid, &r) == 0;
+	if (!kept)
+		COUNT(refusals_full);
+	send_wait_event(HW_EVENT_EDEADLK, tgid, tid, op->uaddr, op->op, now, now - op->start_ns,
+			-HW_EDEADLK);
+	return kept;
+}
+
 static __always_inline int wait_exit(long ret)
 {
-	u32 tid = (u32)bpf_get_current_pid_tgid();
-	struct hw_wait *w = inflight.lookup(&tid);
-	if (!w)
-		return 0; /* not watched, not a wait, or not tracked */
+	u64 id = bpf_get_current_pid_tgid();
+	u32 tgid = id >> 32;
+	u32 tid = (u32)id;
+
+	if (!is_watched(tgid)) {
+		if (ret == -HW_EDEADLK)
+			refused(tid, tgid, bpf_ktime_get_ns());
+		return 0;
+	}
+	struct hw_thread *t = threads.lookup(&tid);
+	if (!t || !(t->flags & HW_THREAD_WAITING)) {
+		if (ret == -HW_EDEADLK && refused(tid, tgid, bpf_ktime_get_ns()) && t)
+			t->flags |= HW_THREAD_REFUSED;
+		return 0; /* a wake op, or a wait that began before the process was watched */
+	}
 
 	u64 now = bpf_ktime_get_ns();
-	u64 dur = now - w->start_ns;
-	int watched_wait = !(w->flags & HW_WAIT_EDEADLK_ONLY);
+	u64 dur = now - t->start_ns;
+	t->flags &= ~HW_THREAD_WAITING;
 
-	if (watched_wait) {
-		struct hw_hist_key key = {.tgid = w->tgid, .slot = bpf_log2l(dur)};
-		u64 zero = 0;
-		u64 *n = wait_hist.lookup_or_try_init(&key, &zero);
-		if (n)
-			__sync_fetch_and_add(n, 1);
-		else
-			COUNT(hist_full);
-	}
+	struct hw_hist_key key = {.tgid = tgid, .slot = bpf_log2l(dur)};
+	u64 zero = 0;
+	u64 *n = wait_hist.lookup_or_try_init(&key, &zero);
+	if (n)
+		__sync_fetch_and_add(n, 1);
+	else
+		COUNT(hist_full);
 
 	/* Any wait that ends means an earlier refusal no longer describes the thread. */
-	refusals.delete(&tid);
-
-	if (is_pi_lock(w->op) && ret == -HW_EDEADLK) {
-		struct hw_refusal r = {.ts_ns = now, .uaddr = w->uaddr, .tgid = w->tgid};
-		if (refusals.update(&tid, &r))
-			COUNT(refusals_full);
-		send_wait_event(HW_EVENT_EDEADLK, w, tid, now, dur, ret);
-	} else if (watched_wait && dur >= LONG_WAIT_NS) {
-		send_wait_event(HW_EVENT_LONG_WAIT, w, tid, now, dur, ret);
+	if (t->flags & HW_THREAD_REFUSED) {
+		refusals.delete(&tid);
+		t->flags &= ~HW_THREAD_REFUSED;
 	}
-
-	inflight.delete(&tid);
-	if (watched_wait)
-		COUNT(waits_ended);
+	if (ret == -HW_EDEADLK) {
+		if (refused(tid, tgid, now))
+			t->flags |= HW_THREAD_REFUSED;
+	} else if (dur >= LONG_WAIT_NS) {
+		send_wait_event(HW_EVENT_LONG_WAIT, tgid, tid, t->uaddr, t->op, now, dur, ret);
+	}
+	COUNT(waits_ended);
 	return 0;
 }
 
 TRACEPOINT_PROBE(syscalls, sys_enter_futex)
 {
 	u32 cmd = args->op & HW_FUTEX_CMD_MASK;
-	if (!is_wait_cmd(cmd))
-		return 0;
+	if (!is_wait_cmd(cmd) && !is_pi_op(cmd))
+		return 0; /* wakes, requeues, unlocks: most futex calls end here */
 	return wait_enter((u64)args->uaddr, cmd, (u32)args->val, HW_SYSCALL_FUTEX);
 }
 
@@ -154,6 +174,8 @@ TRACEPOINT_PROBE(syscalls, sys_enter_futex_waitv)
 {
 	/* struct futex_waitv { u64 val; u64 uaddr; u32 flags; u32 __reserved; }:
 	 * record the first word; a vector wait never yields an owner edge. */
+	if (!is_watched(bpf_get_current_pid_tgid() >> 32))
+		return 0; /* before the user read: not a PI op, nothing else to record */
 	u64 first[2] = {};
 	if (bpf_probe_read_user(first, sizeof(first), (void *)args->waiters))
 		return 0;

@@ -20,8 +20,14 @@
 #define HW_SYSCALL_FUTEX_WAIT 1  /* futex_wait(2), Linux 6.7+ */
 #define HW_SYSCALL_FUTEX_WAITV 2 /* futex_waitv(2), Linux 5.16+: several words */
 
-/* struct hw_wait.flags */
-#define HW_WAIT_EDEADLK_ONLY 1 /* a PI lock of an unwatched process: kept only to see an EDEADLK */
+/* struct hw_thread.flags */
+#define HW_THREAD_WAITING 1 /* inside a futex wait: the fields of the wait are this wait's */
+#define HW_THREAD_REFUSED 2 /* a refusal for this thread is in the refusals map */
+#define HW_THREAD_WRITING 4 /* inside a write: write_fd is this call's */
+
+/* Futex commands that can be refused with EDEADLK, all PI-only: recorded for every process. */
+#define HW_FUTEX_TRYLOCK_PI 8
+#define HW_FUTEX_CMP_REQUEUE_PI 12
 
 /* Ring-buffer event kinds (struct hw_event.kind). */
 #define HW_EVENT_LONG_WAIT 1 /* a wait longer than LONG_WAIT_NS ended */
@@ -33,19 +39,31 @@
 #define HW_AF_INET 2
 #define HW_AF_INET6 10
 
-/* One in-flight wait, keyed by TID: a parked thread never reaches sys_exit,
- * so this map, read each tick, says who waits now and on what. */
-struct hw_wait {
-	u64 start_ns;   /* bpf_ktime_get_ns() at sys_enter (CLOCK_MONOTONIC) */
-	u64 uaddr;      /* the futex word (the first one for futex_waitv) */
+/* One thread of a watched process, keyed by TID, updated in place: created at its
+ * first futex wait or write, deleted by user space when the thread or the process
+ * goes. A parked thread never reaches sys_exit, so the entries flagged
+ * HW_THREAD_WAITING, read each tick, say who waits now and on what. Keeping the
+ * entry rather than inserting and deleting one per call saves a map update and
+ * a delete on every wait and every write. */
+struct hw_thread {
+	u64 start_ns; /* bpf_ktime_get_ns() at the wait's sys_enter (CLOCK_MONOTONIC) */
+	u64 uaddr;    /* the futex word (the first one for futex_waitv) */
 	u32 tgid;
-	u32 op;         /* futex command, flags stripped */
-	u32 val;        /* the value the caller expects the word to hold */
-	u32 word;       /* the word as read at sys_enter */
-	u32 owner_hint; /* the int at uaddr + 8: glibc pthread_mutex_t.__owner */
-	u32 syscall;    /* HW_SYSCALL_* */
-	u32 read_ok;    /* 1 if both user reads succeeded */
-	u32 flags;      /* HW_WAIT_* */
+	u32 op;       /* futex command, flags stripped */
+	u32 val;      /* the value the caller expects the word to hold */
+	u32 syscall;  /* HW_SYSCALL_* */
+	u32 flags;    /* HW_THREAD_* */
+	s32 write_fd; /* the fd of the write in progress (HW_THREAD_WRITING) */
+};
+
+/* The last PI operation of a thread, any process: an EDEADLK at sys_exit (only PI
+ * operations return it) needs the word, and the refusal may come before
+ * discovery reaches the process. Kept in an LRU map, never deleted per call. */
+struct hw_pi_op {
+	u64 start_ns;
+	u64 uaddr;
+	u32 tgid;
+	u32 op;
 };
 
 /* A PI lock the kernel refused with EDEADLK; glibc then parks the thread
@@ -109,14 +127,14 @@ struct hw_fd_writes {
 struct hw_counters {
 	u64 waits_started;    /* watched waits only */
 	u64 waits_ended;
-	u64 inflight_full;    /* a wait not tracked: in-flight map full */
+	u64 inflight_full;    /* a wait not tracked: threads map full */
 	u64 hist_full;        /* a wait not counted in the histogram: map full */
 	u64 refusals_full;    /* an EDEADLK not kept: refusal map full */
 	u64 events_sent;
 	u64 events_dropped;   /* ring buffer full: reserve failed */
 	u64 sock_calls_full;  /* a bind/listen not reported: sock_calls map full */
 	u64 bind_unreadable;  /* a bind whose address could not be read: reported with family 0 */
-	u64 write_calls_full; /* a write not counted: write_calls map full */
+	u64 write_calls_full; /* a write not counted: threads map full */
 	u64 fd_writes_full;   /* a write not counted: fd_writes map full */
 	u64 accepts_full;     /* an accept not counted: accepts map full */
 };

@@ -5,9 +5,10 @@
  *   event at sys_exit. Only AF_INET/AF_INET6 binds are kept.
  * accept, accept4 (watched processes): successful calls counted per tgid in
  *   accepts, at sys_exit only: a blocked accept is already visible in /proc.
- * write, writev, pwrite64 (watched processes): the fd is kept per thread at
- *   sys_enter in write_calls; at sys_exit the bytes written, the call and its
- *   time go to fd_writes[(tgid, fd)].
+ * write, writev, pwrite64 (watched processes): the fd is kept in the thread's
+ *   entry in `threads` at sys_enter; at sys_exit the bytes written, the call and
+ *   its time go to fd_writes[(tgid, fd)]. Unwatched processes pay one inlined
+ *   bitmap test at each end.
  *
  * Part of one object: follows maps.bpf.h (see there). Each tracepoint pair is
  * compiled in only when agent/probe.py found it (-DHAVE_*).
@@ -58,14 +59,18 @@ static __always_inline u32 port_from_be(u16 be)
 static __always_inline int write_exit(long ret)
 {
 	u64 id = bpf_get_current_pid_tgid();
-	s32 *fdp = write_calls.lookup(&id);
-	if (!fdp)
-		return 0; /* not watched, or entered before attach */
-	struct hw_fd_key key = {.tgid = id >> 32, .fd = *fdp};
-	write_calls.delete(&id);
+	u32 tgid = id >> 32;
+	if (!is_watched(tgid))
+		return 0;
+	u32 tid = (u32)id;
+	struct hw_thread *t = threads.lookup(&tid);
+	if (!t || !(t->flags & HW_THREAD_WRITING))
+		return 0; /* entered before the process was watched */
+	t->flags &= ~HW_THREAD_WRITING;
 	if (ret <= 0)
 		return 0;
 
+	struct hw_fd_key key = {.tgid = tgid, .fd = t->write_fd};
 	struct hw_fd_writes zero = {};
 	struct hw_fd_writes *st = fd_writes.lookup_or_try_init(&key, &zero);
 	if (!st) {
@@ -81,10 +86,16 @@ static __always_inline int write_exit(long ret)
 static __always_inline int write_enter(s32 fd)
 {
 	u64 id = bpf_get_current_pid_tgid();
-	if (!is_watched(id >> 32))
+	u32 tgid = id >> 32;
+	if (!is_watched(tgid))
 		return 0;
-	if (write_calls.update(&id, &fd))
+	struct hw_thread *t = thread_entry((u32)id, tgid);
+	if (!t) {
 		COUNT(write_calls_full);
+		return 0;
+	}
+	t->write_fd = fd;
+	t->flags |= HW_THREAD_WRITING;
 	return 0;
 }
 

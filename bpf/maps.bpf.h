@@ -10,11 +10,14 @@
  */
 #include "hangwatch.h"
 
-#ifndef MAX_WATCHED
-#define MAX_WATCHED 4096
+#ifndef WATCHED_WORDS
+#define WATCHED_WORDS 65536 /* pid_max / 64 + 1; agent/probe.py passes the host's */
 #endif
-#ifndef MAX_INFLIGHT
-#define MAX_INFLIGHT 65536
+#ifndef MAX_THREADS
+#define MAX_THREADS 65536 /* threads of watched processes that waited or wrote */
+#endif
+#ifndef MAX_PI_OPS
+#define MAX_PI_OPS 4096 /* threads that did a PI futex operation, host-wide; LRU */
 #endif
 #ifndef MAX_HIST
 #define MAX_HIST 32768
@@ -25,14 +28,11 @@
 #ifndef MAX_SOCK_CALLS
 #define MAX_SOCK_CALLS 1024 /* binds and listens in progress at one instant, host-wide */
 #endif
-#ifndef MAX_WRITE_CALLS
-#define MAX_WRITE_CALLS 16384 /* threads of watched processes inside a write at one instant */
-#endif
 #ifndef MAX_FD_WRITES
 #define MAX_FD_WRITES 16384
 #endif
 #ifndef MAX_ACCEPTS
-#define MAX_ACCEPTS MAX_WATCHED
+#define MAX_ACCEPTS 4096
 #endif
 #ifndef LONG_WAIT_NS
 #define LONG_WAIT_NS 1000000000ULL
@@ -41,18 +41,21 @@
 #define RINGBUF_PAGES 64
 #endif
 
-BPF_HASH(watched, u32, u8, MAX_WATCHED);                       /* tgid -> 1, filled by user space */
+/* Bit tgid % 64 of word tgid / 64 is set for a watched process, by user space. An
+ * array lookup is inlined by the JIT, so the test every program makes first costs a
+ * few instructions rather than a hash helper call: what unwatched processes pay. */
+BPF_ARRAY(watched, u64, WATCHED_WORDS);
 BPF_PERCPU_ARRAY(counters, struct hw_counters, 1);
 BPF_RINGBUF_OUTPUT(events, RINGBUF_PAGES);                     /* struct hw_event */
 
 /* futex.bpf.c */
-BPF_HASH(inflight, u32, struct hw_wait, MAX_INFLIGHT);         /* tid -> current wait */
+BPF_HASH(threads, u32, struct hw_thread, MAX_THREADS);         /* tid -> wait, write in progress */
+BPF_TABLE("lru_hash", u32, struct hw_pi_op, pi_ops, MAX_PI_OPS); /* tid -> last PI operation */
 BPF_HASH(refusals, u32, struct hw_refusal, MAX_REFUSALS);      /* tid -> refused PI lock */
 BPF_HASH(wait_hist, struct hw_hist_key, u64, MAX_HIST);        /* (tgid, log2 ns) -> count */
 
 /* io.bpf.c */
 BPF_HASH(sock_calls, u64, struct hw_sock_call, MAX_SOCK_CALLS); /* pid_tgid -> bind/listen */
-BPF_HASH(write_calls, u64, s32, MAX_WRITE_CALLS);               /* pid_tgid -> fd written */
 BPF_HASH(fd_writes, struct hw_fd_key, struct hw_fd_writes, MAX_FD_WRITES);
 BPF_HASH(accepts, u32, u64, MAX_ACCEPTS);                       /* tgid -> accepts */
 
@@ -72,7 +75,27 @@ static __always_inline struct hw_counters *this_cpu_counters(void)
 
 static __always_inline int is_watched(u32 tgid)
 {
-	return watched.lookup(&tgid) != 0;
+	u32 word = tgid / 64;
+	u64 *bits = watched.lookup(&word);
+	return bits && (*bits >> (tgid % 64)) & 1;
+}
+
+/* This thread's entry, created if it has none (NULL, counted by the caller, if the
+ * map is full). Called for watched processes only. */
+static __always_inline struct hw_thread *thread_entry(u32 tid, u32 tgid)
+{
+	struct hw_thread *t = threads.lookup(&tid);
+	if (t) {
+		t->tgid = tgid; /* the TID may have been reused by another process */
+		return t;
+	}
+	struct hw_thread fresh = {.tgid = tgid, .write_fd = -1};
+	/* A refusal kept before the process was watched still describes the thread. */
+	if (refusals.lookup(&tid))
+		fresh.flags = HW_THREAD_REFUSED;
+	if (threads.update(&tid, &fresh))
+		return 0;
+	return threads.lookup(&tid);
 }
 
 /* A zeroed ring-buffer record (reserved memory is not zeroed), or NULL, counted.

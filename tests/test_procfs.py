@@ -166,10 +166,10 @@ def test_probe_entry_wins_over_seeding_only_when_proc_agrees(tmp_path):
     proc = ProcFS(str(make_proc(tmp_path)))
     sampler = Sampler(proc, clock_ns=lambda: 6_000_000_000)
     seen = FutexWait(0x2000, FUTEX_WAIT, 2, since_ns=4_000_000_000, source="bpf")
-    snap = sampler.snapshot([10], ProbeReading(inflight={10: InflightWait(10, 10, seen, 2, 11)}))
+    snap = sampler.snapshot([10], ProbeReading(inflight={10: InflightWait(10, 10, seen)}))
     assert snap.processes[10].thread(10).wait == seen
     stale = FutexWait(0x9999, FUTEX_WAIT, 2, since_ns=1, source="bpf")  # another word: stale
-    snap = sampler.snapshot([10], ProbeReading(inflight={10: InflightWait(10, 10, stale, 2, 11)}))
+    snap = sampler.snapshot([10], ProbeReading(inflight={10: InflightWait(10, 10, stale)}))
     assert snap.processes[10].thread(10).wait.source == "proc"
 
 
