@@ -179,3 +179,78 @@ def test_vanished_process_is_gone_not_an_error(tmp_path):
     (root / "10/task/11/stat").unlink()
     snap = Sampler(ProcFS(str(root))).snapshot([10])
     assert snap.gone == {10}
+
+
+class CountingProcFS(ProcFS):
+    """Counts reads per file name: what a tick costs."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        self.reads: dict[str, int] = {}
+
+    def _read(self, *parts: object) -> str | None:
+        name = str(parts[-1])
+        self.reads[name] = self.reads.get(name, 0) + 1
+        return super()._read(*parts)
+
+
+def test_a_thread_that_did_not_run_is_not_read_again(tmp_path):
+    root = make_proc(tmp_path)
+    proc = CountingProcFS(str(root))
+    sampler = Sampler(proc, clock_ns=lambda: 6_000_000_000)
+    first = sampler.snapshot([10]).processes[10].thread(10)
+    assert first.wait is not None and first.wait.uaddr == 0x2000
+    # Thread 10 has not run (same schedstat): what it shows cannot have changed, and
+    # is not read again, even if the file says otherwise.
+    write(root / "10/task/10/syscall", "202 0x2100 0x80 0x2 0x0 0x0 0x0 0x7000 0x401000\n")
+    proc.reads.clear()
+    again = sampler.snapshot([10]).processes[10].thread(10)
+    assert again.wait == first.wait and again.last_ran_ns == first.last_ran_ns
+    assert proc.reads.get("syscall", 0) == 0 and proc.reads.get("sched", 0) == 0
+    # Thread 11 was running: read in full every time.
+    assert proc.reads["stat"] >= 2 and proc.reads["schedstat"] == 2
+    # Once it has run, it is read again.
+    write(root / "10/task/10/schedstat", "2000 0 4\n")
+    moved = sampler.snapshot([10]).processes[10].thread(10)
+    assert moved.wait is not None and moved.wait.uaddr == 0x2100 and moved.cpu_ns == 2000
+
+
+def test_a_tid_reused_by_another_process_is_read_afresh(tmp_path):
+    root = make_proc(tmp_path)
+    sampler = Sampler(ProcFS(str(root)), clock_ns=lambda: 6_000_000_000)
+    sampler.snapshot([10])
+    # Same TID and CPU time under another pid: the cache is keyed by (pid, tid).
+    write(root / "30/stat", stat_line(30, "other", ppid=1))
+    write(root / "30/task/10/stat", stat_line(10, "other", state="D", ppid=1))
+    write(root / "30/task/10/schedstat", "1000 0 3\n")
+    t = sampler.snapshot([30]).processes[30].thread(10)
+    assert (t.name, t.state, t.wait) == ("other", "D", None)
+
+
+def test_threads_waiting_on_one_word_read_it_once(tmp_path):
+    root = make_proc(tmp_path)
+    for tid in range(12, 40):  # 28 more threads parked on the same mutex word
+        task = root / f"10/task/{tid}"
+        write(task / "stat", stat_line(tid, "server", ppid=1))
+        write(task / "schedstat", f"{tid} 0 3\n")
+        write(task / "sched", "server\nse.exec_start : 5000.5\n")
+        write(task / "syscall", "202 0x2000 0x80 0x2 0x0 0x0 0x0 0x7000 0x401000\n")
+    reads = []
+
+    class CountingMemory(ProcFS):
+        def open_memory(self, pid):
+            mem = super().open_memory(pid)
+            if mem is not None:
+                real = mem.ints
+
+                def ints(addr, count):
+                    reads.append(addr)
+                    return real(addr, count)
+
+                mem.ints = ints
+            return mem
+
+    snap = Sampler(CountingMemory(str(root)), clock_ns=lambda: 6_000_000_000).snapshot([10])
+    parked = [t for t in snap.processes[10].threads if t.lock is not None]
+    assert len(parked) == 29 and all(t.lock.word == 2 for t in parked)
+    assert reads == [0x2000]
