@@ -149,9 +149,18 @@ class KernelProbes:
     (use as a context manager): futex waits, bind/listen, accepts and writes."""
 
     def __init__(
-        self, long_wait_s: float = 1.0, ringbuf_pages: int = 64, bpf_dir: Path | None = None
+        self,
+        long_wait_s: float = 1.0,
+        ringbuf_pages: int = 64,
+        bpf_dir: Path | None = None,
+        map_sizes: dict[str, int] | None = None,
     ) -> None:
+        """``map_sizes`` overrides the entry limits of bpf/maps.bpf.h by name
+        (``{"MAX_THREADS": 8}``): how tests fill a map on purpose."""
         bpf_dir = bpf_dir or BPF_DIR
+        for name, size in (map_sizes or {}).items():
+            if not re.fullmatch(r"MAX_[A-Z_]+", name) or not 0 < size <= 1 << 24:
+                raise ValueError(f"bad map size {name}={size}")
         try:
             from bcc import BPF  # only this module imports bcc
         except ImportError as e:
@@ -174,6 +183,7 @@ class KernelProbes:
             f"-DLONG_WAIT_NS={int(long_wait_s * 1e9)}ULL",
             f"-DRINGBUF_PAGES={ringbuf_pages}",
             f"-DWATCHED_WORDS={watched_words()}",
+            *(f"-D{name}={size}" for name, size in (map_sizes or {}).items()),
         ]
         self.missing: list[str] = []  # optional syscalls this kernel has no tracepoints for
         for name, flag in OPTIONAL_SYSCALLS.items():
