@@ -196,6 +196,7 @@ class Daemon:
             collectors=dict(self.collectors),
             gpus=self.gpus,
             gpu_errors_total=self.gpu_errors,
+            last_tick_seconds=time.time(),
         )
 
     def _log_changes(self, verdicts: list[ServiceVerdict]) -> None:
@@ -273,23 +274,29 @@ def run(config_path: str | None, listen: str | None, web_config: str | None = No
     from .gpu import GpuSource
     from .probe import KernelProbes  # bcc only after preflight
 
+    # Handlers before the probes compile (seconds): a SIGTERM meanwhile must still mean a
+    # clean exit 0, not death by the default action.
+    stop, reload_requested = threading.Event(), threading.Event()
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        if signum == signal.SIGHUP:
+            reload_requested.set()
+        else:
+            stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, on_signal)
     try:
+        if stop.is_set():  # asked to stop before anything was attached
+            return _stopped()
         with KernelProbes(long_wait_s=min(1.0, cfg.park_threshold_seconds)) as probe:
             enable = getattr(probe, "enable_stats", None)
             restore = enable() if enable else None
             gpu = GpuSource()
             daemon = Daemon(cfg, ProcFS(), probe, gpu)
             daemon.config_path = config_path
+            daemon.stop, daemon.reload_requested = stop, reload_requested
             holder.append(daemon)
-
-            def on_signal(signum: int, _frame: FrameType | None) -> None:
-                if signum == signal.SIGHUP:
-                    daemon.reload_requested.set()
-                else:
-                    daemon.stop.set()
-
-            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-                signal.signal(sig, on_signal)
             log.info(
                 "serving /metrics on %s%s; %d targets from %s; interval %g s, threshold %g s",
                 cfg.listen_text,
@@ -308,6 +315,10 @@ def run(config_path: str | None, listen: str | None, web_config: str | None = No
     finally:
         server.shutdown()
         server.server_close()
+    return _stopped()
+
+
+def _stopped() -> int:
     log.info("stopped; probes detached")
     return 0
 

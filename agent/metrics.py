@@ -248,6 +248,12 @@ class _Families:
             "the agent's latest results.",
             ["collector"],
         )
+        self.last_tick = gauge(
+            "hangwatch_last_tick_timestamp_seconds",
+            "Unix time at which the agent last completed a tick (discovery, sampling, verdicts). "
+            "Verdicts older than a few intervals are stale: the agent's loop is stuck.",
+            [],
+        )
         self.collector_duration = gauge(
             "hangwatch_collector_duration_seconds",
             "How long the agent's collector took on its last run, in seconds.",
@@ -309,6 +315,7 @@ class _Families:
     def add_agent(self, agent: AgentStatus) -> None:
         self.events_dropped.add_metric([], agent.events_dropped_total)
         self.maps_full.add_metric([], agent.maps_full_total)
+        self.last_tick.add_metric([], agent.last_tick_seconds)
         for name in sorted(agent.programs):
             stats = agent.programs[name]
             self.program_seconds.add_metric([name], stats.run_seconds)

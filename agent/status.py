@@ -70,6 +70,9 @@ class AgentStatus:
     collectors: Mapping[str, CollectorStatus] = field(default_factory=dict)
     gpus: tuple[GpuDevice, ...] = ()  # from the last good NVML reading
     gpu_errors_total: int = 0  # NVML errors since start
+    # Wall-clock time (Unix seconds) the last tick completed: a loop that hangs keeps serving
+    # its last verdicts, and only this says how old they are. 0: no tick completed.
+    last_tick_seconds: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -73,6 +73,7 @@ CONTRACT = {
     "hangwatch_bpf_program_runs_total",
     "hangwatch_collector_success",
     "hangwatch_collector_duration_seconds",
+    "hangwatch_last_tick_timestamp_seconds",
     "hangwatch_build_info",
 }
 
