@@ -13,7 +13,7 @@ help:
 	@echo "make test    setup, lint, then pytest (extra options: PYTEST_ARGS='-k futex')"
 	@echo "make run     the daemon on its built-in defaults, /metrics on :9817 (root)"
 	@echo "make demo    the daemon watching four demo programs, printing their states live"
-	@echo "make bench   cost of the futex probe per futex call, as ratios to no probe (root)"
+	@echo "make bench   benchmark suite: overhead per call, daemon CPU/RSS, latency (root; BENCH_ARGS=--quick)"
 	@echo "make clean   remove .venv, built test fixtures and caches"
 
 setup:
@@ -37,7 +37,7 @@ demo: setup
 	$(PY) -m scripts.demo
 
 bench: setup
-	$(PY) -m bench.futex_overhead
+	$(PY) -m bench $(BENCH_ARGS)
 
 # The merged kernel headers in /usr/src are left alone: they are system-wide, not the checkout's.
 clean:

@@ -1,0 +1,429 @@
+"""hangwatch's benchmark suite: what the daemon costs the processes on its host, and itself.
+
+Parts (``--only PART``, or ``--only WORKLOAD`` for one row group of the overhead table):
+
+  overhead   ns per operation of small workloads with no agent, with a daemon that watches
+             nothing ("unwatched": what every process on the host pays) and with one that
+             watches the workload; interleaved in rounds, medians, ratios to no agent
+  resources  the daemon's CPU and memory: idle, watching ~1M futex calls/s, 2,000 parked threads
+  ringbuf    the highest bind+listen event rate the ring buffer sustains without drops
+  startup    exec of `hangwatch run` to the first /metrics scrape with the daemon's results
+  detection  a two-mutex lock cycle forming to /metrics saying deadlocked
+
+Needs root. Usage: python -m bench [--quick] [--markdown] [--only NAME] [--rounds N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench.lib import (
+    WORKLOAD_REGEX,
+    Daemon,
+    Samples,
+    Workload,
+    build_workloads,
+    cpu_seconds,
+    find,
+    hangwatch_objects,
+    memory_kib,
+    progress,
+    wait_no_hangwatch,
+    workload_argv,
+)
+
+INTERVAL = 1.0
+NOTHING = [{"name": "nothing", "cmdline": "^hangwatch-bench-matches-nothing$"}]
+WATCH_WORKLOADS = [{"name": "bench", "cmdline": WORKLOAD_REGEX}]
+
+PARTS = ("overhead", "resources", "ringbuf", "startup", "detection")
+
+
+@dataclass(frozen=True)
+class Bench:
+    key: str
+    title: str
+    ops: int
+    quick_ops: int
+    modes: tuple[str, ...]  # besides "none": "unwatched", "watched"
+    strace_ops: int = 0  # > 0: also run under `strace -f`, with this many ops
+
+    def argv(self, exe: Path, quick: bool, ops: int | None = None) -> list[str]:
+        n = ops if ops is not None else (self.quick_ops if quick else self.ops)
+        return workload_argv(exe, self.key, n)
+
+
+BENCHES = (
+    Bench(
+        "futex-wait", "futex WAIT returning at once (EAGAIN)", 1_000_000, 20_000,
+        ("unwatched", "watched"),
+    ),
+    Bench(
+        "futex-wake", "futex WAKE, nobody waiting", 1_000_000, 20_000, ("unwatched", "watched")
+    ),
+    Bench(
+        "pingpong", "mutex+condvar ping-pong, per hand-off", 50_000, 2_000, ("watched",),
+        strace_ops=5_000,
+    ),
+    Bench("mutex", "uncontended pthread mutex lock+unlock", 100_000_000, 1_000_000, ("watched",)),
+    Bench("getppid", "getppid(2)", 3_000_000, 20_000, ("unwatched",)),
+    Bench("gil", "Python, 4 threads contending for the GIL, per step", 20_000_000, 200_000,
+          ("watched",)),
+)  # fmt: skip
+
+# Upper bounds on the ratio to no agent, by (workload, mode).
+RATIO_TARGETS = {
+    ("futex-wait", "watched"): 1.8,
+    ("futex-wait", "unwatched"): 1.6,
+    ("pingpong", "watched"): 1.10,
+    ("getppid", "unwatched"): 1.10,
+    ("mutex", "watched"): 1.05,
+}
+RSS_TARGET_MB = 150.0  # watching 2,000 threads
+IDLE_CPU_TARGET = 2.0  # % of one core
+PARK_THREADS = 2000
+FUTEX_RATE = 1_000_000
+
+
+@dataclass
+class Report:
+    markdown: bool
+    sections: list[str] = field(default_factory=list)
+
+    def table(self, title: str, headers: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+        if self.markdown:
+            lines = [f"### {title}", "", "| " + " | ".join(headers) + " |"]
+            lines.append("| " + " | ".join("---" for _ in headers) + " |")
+            lines += ["| " + " | ".join(r) + " |" for r in rows]
+        else:
+            widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+            # Text columns left-aligned, figures right-aligned.
+            right = [i > 0 and all(_numeric(r[i]) for r in rows) for i in range(len(headers))]
+
+            def fmt(cells: Sequence[str]) -> str:
+                out = [c.rjust(w) if rt else c.ljust(w) for c, w, rt in zip(cells, widths, right)]
+                return "  ".join(out).rstrip()
+
+            lines = [title, fmt(headers), *(fmt(r) for r in rows)]
+        self.sections.append("\n".join(lines))
+
+    def note(self, text: str) -> None:
+        self.sections.append(text)
+
+    def print(self) -> None:
+        print("\n\n".join(self.sections))
+
+
+def _numeric(cell: str) -> bool:
+    return cell == "" or cell[:1].isdigit()
+
+
+def verdict(ok: bool) -> str:
+    return "met" if ok else "NOT met"
+
+
+# --- overhead --------------------------------------------------------------------------------
+
+
+@dataclass
+class Overhead:
+    results: dict[tuple[str, str], list[float]] = field(default_factory=dict)
+    tainted: int = 0  # no-agent runs during which someone else's hangwatch object was loaded
+    baseline_runs: int = 0
+
+    def add(self, key: str, mode: str, ns: float) -> None:
+        self.results.setdefault((key, mode), []).append(ns)
+
+
+def run_one(argv: list[str], daemon: Daemon | None = None) -> float:
+    w = Workload(argv)
+    try:
+        if daemon is not None:
+            daemon.wait_watching(w.pid)
+        w.go()
+        return float(w.finish().split()[-1])
+    finally:
+        w.kill()
+
+
+def overhead(exe: Path, benches: Sequence[Bench], rounds: int, quick: bool) -> Overhead:
+    res = Overhead()
+    clean_wait = 5.0 if quick else 60.0
+    for r in range(rounds):
+        progress(f"overhead round {r + 1}/{rounds}: no agent")
+        if not wait_no_hangwatch(clean_wait):
+            progress("a hangwatch BPF object of another process is still loaded; going on")
+        for b in benches:
+            before = hangwatch_objects()
+            res.add(b.key, "none", run_one(b.argv(exe, quick)))
+            if b.strace_ops:
+                n = max(b.quick_ops // 4, 200) if quick else b.strace_ops
+                res.add(b.key, "strace -f", run_one(["strace", "-f", "-qq", "-o", os.devnull,
+                                                     *b.argv(exe, quick, n)]))  # fmt: skip
+            res.baseline_runs += 1
+            res.tainted += bool(before or hangwatch_objects())
+        for mode, targets in (("unwatched", NOTHING), ("watched", WATCH_WORKLOADS)):
+            todo = [b for b in benches if mode in b.modes]
+            if not todo:
+                continue
+            progress(f"overhead round {r + 1}/{rounds}: {mode}")
+            with Daemon(targets, INTERVAL) as d:
+                d.wait_ready()
+                for b in todo:
+                    res.add(b.key, mode, run_one(b.argv(exe, quick), d if mode == "watched" else None))  # fmt: skip
+    return res
+
+
+def report_overhead(rep: Report, res: Overhead, benches: Sequence[Bench], rounds: int) -> None:
+    rows = []
+    for b in benches:
+        base_runs = res.results.get((b.key, "none"), [])
+        base = statistics.median(base_runs)
+        modes = ["none", *(["strace -f"] if b.strace_ops else []), *b.modes]
+        for mode in modes:
+            med = statistics.median(res.results[(b.key, mode)])
+            ratio = med / base
+            target = RATIO_TARGETS.get((b.key, mode))
+            rows.append([
+                b.title, mode, f"{med:.1f}", f"{ratio:.2f}x",
+                f"<= {target:.2f}x" if target else "", verdict(ratio <= target) if target else "",
+            ])  # fmt: skip
+    rep.table(
+        f"Overhead per operation (median of {rounds} round(s); ratio to no agent)",
+        ["workload", "mode", "ns/op", "ratio", "target", "result"],
+        rows,
+    )
+    rep.note(
+        f"no-agent runs while another process had a hangwatch BPF object loaded: "
+        f"{res.tainted} of {res.baseline_runs}"
+    )
+
+
+# --- resources -------------------------------------------------------------------------------
+
+
+@dataclass
+class Usage:
+    cpu_pct: float
+    rss_mb: float
+    hwm_mb: float
+
+
+def measure(pid: int, period: float) -> Usage:
+    c0, t0 = cpu_seconds(pid), time.monotonic()
+    time.sleep(period)
+    c1, t1 = cpu_seconds(pid), time.monotonic()
+    mem = memory_kib(pid)
+    return Usage(100 * (c1 - c0) / (t1 - t0), mem["VmRSS"] * 1024 / 1e6, mem["VmHWM"] * 1024 / 1e6)
+
+
+def resources(rep: Report, exe: Path, quick: bool) -> None:
+    period = 2.0 if quick else 20.0
+    threads = 200 if quick else PARK_THREADS
+    rows: list[tuple[str, Usage, str, bool | None]] = []
+    with Daemon(WATCH_WORKLOADS, INTERVAL) as d:
+        d.wait_ready()
+        time.sleep(2 * INTERVAL)  # past start-up work
+        progress(f"resources: daemon idle, {period:g} s")
+        idle = measure(d.pid, period)
+        rows.append(("idle (watching nothing)", idle, "CPU <= 2%", idle.cpu_pct <= IDLE_CPU_TARGET))
+
+        progress(f"resources: watching ~{FUTEX_RATE:,} futex calls/s, {period:g} s")
+        w = Workload(workload_argv(exe, "futex-rate", FUTEX_RATE, period + 2 * INTERVAL + 1))
+        try:
+            d.wait_watching(w.pid)
+            w.go()
+            time.sleep(INTERVAL)
+            busy = measure(d.pid, period)
+            rate = float(w.finish().split()[-1])
+        finally:
+            w.kill()
+        rows.append((f"watching {rate:,.0f} futex calls/s", busy, "", None))
+
+        progress(f"resources: watching {threads:,} parked threads, {period:g} s")
+        w = Workload(workload_argv(exe, "park", threads))
+        try:
+            d.wait_watching(w.pid)
+            w.go()
+            w.readline()
+            d.wait_for(
+                lambda s: find(s, "hangwatch_process_threads", pid=str(w.pid)) == threads + 1,
+                f"{threads} threads in /metrics",
+                60,
+            )
+            parked = measure(d.pid, period)
+        finally:
+            w.kill()
+        ok = parked.rss_mb <= RSS_TARGET_MB
+        rows.append((f"watching {threads:,} parked threads", parked, "RSS <= 150 MB", ok))
+    rep.table(
+        f"The daemon's own cost (interval {INTERVAL:g} s; CPU over {period:g} s)",
+        ["daemon", "CPU % of a core", "VmRSS MB", "VmHWM MB", "target", "result"],
+        [
+            [what, f"{u.cpu_pct:.2f}", f"{u.rss_mb:.1f}", f"{u.hwm_mb:.1f}", target,
+             "" if ok is None else verdict(ok)]
+            for what, u, target, ok in rows
+        ],
+    )  # fmt: skip
+
+
+# --- ring buffer -----------------------------------------------------------------------------
+
+
+def dropped(d: Daemon) -> float:
+    # Wait for a tick that read the counters after the load: two intervals is always enough.
+    time.sleep(2 * INTERVAL + 0.2)
+    s = d.wait_for(lambda s: find(s, "hangwatch_bpf_events_dropped_total") is not None, "", 10)
+    return find(s, "hangwatch_bpf_events_dropped_total") or 0.0
+
+
+def ringbuf(rep: Report, exe: Path, quick: bool) -> None:
+    # Events per second: each bind+listen pair sends two. A doubling ladder up to the first
+    # rate with drops, then (full runs) a few bisection steps between the last two rates.
+    ladder = [2_000, 50_000] if quick else [1_000 * 2**i for i in range(8)]
+    refine = 0 if quick else 3
+    secs = 1.5 if quick else 5.0
+    rows: list[list[str]] = []
+    best: int | None = None
+    bad: int | None = None
+    with Daemon(NOTHING, INTERVAL) as d:
+        d.wait_ready()
+        base = dropped(d)
+
+        def step(rate: int) -> bool:
+            nonlocal base
+            progress(f"ringbuf: {rate:,} bind+listen events/s for {secs:g} s")
+            w = Workload(workload_argv(exe, "bind-listen", rate // 2, secs))
+            try:
+                w.go()
+                got = 2 * float(w.finish().split()[-1])
+            finally:
+                w.kill()
+            now = dropped(d)
+            lost, base = now - base, now
+            rows.append([f"{rate:,}", f"{got:,.0f}", f"{lost:.0f}"])
+            return lost == 0
+
+        for rate in ladder:
+            if not step(rate):
+                bad = rate
+                break
+            best = rate
+        for _ in range(refine if best is not None and bad is not None else 0):
+            assert best is not None and bad is not None
+            mid = round((best * bad) ** 0.5, -2)
+            if not best < mid < bad:
+                break
+            if step(int(mid)):
+                best = int(mid)
+            else:
+                bad = int(mid)
+    rows.sort(key=lambda r: int(r[0].replace(",", "")))
+    rep.table(
+        f"Ring buffer: bind+listen events, {secs:g} s per step (interval {INTERVAL:g} s)",
+        ["asked events/s", "achieved events/s", "dropped"],
+        rows,
+    )
+    if best is None:
+        summary = f"highest sustained rate with 0 drops: below {ladder[0]:,} events/s"
+    else:
+        summary = f"highest sustained rate with 0 drops: {best:,} events/s"
+        if bad is None:
+            summary += " (no drops at any rate tried)"
+        else:
+            summary += f" (drops at {bad:,} events/s)"
+    rep.note(summary)
+
+
+# --- startup and detection -------------------------------------------------------------------
+
+
+def startup(rep: Report, quick: bool) -> None:
+    times = []
+    for i in range(1 if quick else 3):
+        progress(f"startup {i + 1}")
+        wait_no_hangwatch(5)
+        with Daemon(NOTHING, INTERVAL) as d:
+            times.append(d.wait_ready())
+    rep.table(
+        "Startup: exec of `hangwatch run` to the first /metrics scrape with its results",
+        ["runs", "median s", "max s"],
+        [[str(len(times)), f"{statistics.median(times):.2f}", f"{max(times):.2f}"]],
+    )
+
+
+def deadlocked(pid: int) -> Callable[[Samples], bool]:
+    def check(s: Samples) -> bool:
+        return find(s, "hangwatch_service_state", pid=str(pid), state="deadlocked") == 1
+
+    return check
+
+
+def detection(rep: Report, quick: bool) -> None:
+    from tests.fixturelib import Fixture
+
+    reps = 1 if quick else 5
+    lat = []
+    target = INTERVAL + 1.0
+    with Daemon([{"name": "deadlock", "cmdline": "fixtures/build/deadlock_mutex"}], INTERVAL) as d:
+        d.wait_ready()
+        for i in range(reps):
+            progress(f"detection {i + 1}/{reps}")
+            with Fixture.c("deadlock_mutex") as fx:
+                formed = time.monotonic()  # READY: both threads blocked on the other's mutex
+                d.wait_for(deadlocked(fx.pid), "deadlocked", 30)
+                lat.append(time.monotonic() - formed)
+    rep.table(
+        f"Deadlock detection latency: cycle formed to /metrics saying deadlocked ({reps} runs)",
+        ["interval s", "median s", "max s", "target", "result"],
+        [[f"{INTERVAL:g}", f"{statistics.median(lat):.2f}", f"{max(lat):.2f}",
+          f"max <= {target:g} s", verdict(max(lat) <= target)]],
+    )  # fmt: skip
+
+
+# --- main ------------------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m bench", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    ap.add_argument("--quick", action="store_true", help="few calls, 1 round, short periods")
+    ap.add_argument("--markdown", action="store_true", help="print the tables as markdown")
+    names = [*PARTS, *(b.key for b in BENCHES)]
+    ap.add_argument("--only", choices=names, metavar="NAME", help=", ".join(names))
+    ap.add_argument("--rounds", type=int, help="overhead rounds (default 5, 1 with --quick)")
+    args = ap.parse_args(argv)
+    if os.geteuid() != 0:
+        print("bench: needs root (BPF, /proc of other processes)", file=sys.stderr)
+        return 3
+    rounds = args.rounds or (1 if args.quick else 5)
+    benches = [b for b in BENCHES if args.only in (None, "overhead", b.key)]
+    parts = [p for p in PARTS if args.only in (None, p)] or ["overhead"]
+    exe = build_workloads()
+    rep = Report(args.markdown)
+    rep.note(
+        f"hangwatch bench{' --quick' if args.quick else ''}: {platform.node()}, "
+        f"{os.cpu_count()} CPUs, Linux {platform.release()}, {time.strftime('%Y-%m-%d %H:%M')}"
+    )
+    steps: dict[str, Callable[[], None]] = {
+        "overhead": lambda: report_overhead(
+            rep, overhead(exe, benches, rounds, args.quick), benches, rounds
+        ),
+        "resources": lambda: resources(rep, exe, args.quick),
+        "ringbuf": lambda: ringbuf(rep, exe, args.quick),
+        "startup": lambda: startup(rep, args.quick),
+        "detection": lambda: detection(rep, args.quick),
+    }
+    for part in parts:
+        steps[part]()
+    rep.print()
+    return 0

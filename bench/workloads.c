@@ -1,0 +1,227 @@
+/*
+ * The benchmark workloads, one binary with a mode argument:
+ *
+ *   workloads futex-wait N     FUTEX_WAIT on a word not holding the expected value (EAGAIN)
+ *   workloads futex-wake N     FUTEX_WAKE with nobody waiting
+ *   workloads pingpong N       two threads hand a turn back and forth through a mutex and a
+ *                              condvar: a real wait and wake per hand-off
+ *   workloads mutex N          uncontended pthread_mutex_lock/unlock: no syscall at all
+ *   workloads getppid N        getppid(2), the cheapest syscall there is
+ *   workloads futex-rate R S   about R EAGAIN futex calls per second for S seconds
+ *   workloads park N           N threads parked on a condvar nobody signals, until killed
+ *   workloads bind-listen R S  about R socket+bind+listen+close per second for S seconds
+ *
+ * Each prints nothing and does nothing until it reads a line on stdin, so the harness can
+ * make sure the daemon watches it first. The timed modes then print "ns/op"; the rate modes
+ * print "RATE achieved/s"; park prints "PARKED n" once every thread waits.
+ */
+#define _GNU_SOURCE
+#include <arpa/inet.h>
+#include <linux/futex.h>
+#include <netinet/in.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+static unsigned int word = 1;
+
+static double now_ns(void)
+{
+	struct timespec t;
+	clock_gettime(CLOCK_MONOTONIC, &t);
+	return t.tv_sec * 1e9 + t.tv_nsec;
+}
+
+static void die(const char *what)
+{
+	perror(what);
+	exit(1);
+}
+
+static void futex_eagain(void)
+{
+	syscall(SYS_futex, &word, FUTEX_WAIT_PRIVATE, 0, NULL, NULL, 0);
+}
+
+/* --- pingpong ---------------------------------------------------------------------------- */
+
+static pthread_mutex_t pp_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t pp_cv = PTHREAD_COND_INITIALIZER;
+static long pp_turn; /* even: main's turn, odd: the peer's */
+static long pp_n;
+
+static void *pp_peer(void *arg)
+{
+	(void)arg;
+	pthread_mutex_lock(&pp_mu);
+	while (pp_turn < 2 * pp_n) {
+		while (!(pp_turn & 1) && pp_turn < 2 * pp_n)
+			pthread_cond_wait(&pp_cv, &pp_mu);
+		if (pp_turn >= 2 * pp_n)
+			break;
+		pp_turn++;
+		pthread_cond_signal(&pp_cv);
+	}
+	pthread_mutex_unlock(&pp_mu);
+	return NULL;
+}
+
+/* n round trips, 2n hand-offs; returns ns per hand-off. */
+static double pingpong(long n)
+{
+	pthread_t th;
+	pp_n = n;
+	if (pthread_create(&th, NULL, pp_peer, NULL) != 0)
+		die("pthread_create");
+	double t0 = now_ns();
+	pthread_mutex_lock(&pp_mu);
+	while (pp_turn < 2 * n) {
+		pp_turn++;
+		pthread_cond_signal(&pp_cv);
+		while ((pp_turn & 1) && pp_turn < 2 * n)
+			pthread_cond_wait(&pp_cv, &pp_mu);
+	}
+	pthread_mutex_unlock(&pp_mu);
+	double dt = now_ns() - t0;
+	pthread_join(th, NULL);
+	return dt / (2.0 * n);
+}
+
+/* --- paced loops --------------------------------------------------------------------------- */
+
+/* Calls step() about rate times a second for secs seconds, in batches so the clock is read
+ * rarely; returns the rate achieved. */
+static double paced(double rate, double secs, void (*step)(void))
+{
+	long batch = rate >= 10000 ? (long)(rate / 1000) : 1;
+	double t0 = now_ns(), end = t0 + secs * 1e9;
+	long done = 0;
+	for (;;) {
+		double t = now_ns();
+		if (t >= end)
+			break;
+		double due = t0 + done * 1e9 / rate;
+		if (t < due) {
+			double wait = due - t;
+			struct timespec ts = {(time_t)(wait / 1e9), (long)((long long)wait % 1000000000LL)};
+			nanosleep(&ts, NULL);
+			continue;
+		}
+		for (long i = 0; i < batch; i++)
+			step();
+		done += batch;
+	}
+	return done / ((now_ns() - t0) / 1e9);
+}
+
+static void bind_listen_once(void)
+{
+	int fd = socket(AF_INET, SOCK_STREAM, 0);
+	if (fd < 0)
+		die("socket");
+	struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = 0};
+	sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+	if (bind(fd, (struct sockaddr *)&sa, sizeof sa) != 0)
+		die("bind");
+	if (listen(fd, 1) != 0)
+		die("listen");
+	close(fd);
+}
+
+/* --- park ---------------------------------------------------------------------------------- */
+
+static pthread_mutex_t pk_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t pk_cv = PTHREAD_COND_INITIALIZER;
+static pthread_cond_t pk_all_in = PTHREAD_COND_INITIALIZER;
+static long pk_waiting;
+
+static void *pk_worker(void *arg)
+{
+	(void)arg;
+	pthread_mutex_lock(&pk_mu);
+	pk_waiting++;
+	pthread_cond_signal(&pk_all_in);
+	for (;;)
+		pthread_cond_wait(&pk_cv, &pk_mu);
+	return NULL;
+}
+
+static void park(long n)
+{
+	pthread_attr_t attr;
+	pthread_attr_init(&attr);
+	pthread_attr_setstacksize(&attr, 64 * 1024); /* 2,000 default 8 MiB stacks is a lot of VM */
+	for (long i = 0; i < n; i++) {
+		pthread_t th;
+		if (pthread_create(&th, &attr, pk_worker, NULL) != 0)
+			die("pthread_create");
+	}
+	/* cond_wait releases the mutex atomically: once all have counted in under it, all wait. */
+	pthread_mutex_lock(&pk_mu);
+	while (pk_waiting < n)
+		pthread_cond_wait(&pk_all_in, &pk_mu);
+	pthread_mutex_unlock(&pk_mu);
+	printf("PARKED %ld\n", n);
+	fflush(stdout);
+	for (;;)
+		pause();
+}
+
+int main(int argc, char **argv)
+{
+	if (argc < 3) {
+		fprintf(stderr, "usage: %s MODE N [SECONDS]\n", argv[0]);
+		return 2;
+	}
+	const char *mode = argv[1];
+	long n = atol(argv[2]);
+	double secs = argc > 3 ? atof(argv[3]) : 0;
+	if (n <= 0) {
+		fprintf(stderr, "N must be positive\n");
+		return 2;
+	}
+	char go[16];
+	if (!fgets(go, sizeof go, stdin))
+		return 1;
+
+	double t0 = now_ns();
+	if (strcmp(mode, "futex-wait") == 0) {
+		for (long i = 0; i < n; i++)
+			futex_eagain();
+	} else if (strcmp(mode, "futex-wake") == 0) {
+		for (long i = 0; i < n; i++)
+			syscall(SYS_futex, &word, FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
+	} else if (strcmp(mode, "mutex") == 0) {
+		static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+		static volatile long counter;
+		for (long i = 0; i < n; i++) {
+			pthread_mutex_lock(&mu);
+			counter++;
+			pthread_mutex_unlock(&mu);
+		}
+	} else if (strcmp(mode, "getppid") == 0) {
+		for (long i = 0; i < n; i++)
+			syscall(SYS_getppid);
+	} else if (strcmp(mode, "pingpong") == 0) {
+		printf("%.1f\n", pingpong(n));
+		return 0;
+	} else if (strcmp(mode, "futex-rate") == 0) {
+		printf("RATE %.0f\n", paced((double)n, secs, futex_eagain));
+		return 0;
+	} else if (strcmp(mode, "bind-listen") == 0) {
+		printf("RATE %.0f\n", paced((double)n, secs, bind_listen_once));
+		return 0;
+	} else if (strcmp(mode, "park") == 0) {
+		park(n);
+	} else {
+		fprintf(stderr, "unknown mode %s\n", mode);
+		return 2;
+	}
+	printf("%.1f\n", (now_ns() - t0) / n);
+	return 0;
+}
