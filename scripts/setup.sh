@@ -9,7 +9,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 HEADERS_TREE=/usr/src/hangwatch-kernel-headers   # the agent's third choice of kernel headers
 STAMP=.venv/.hangwatch-pip-stamp
 # prometheus: the tests run the real server and promtool against the shipped rules.
-APT_PACKAGES=(bpfcc-tools python3-bpfcc python3-bcrypt python3-venv python3-pip gcc libc6-dev make iproute2 prometheus)
+APT_PACKAGES=(bpfcc-tools python3-bpfcc python3-bcrypt python3-venv python3-pip gcc libc6-dev make iproute2 prometheus strace)
 export DEBIAN_FRONTEND=noninteractive
 
 say() { printf 'setup: %s\n' "$*"; }
