@@ -255,6 +255,18 @@ def run(config_path: str | None, listen: str | None, web_config: str | None = No
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s hangwatch %(levelname)s %(message)s"
     )
+    # Handlers first: a SIGTERM while the port is bound or the probes compile (seconds) must
+    # still mean a clean exit 0, not death by the default action.
+    stop, reload_requested = threading.Event(), threading.Event()
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        if signum == signal.SIGHUP:
+            reload_requested.set()
+        else:
+            stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, on_signal)
     # Every input is checked before anything else, and exits 2 naming what is wrong.
     cfg = config_mod.load(config_path)
     if listen is not None:
@@ -274,18 +286,6 @@ def run(config_path: str | None, listen: str | None, web_config: str | None = No
     from .gpu import GpuSource
     from .probe import KernelProbes  # bcc only after preflight
 
-    # Handlers before the probes compile (seconds): a SIGTERM meanwhile must still mean a
-    # clean exit 0, not death by the default action.
-    stop, reload_requested = threading.Event(), threading.Event()
-
-    def on_signal(signum: int, _frame: FrameType | None) -> None:
-        if signum == signal.SIGHUP:
-            reload_requested.set()
-        else:
-            stop.set()
-
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, on_signal)
     try:
         if stop.is_set():  # asked to stop before anything was attached
             return _stopped()
