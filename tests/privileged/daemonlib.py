@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -87,3 +89,54 @@ def wait_until(daemon: Daemon, check: Callable[[Samples], bool], what: str, time
         if n.startswith("hangwatch_service_state") and v
     )
     pytest.fail(f"timed out waiting for {what}\nservice states:\n{shown}\nlog:\n{daemon.output()}")
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident set size of ``pid`` now, from /proc/PID/status."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+def pids_in(samples: Samples) -> set[int]:
+    """Every process (pid label) /metrics names."""
+    return {int(dict(ls)["pid"]) for (_, ls) in samples if "pid" in dict(ls)}
+
+
+def wait_for_log(daemon: Daemon, pattern: str, what: str, timeout: float = 20) -> re.Match[str]:
+    """Wait for a line of the daemon's log matching ``pattern`` (no scrape involved)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert daemon.proc.poll() is None, f"daemon exited:\n{daemon.output()}"
+        m = re.search(pattern, daemon.output(), re.M)
+        if m:
+            return m
+        time.sleep(0.1)
+    pytest.fail(f"timed out waiting for {what} in the log:\n{daemon.output()}")
+
+
+@contextlib.contextmanager
+def running_daemon(config: Path, port: int) -> Iterator[Daemon]:
+    """A daemon past its first tick; on exit, SIGTERM, exit 0, and none of the BPF programs
+    it added left in the kernel."""
+    from tests.privileged.bpfobjs import prog_ids
+
+    before = prog_ids()
+    d = Daemon(config, port)
+    try:
+        # /metrics answers before the probes attach (bind first); a first tick means attached.
+        wait_until(
+            d,
+            lambda s: value(s, "hangwatch_collector_success", collector="proc") == 1,
+            "the first tick",
+            timeout=120,
+        )
+        added = prog_ids() - before
+        yield d
+    finally:
+        rc = d.stop()
+    assert rc == 0, f"daemon exit {rc}\n{d.output()}"
+    assert added, "the daemon loaded no BPF program?"
+    left = added & prog_ids()
+    assert not left, f"BPF programs left after SIGTERM: {sorted(left)}"

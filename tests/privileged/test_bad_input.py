@@ -18,30 +18,11 @@ from pathlib import Path
 import pytest
 
 from tests.fixturelib import REPO_ROOT
-from tests.privileged.bpfobjs import prog_ids
+from tests.privileged.bpfobjs import held_prog_ids, prog_ids
 from tests.privileged.daemonlib import free_port
 
 CMD = [sys.executable, "-m", "agent"]
 TARGETS = "targets: [{name: a, pids: [1]}]\n"
-
-
-def held_prog_ids() -> set[int]:
-    """IDs of BPF programs that some live process holds an fd of (from /proc/*/fdinfo)."""
-    held: set[int] = set()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            fds = os.listdir(f"/proc/{pid}/fdinfo")
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                text = Path(f"/proc/{pid}/fdinfo/{fd}").read_text()
-            except OSError:
-                continue
-            for line in text.splitlines():
-                if line.startswith("prog_id:"):
-                    held.add(int(line.split()[1]))
-    return held
 
 
 def hangwatch(*args: str, wrap: list[str] | None = None) -> subprocess.CompletedProcess[str]:
