@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -377,6 +378,9 @@ def detection(rep: Report, quick: bool) -> None:
         d.wait_ready()
         for i in range(reps):
             progress(f"detection {i + 1}/{reps}")
+            # Start at a random point of the tick: right after a detection (or the first
+            # tick) every run would otherwise start just after a tick, the worst case.
+            time.sleep(random.uniform(0, INTERVAL))
             with Fixture.c("deadlock_mutex") as fx:
                 formed = time.monotonic()  # READY: both threads blocked on the other's mutex
                 d.wait_for(deadlocked(fx.pid), "deadlocked", 30)

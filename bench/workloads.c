@@ -3,8 +3,8 @@
  *
  *   workloads futex-wait N     FUTEX_WAIT on a word not holding the expected value (EAGAIN)
  *   workloads futex-wake N     FUTEX_WAKE with nobody waiting
- *   workloads pingpong N       two threads hand a turn back and forth through a mutex and a
- *                              condvar: a real wait and wake per hand-off
+ *   workloads pingpong N       two threads on one CPU hand a turn back and forth through a
+ *                              mutex and a condvar: a real wait and wake per hand-off
  *   workloads mutex N          uncontended pthread_mutex_lock/unlock: no syscall at all
  *   workloads getppid N        getppid(2), the cheapest syscall there is
  *   workloads futex-rate R S   about R EAGAIN futex calls per second for S seconds
@@ -20,6 +20,7 @@
 #include <linux/futex.h>
 #include <netinet/in.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -76,6 +77,14 @@ static double pingpong(long n)
 {
 	pthread_t th;
 	pp_n = n;
+	/* Both threads on one CPU: each hand-off is then a wake and a context switch, the same
+	 * every time. Across two CPUs the figure mostly measures how deep the idle CPU slept,
+	 * and varied twofold from run to run. The peer inherits the mask. */
+	cpu_set_t one;
+	CPU_ZERO(&one);
+	CPU_SET(sched_getcpu(), &one);
+	if (sched_setaffinity(0, sizeof one, &one) != 0)
+		die("sched_setaffinity");
 	if (pthread_create(&th, NULL, pp_peer, NULL) != 0)
 		die("pthread_create");
 	double t0 = now_ns();
