@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import time
 from pathlib import Path
 
 NR_BPF = 321  # x86-64
@@ -107,6 +108,18 @@ def held_prog_ids() -> set[int]:
     for pid in filter(str.isdigit, os.listdir("/proc")):
         held |= _fdinfo_ids(pid, "prog_id")
     return held
+
+
+def leaked(added: set[int], grace_s: float = 10.0) -> set[int]:
+    """Programs of ``added`` still loaded and held by no live process, after a grace period
+    (the kernel frees a program after an RCU grace period). A program someone else loaded
+    meanwhile is held by its live loader, so concurrent tests do not count as leaks."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        left = (added & prog_ids()) - held_prog_ids()
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
 
 
 def map_entries(pid: int) -> dict[str, tuple[int, int]]:

@@ -120,7 +120,7 @@ def wait_for_log(daemon: Daemon, pattern: str, what: str, timeout: float = 20) -
 def running_daemon(config: Path, port: int) -> Iterator[Daemon]:
     """A daemon past its first tick; on exit, SIGTERM, exit 0, and none of the BPF programs
     it added left in the kernel."""
-    from tests.privileged.bpfobjs import prog_ids
+    from tests.privileged.bpfobjs import leaked, prog_ids
 
     before = prog_ids()
     d = Daemon(config, port)
@@ -138,5 +138,5 @@ def running_daemon(config: Path, port: int) -> Iterator[Daemon]:
         rc = d.stop()
     assert rc == 0, f"daemon exit {rc}\n{d.output()}"
     assert added, "the daemon loaded no BPF program?"
-    left = added & prog_ids()
+    left = leaked(added)
     assert not left, f"BPF programs left after SIGTERM: {sorted(left)}"

@@ -12,13 +12,12 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.fixturelib import REPO_ROOT
-from tests.privileged.bpfobjs import held_prog_ids, prog_ids
+from tests.privileged.bpfobjs import leaked, prog_ids
 from tests.privileged.daemonlib import free_port
 
 CMD = [sys.executable, "-m", "agent"]
@@ -40,13 +39,8 @@ def hangwatch(*args: str, wrap: list[str] | None = None) -> subprocess.Completed
         timeout=60,
         check=False,
     )
-    deadline = time.monotonic() + 3  # the kernel frees a program after an RCU grace period
-    while True:
-        leaked = (prog_ids() - before) - held_prog_ids()
-        if not leaked or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    assert not leaked, f"BPF programs left behind: {sorted(leaked)}\n{r.stderr}"
+    left = leaked(prog_ids() - before, grace_s=3)
+    assert not left, f"BPF programs left behind: {sorted(left)}\n{r.stderr}"
     return r
 
 

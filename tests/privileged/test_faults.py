@@ -28,7 +28,7 @@ from agent.observe import Observer
 from agent.procfs import ProcFS
 from agent.sampler import Sampler
 from tests.fixturelib import Fixture, build
-from tests.privileged.bpfobjs import held_prog_ids, map_entries, prog_ids
+from tests.privileged.bpfobjs import leaked, map_entries, prog_ids
 from tests.privileged.daemonlib import (
     INTERVAL,
     Daemon,
@@ -416,17 +416,6 @@ def test_scrape_storm_every_scrape_answers_and_ticks_go_on(daemon: Daemon) -> No
 # --- 8. SIGKILL leaves no BPF program; SIGTERM while compiling exits 0 ----------------------
 
 
-def _leaked(added: set[int]) -> set[int]:
-    """Programs of ``added`` still loaded and held by no live process, after a grace period
-    (the kernel frees a program after an RCU grace period)."""
-    deadline = time.monotonic() + 10
-    while True:
-        leaked = (added & prog_ids()) - held_prog_ids()
-        if not leaked or time.monotonic() > deadline:
-            return leaked
-        time.sleep(0.2)
-
-
 def test_sigkill_leaves_no_bpf_program(tmp_path: Path) -> None:
     cfg, port = _config(tmp_path)
     before = prog_ids()
@@ -444,7 +433,7 @@ def test_sigkill_leaves_no_bpf_program(tmp_path: Path) -> None:
         assert d.proc.wait(timeout=30) == -signal.SIGKILL
     finally:
         d.stop()
-    assert not _leaked(added), f"BPF programs left after SIGKILL: {sorted(_leaked(added))}"
+    assert not leaked(added), f"BPF programs left after SIGKILL: {sorted(leaked(added))}"
 
 
 def test_sigterm_while_the_probes_compile_exits_0(tmp_path: Path) -> None:
@@ -463,7 +452,7 @@ def test_sigterm_while_the_probes_compile_exits_0(tmp_path: Path) -> None:
         d.stop()
     assert rc == 0, f"exit {rc}\n{d.output()}"
     assert "stopped; probes detached" in d.output()
-    assert not _leaked(prog_ids() - before)
+    assert not leaked(prog_ids() - before)
 
 
 def urllib_ok(port: int) -> bool:
