@@ -43,6 +43,8 @@ OPTIONAL_SYSCALLS = {
 
 STATS_SYSCTL = Path("/proc/sys/kernel/bpf_stats_enabled")
 PID_MAX = Path("/proc/sys/kernel/pid_max")
+# Ring-buffer records held in memory between two reads; beyond, they count as dropped.
+MAX_PENDING_EVENTS = 65536
 # bpf(2) BPF_ENABLE_STATS (Linux 5.8): stats stay on while the returned fd is open.
 SYS_BPF = {"x86_64": 321, "aarch64": 280}
 BPF_ENABLE_STATS = 32
@@ -248,12 +250,16 @@ class KernelProbes:
             self._defs["HW_EVENT_BIND"]: "bind",
             self._defs["HW_EVENT_LISTEN"]: "listen",
         }
+        self._overflow = 0  # records dropped here because nobody read them: see drain()
         self._ring = self._bpf[b"events"]
         self._ring.open_ring_buffer(self._on_event)
         self._watching: set[int] = set()
         self._bits: dict[int, int] = {}  # word index -> bits, as written to the kernel
 
     def _on_event(self, _ctx: object, data: int, _size: int) -> None:
+        if len(self._events) + len(self._socket_events) >= MAX_PENDING_EVENTS:
+            self._overflow += 1
+            return
         e = self._ring.event(data)
         kind = self._event_kinds.get(e.kind, str(e.kind))
         if kind in ("bind", "listen"):
@@ -351,6 +357,12 @@ class KernelProbes:
             inflight[tid] = InflightWait(tid, o.tgid, wait)
         return inflight, tracked, dead
 
+    def drain(self, seconds: float) -> None:
+        """Move ring-buffer records into memory, waiting up to ``seconds`` for the first
+        (returns early once some came). Between reads, so that a burst of events does not
+        overflow the ring buffer before the next read."""
+        self._bpf.ring_buffer_poll(max(0, int(seconds * 1000)))
+
     def read(self) -> ProbeReading:
         self._bpf.ring_buffer_poll(0)
         events, self._events = tuple(self._events), []
@@ -379,6 +391,7 @@ class KernelProbes:
             for c in per_cpu:
                 for name, _ in c._fields_:
                     counters[name] = counters.get(name, 0) + getattr(c, name)
+        counters["events_dropped"] = counters.get("events_dropped", 0) + self._overflow
         return ProbeReading(
             inflight,
             refusals,
@@ -390,6 +403,10 @@ class KernelProbes:
             writes=writes,
             threads=frozenset(tracked),
         )
+
+    def tracepoints(self) -> list[str]:
+        """The syscall tracepoints attached (``sys_enter_futex``, ...)."""
+        return sorted(_program_name(name) for name in self._bpf.funcs)
 
     def program_stats(self) -> dict[str, ProgramStats]:
         """Cumulative run time and count per attached program, named by its tracepoint
@@ -423,6 +440,29 @@ class KernelProbes:
         self._bpf.cleanup()
 
     def __enter__(self) -> KernelProbes:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class EmptyPrograms:
+    """Programs that do nothing, on the tracepoints ``KernelProbes`` attaches to: the floor
+    that the syscall tracepoints themselves cost, for benchmarks to measure ours against."""
+
+    def __init__(self, tracepoints: Iterable[str]) -> None:
+        from bcc import BPF
+
+        headers = kernel_headers()
+        if headers:
+            os.environ["BCC_KERNEL_SOURCE"] = headers
+        text = "\n".join(f"TRACEPOINT_PROBE(syscalls, {tp}) {{ return 0; }}" for tp in tracepoints)
+        self._bpf = BPF(text=text.encode())
+
+    def close(self) -> None:
+        self._bpf.cleanup()
+
+    def __enter__(self) -> EmptyPrograms:
         return self
 
     def __exit__(self, *exc: object) -> None:

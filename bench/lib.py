@@ -60,7 +60,7 @@ _BPF_MAP_GET_FD_BY_ID = 14
 _BPF_OBJ_GET_INFO_BY_FD = 15
 _MAP_INFO_NAME = slice(24, 40)  # struct bpf_map_info: 6 u32 fields, then char name[16]
 # Each hangwatch object has one map of each of these names; other tools rarely do.
-HANGWATCH_MAPS = ("watched", "inflight", "wait_hist")
+HANGWATCH_MAPS = ("watched", "threads", "wait_hist")
 
 _libc = ctypes.CDLL(None, use_errno=True)
 

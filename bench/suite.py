@@ -46,6 +46,9 @@ NOTHING = [{"name": "nothing", "cmdline": "^hangwatch-bench-matches-nothing$"}]
 WATCH_WORKLOADS = [{"name": "bench", "cmdline": WORKLOAD_REGEX}]
 
 PARTS = ("overhead", "resources", "ringbuf", "startup", "detection")
+# Programs that return at once on the same tracepoints, no daemon: what the tracepoints
+# themselves cost, the floor under any program attached there.
+EMPTY = "empty programs"
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,7 @@ class Bench:
     title: str
     ops: int
     quick_ops: int
-    modes: tuple[str, ...]  # besides "none": "unwatched", "watched"
+    modes: tuple[str, ...]  # besides "none": "empty programs", "unwatched", "watched"
     strace_ops: int = 0  # > 0: also run under `strace -f`, with this many ops
 
     def argv(self, exe: Path, quick: bool, ops: int | None = None) -> list[str]:
@@ -65,17 +68,18 @@ class Bench:
 BENCHES = (
     Bench(
         "futex-wait", "futex WAIT returning at once (EAGAIN)", 1_000_000, 20_000,
-        ("unwatched", "watched"),
+        (EMPTY, "unwatched", "watched"),
     ),
     Bench(
-        "futex-wake", "futex WAKE, nobody waiting", 1_000_000, 20_000, ("unwatched", "watched")
+        "futex-wake", "futex WAKE, nobody waiting", 1_000_000, 20_000,
+        (EMPTY, "unwatched", "watched"),
     ),
     Bench(
-        "pingpong", "mutex+condvar ping-pong, per hand-off", 50_000, 2_000, ("watched",),
+        "pingpong", "mutex+condvar ping-pong, per hand-off", 50_000, 2_000, (EMPTY, "watched"),
         strace_ops=5_000,
     ),
     Bench("mutex", "uncontended pthread mutex lock+unlock", 100_000_000, 1_000_000, ("watched",)),
-    Bench("getppid", "getppid(2)", 3_000_000, 20_000, ("unwatched",)),
+    Bench("getppid", "getppid(2)", 3_000_000, 20_000, (EMPTY, "unwatched")),
     Bench("gil", "Python, 4 threads contending for the GIL, per step", 20_000_000, 200_000,
           ("watched",)),
 )  # fmt: skip
@@ -158,6 +162,12 @@ def run_one(argv: list[str], daemon: Daemon | None = None) -> float:
 def overhead(exe: Path, benches: Sequence[Bench], rounds: int, quick: bool) -> Overhead:
     res = Overhead()
     clean_wait = 5.0 if quick else 60.0
+    from agent import preflight
+    from agent.probe import EmptyPrograms, KernelProbes
+
+    preflight.check()
+    with KernelProbes() as probes:
+        tracepoints = probes.tracepoints()
     for r in range(rounds):
         progress(f"overhead round {r + 1}/{rounds}: no agent")
         if not wait_no_hangwatch(clean_wait):
@@ -171,6 +181,12 @@ def overhead(exe: Path, benches: Sequence[Bench], rounds: int, quick: bool) -> O
                                                      *b.argv(exe, quick, n)]))  # fmt: skip
             res.baseline_runs += 1
             res.tainted += bool(before or hangwatch_objects())
+        todo = [b for b in benches if EMPTY in b.modes]
+        if todo:
+            progress(f"overhead round {r + 1}/{rounds}: {EMPTY}")
+            with EmptyPrograms(tracepoints) as _:
+                for b in todo:
+                    res.add(b.key, EMPTY, run_one(b.argv(exe, quick)))
         for mode, targets in (("unwatched", NOTHING), ("watched", WATCH_WORKLOADS)):
             todo = [b for b in benches if mode in b.modes]
             if not todo:
