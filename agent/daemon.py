@@ -189,7 +189,7 @@ class Daemon:
 
     def _agent_status(self, tick: Tick) -> AgentStatus:
         c = tick.reading.counters
-        stats = getattr(self.probe, "program_stats", None)
+        stats = getattr(self.probe, "program_stats", None) if self.cfg.bpf_stats else None
         programs: dict[str, ProgramStats] = (self._timed("bpf_stats", stats) or {}) if stats else {}
         return AgentStatus(
             version=__version__,
@@ -234,6 +234,11 @@ class Daemon:
                 self.cfg.listen_text,
             )
             new = replace(new, listen=self.cfg.listen)
+        if new.bpf_stats != self.cfg.bpf_stats:
+            log.warning(
+                "bpf_stats %s needs a restart; keeping %s", new.bpf_stats, self.cfg.bpf_stats
+            )
+            new = replace(new, bpf_stats=self.cfg.bpf_stats)
         self.discovery.set_targets(new.targets)
         self.observer.threshold_s = new.park_threshold_seconds
         self.cfg = new
@@ -306,7 +311,7 @@ def run(config_path: str | None, listen: str | None, web_config: str | None = No
         if stop.is_set():  # asked to stop before anything was attached
             return _stopped()
         with KernelProbes(long_wait_s=min(1.0, cfg.park_threshold_seconds)) as probe:
-            enable = getattr(probe, "enable_stats", None)
+            enable = getattr(probe, "enable_stats", None) if cfg.bpf_stats else None
             restore = enable() if enable else None
             gpu = GpuSource()
             daemon = Daemon(cfg, ProcFS(), probe, gpu)

@@ -111,6 +111,8 @@ def test_the_built_in_default_is_valid_and_matches_known_servers():
         ),
         (f"targets: [{{name: a, comm: '{'(' * 2000}{')' * 2000}'}}]", "targets[0].comm: regular"),
         (f"targets: [{{name: a, comm: '{'x' * 2000}'}}]", "at most 1024"),
+        ("bpf_stats: 1\ntargets: [{name: a, pids: [1]}]", "bpf_stats: want true or false, got 1"),
+        ("bpf_stat: true\ntargets: [{name: a, pids: [1]}]", "did you mean 'bpf_stats'"),
         ("[" * 5000, "not valid YAML: nested too deeply"),
         ("targets: !!python/object:os.system x", "not valid YAML"),
     ],
@@ -214,3 +216,9 @@ def test_validate_targets_raises_only_usage_errors(targets):
         assert str(e).startswith("config fuzz: ")
     else:
         assert len(c.targets) == len(targets)
+
+
+def test_bpf_stats_is_off_unless_asked_for():
+    assert load(None).bpf_stats is False
+    assert load_text("targets: [{name: a, pids: [1]}]", "x").bpf_stats is False
+    assert load_text("bpf_stats: true\ntargets: [{name: a, pids: [1]}]", "x").bpf_stats is True

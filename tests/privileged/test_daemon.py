@@ -96,6 +96,8 @@ def test_daemon_reports_each_fixture_and_detaches_on_sigterm(daemon: Daemon) -> 
 
         # No TID label anywhere, whatever the exposition holds.
         assert not any("tid" in dict(ls) for (_, ls) in s)
+        # BPF run-time accounting costs every program on the host: off unless configured.
+        assert not any(name == "hangwatch_bpf_program_runs_total" for (name, _) in s)
 
     # Exited fixtures disappear from the metrics within a few intervals.
     gone = {str(p.pid) for p in (mutex, pi, pool, loader)}

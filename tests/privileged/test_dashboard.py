@@ -34,6 +34,7 @@ CONFIG = f"""
 listen: "127.0.0.1:{{port}}"
 interval_seconds: {INTERVAL}
 park_threshold_seconds: 2
+bpf_stats: true  # the dashboard's BPF cost panels read it
 targets:
   - name: srv
     cmdline: "fixtures/build/listen_write"
