@@ -7,6 +7,7 @@
  *                              mutex and a condvar: a real wait and wake per hand-off
  *   workloads mutex N          uncontended pthread_mutex_lock/unlock: no syscall at all
  *   workloads getppid N        getppid(2), the cheapest syscall there is
+ *   workloads write N          write(2) of one byte to /dev/null
  *   workloads futex-rate R S   about R EAGAIN futex calls per second for S seconds
  *   workloads park N           N threads parked on a condvar nobody signals, until killed
  *   workloads bind-listen R S  about R socket+bind+listen+close per second for S seconds
@@ -17,6 +18,7 @@
  */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <linux/futex.h>
 #include <netinet/in.h>
 #include <pthread.h>
@@ -194,6 +196,7 @@ int main(int argc, char **argv)
 		fprintf(stderr, "N must be positive\n");
 		return 2;
 	}
+	int devnull = strcmp(mode, "write") == 0 ? open("/dev/null", O_WRONLY) : -1;
 	char go[16];
 	if (!fgets(go, sizeof go, stdin))
 		return 1;
@@ -216,6 +219,10 @@ int main(int argc, char **argv)
 	} else if (strcmp(mode, "getppid") == 0) {
 		for (long i = 0; i < n; i++)
 			syscall(SYS_getppid);
+	} else if (strcmp(mode, "write") == 0) {
+		for (long i = 0; i < n; i++)
+			if (write(devnull, "x", 1) != 1)
+				die("write");
 	} else if (strcmp(mode, "pingpong") == 0) {
 		printf("%.1f\n", pingpong(n));
 		return 0;
