@@ -77,7 +77,9 @@ def unknown_key(raw: Mapping[Any, Any], known: tuple[str, ...]) -> tuple[str, st
     if not bad:
         return None
     key = bad[0]
-    name = key if isinstance(key, str) and len(key) <= 60 else show(key)
+    # A plain key as written; anything else (too long, a newline, not text) as repr().
+    plain = isinstance(key, str) and len(key) <= 60 and key.isprintable()
+    name = key if plain else show(key)
     close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
     hint = f"unknown key (did you mean {close[0]!r}?)" if close else "unknown key"
     return name, f"{hint}; known: {', '.join(known)}"

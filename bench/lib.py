@@ -163,6 +163,10 @@ class DaemonError(RuntimeError):
     pass
 
 
+# Extra top-level config lines for every daemon the bench starts (--bpf-stats).
+DAEMON_CONFIG: list[str] = []
+
+
 class Daemon:
     """A real `hangwatch run` on a config of our own, its log in a temporary file."""
 
@@ -173,6 +177,7 @@ class Daemon:
         lines = [
             f'listen: "127.0.0.1:{self.port}"',
             f"interval_seconds: {interval}",
+            *DAEMON_CONFIG,
             "targets:",
         ]
         for t in targets:

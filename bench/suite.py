@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.lib import (
+    DAEMON_CONFIG,
     WORKLOAD_REGEX,
     Daemon,
     Samples,
@@ -423,7 +424,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     names = [*PARTS, *(b.key for b in BENCHES)]
     ap.add_argument("--only", choices=names, metavar="NAME", help=", ".join(names))
     ap.add_argument("--rounds", type=int, help="overhead rounds (default 5, 1 with --quick)")
+    ap.add_argument(
+        "--bpf-stats",
+        action="store_true",
+        help="run the daemons with bpf_stats: true (the kernel's BPF run-time accounting),\n"
+        "to measure what that accounting costs",
+    )
     args = ap.parse_args(argv)
+    if args.bpf_stats:
+        DAEMON_CONFIG.append("bpf_stats: true")
     if os.geteuid() != 0:
         print("bench: needs root (BPF, /proc of other processes)", file=sys.stderr)
         return 3
@@ -433,7 +442,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     exe = build_workloads()
     rep = Report(args.markdown)
     rep.note(
-        f"hangwatch bench{' --quick' if args.quick else ''}: {platform.node()}, "
+        f"hangwatch bench{' --quick' if args.quick else ''}"
+        f"{' --bpf-stats' if args.bpf_stats else ''}: {platform.node()}, "
         f"{os.cpu_count()} CPUs, Linux {platform.release()}, {time.strftime('%Y-%m-%d %H:%M')}"
     )
     steps: dict[str, Callable[[], None]] = {

@@ -112,6 +112,7 @@ def test_the_built_in_default_is_valid_and_matches_known_servers():
         (f"targets: [{{name: a, comm: '{'(' * 2000}{')' * 2000}'}}]", "targets[0].comm: regular"),
         (f"targets: [{{name: a, comm: '{'x' * 2000}'}}]", "at most 1024"),
         ("bpf_stats: 1\ntargets: [{name: a, pids: [1]}]", "bpf_stats: want true or false, got 1"),
+        ('"\\n": 1\ntargets: [{name: a, pids: [1]}]', "'\\n': unknown key"),  # found by fuzzing
         ("bpf_stat: true\ntargets: [{name: a, pids: [1]}]", "did you mean 'bpf_stats'"),
         ("[" * 5000, "not valid YAML: nested too deeply"),
         ("targets: !!python/object:os.system x", "not valid YAML"),
