@@ -254,7 +254,6 @@ class KernelProbes:
         self._ring = self._bpf[b"events"]
         self._ring.open_ring_buffer(self._on_event)
         self._watching: set[int] = set()
-        self._bits: dict[int, int] = {}  # word index -> bits, as written to the kernel
 
     def _on_event(self, _ctx: object, data: int, _size: int) -> None:
         if len(self._events) + len(self._socket_events) >= MAX_PENDING_EVENTS:
@@ -274,15 +273,10 @@ class KernelProbes:
     def watch(self, tgids: Iterable[int]) -> None:
         """Make the watched set exactly ``tgids`` (PIDs beyond the bitmap cannot be watched)."""
         want = {t for t in tgids if 0 < t < self._watched.max_entries * 64}
-        changed = {t // 64 for t in want ^ self._watching}
-        for word in changed:
-            bits = 0
-            for t in range(word * 64, word * 64 + 64):
-                if t in want:
-                    bits |= 1 << (t % 64)
-            if bits != self._bits.get(word, 0):
-                self._watched[ctypes.c_int(word)] = ctypes.c_uint64(bits)
-                self._bits[word] = bits
+        # Only the words holding a PID that came or went; each one's bits differ by that PID.
+        for word in {t // 64 for t in want ^ self._watching}:
+            bits = sum(1 << (t % 64) for t in range(word * 64, word * 64 + 64) if t in want)
+            self._watched[ctypes.c_int(word)] = ctypes.c_uint64(bits)
         self._watching = want
 
     def forget(self, tids: Iterable[int]) -> None:
@@ -302,20 +296,12 @@ class KernelProbes:
         doomed = [
             (self._hist, [k for k in self._hist if k.tgid in gone]),
             (self._fd_writes, [k for k in self._fd_writes if k.tgid in gone]),
-            (
-                self._threads,
-                [ctypes.c_uint32(k) for k, t in _by_tid(self._threads) if t.tgid in gone],
-            ),
-            (
-                self._refusals,
-                [ctypes.c_uint32(k) for k, r in _by_tid(self._refusals) if r.tgid in gone],
-            ),
-            (
-                self._pi_ops,
-                [ctypes.c_uint32(k) for k, o in _by_tid(self._pi_ops) if o.tgid in gone],
-            ),
             (self._accepts, [ctypes.c_uint32(t) for t in gone]),
         ]
+        for table in (self._threads, self._refusals, self._pi_ops):  # keyed by TID
+            doomed.append(
+                (table, [ctypes.c_uint32(k) for k, v in _by_tid(table) if v.tgid in gone])
+            )
         for table, keys in doomed:
             for key in keys:
                 with contextlib.suppress(KeyError):  # the kernel side may have deleted it
