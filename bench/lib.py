@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import errno
 import json
 import os
 import signal
@@ -20,6 +18,8 @@ from pathlib import Path
 from typing import IO
 
 from prometheus_client.parser import text_string_to_metric_families
+
+from tests.privileged.bpfobjs import map_names
 
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parent
@@ -54,56 +54,14 @@ def build_workloads() -> Path:
 
 # --- which hangwatch BPF objects are loaded, from bpf(2) -----------------------------------
 
-_NR_BPF = 321  # x86-64
-_BPF_MAP_GET_NEXT_ID = 12
-_BPF_MAP_GET_FD_BY_ID = 14
-_BPF_OBJ_GET_INFO_BY_FD = 15
-_MAP_INFO_NAME = slice(24, 40)  # struct bpf_map_info: 6 u32 fields, then char name[16]
 # Each hangwatch object has one map of each of these names; other tools rarely do.
 HANGWATCH_MAPS = ("watched", "threads", "wait_hist")
-
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-class _IdAttr(ctypes.Structure):
-    _fields_ = [("id", ctypes.c_uint32), ("next_id", ctypes.c_uint32), ("flags", ctypes.c_uint32)]
-
-
-class _InfoAttr(ctypes.Structure):
-    _fields_ = [("fd", ctypes.c_uint32), ("len", ctypes.c_uint32), ("info", ctypes.c_uint64)]
-
-
-def _bpf(cmd: int, attr: ctypes.Structure) -> int:
-    return int(_libc.syscall(_NR_BPF, cmd, ctypes.byref(attr), ctypes.sizeof(attr)))
-
-
-def _map_name(map_id: int) -> str | None:
-    fd = _bpf(_BPF_MAP_GET_FD_BY_ID, _IdAttr(map_id, 0, 0))
-    if fd < 0:
-        return None  # gone since it was listed
-    try:
-        buf = ctypes.create_string_buffer(128)
-        if _bpf(_BPF_OBJ_GET_INFO_BY_FD, _InfoAttr(fd, len(buf), ctypes.addressof(buf))) != 0:
-            return None
-        return buf.raw[_MAP_INFO_NAME].split(b"\0")[0].decode(errors="replace")
-    finally:
-        os.close(fd)
 
 
 def hangwatch_objects() -> int:
     """How many hangwatch BPF objects are loaded now, anyone's (needs CAP_SYS_ADMIN)."""
-    counts = dict.fromkeys(HANGWATCH_MAPS, 0)
-    attr = _IdAttr(0, 0, 0)
-    while True:
-        if _bpf(_BPF_MAP_GET_NEXT_ID, attr) != 0:
-            err = ctypes.get_errno()
-            if err == errno.ENOENT:
-                return max(counts.values())
-            raise OSError(err, os.strerror(err))
-        name = _map_name(attr.next_id)
-        if name in counts:
-            counts[name] += 1
-        attr.id = attr.next_id
+    names = map_names()
+    return max(names.count(n) for n in HANGWATCH_MAPS)
 
 
 def wait_no_hangwatch(timeout: float) -> bool:

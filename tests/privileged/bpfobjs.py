@@ -7,15 +7,18 @@ per map of a running process). No bpftool needed.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 NR_BPF = 321  # x86-64
 BPF_MAP_GET_NEXT_KEY = 4
 BPF_PROG_GET_NEXT_ID = 11
+BPF_MAP_GET_NEXT_ID = 12
 BPF_MAP_GET_FD_BY_ID = 14
 BPF_OBJ_GET_INFO_BY_FD = 15
 HASH_MAP_TYPES = {1: "hash", 5: "percpu_hash", 9: "lru_hash", 10: "lru_percpu_hash"}
@@ -66,18 +69,48 @@ def _bpf(cmd: int, attr: ctypes.Structure) -> int:
     return _libc.syscall(NR_BPF, cmd, ctypes.byref(attr), ctypes.sizeof(attr))
 
 
-def prog_ids() -> set[int]:
-    """IDs of every BPF program loaded now (needs CAP_SYS_ADMIN)."""
+def _next_ids(cmd: int) -> set[int]:
+    """Every ID that a GET_NEXT_ID command walks (programs, maps; needs CAP_SYS_ADMIN)."""
     ids: set[int] = set()
     attr = _NextIdAttr(0, 0, 0)
     while True:
-        if _bpf(BPF_PROG_GET_NEXT_ID, attr) != 0:
+        if _bpf(cmd, attr) != 0:
             err = ctypes.get_errno()
             if err == errno.ENOENT:
                 return ids
             raise OSError(err, os.strerror(err))
         ids.add(attr.next_id)
         attr.start_id = attr.next_id
+
+
+def prog_ids() -> set[int]:
+    """IDs of every BPF program loaded now (needs CAP_SYS_ADMIN)."""
+    return _next_ids(BPF_PROG_GET_NEXT_ID)
+
+
+def map_names() -> list[str]:
+    """The name of every BPF map loaded now, anyone's (needs CAP_SYS_ADMIN)."""
+    names = []
+    for map_id in _next_ids(BPF_MAP_GET_NEXT_ID):
+        with _map_info(map_id) as got:
+            if got is not None:
+                names.append(got[1].name.decode(errors="replace"))
+    return names
+
+
+@contextlib.contextmanager
+def _map_info(map_id: int) -> Iterator[tuple[int, _MapInfo] | None]:
+    """(fd, info) of a map, the fd open for the block; None if it was freed meanwhile."""
+    fd = _bpf(BPF_MAP_GET_FD_BY_ID, _NextIdAttr(map_id, 0, 0))
+    if fd < 0:
+        yield None
+        return
+    try:
+        info = _MapInfo()
+        attr = _InfoAttr(fd, ctypes.sizeof(info), ctypes.addressof(info))
+        yield (fd, info) if _bpf(BPF_OBJ_GET_INFO_BY_FD, attr) == 0 else None
+    finally:
+        os.close(fd)
 
 
 def _fdinfo_ids(pid: int | str, key: str) -> set[int]:
@@ -126,17 +159,11 @@ def map_entries(pid: int) -> dict[str, tuple[int, int]]:
     """Hash maps that process ``pid`` holds: name -> (entries now, max entries)."""
     out: dict[str, tuple[int, int]] = {}
     for map_id in _fdinfo_ids(pid, "map_id"):
-        fd = _bpf(BPF_MAP_GET_FD_BY_ID, _NextIdAttr(map_id, 0, 0))
-        if fd < 0:
-            continue  # freed meanwhile
-        try:
-            info = _MapInfo()
-            attr = _InfoAttr(fd, ctypes.sizeof(info), ctypes.addressof(info))
-            if _bpf(BPF_OBJ_GET_INFO_BY_FD, attr) != 0 or info.type not in HASH_MAP_TYPES:
-                continue
+        with _map_info(map_id) as got:
+            if got is None or got[1].type not in HASH_MAP_TYPES:
+                continue  # freed meanwhile, or not a hash
+            fd, info = got
             out[info.name.decode()] = (_count_keys(fd, info.key_size), info.max_entries)
-        finally:
-            os.close(fd)
     return out
 
 
