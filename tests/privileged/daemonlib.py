@@ -116,6 +116,17 @@ def wait_for_log(daemon: Daemon, pattern: str, what: str, timeout: float = 20) -
     pytest.fail(f"timed out waiting for {what} in the log:\n{daemon.output()}")
 
 
+def first_tick(daemon: Daemon, timeout: float = 20) -> Samples:
+    """Wait for the daemon's first tick. /metrics answers before the probes attach (the port
+    is bound first); a first tick means they are attached."""
+    return wait_until(
+        daemon,
+        lambda s: value(s, "hangwatch_collector_success", collector="proc") == 1,
+        "the daemon's first tick",
+        timeout=timeout,
+    )
+
+
 @contextlib.contextmanager
 def running_daemon(config: Path, port: int) -> Iterator[Daemon]:
     """A daemon past its first tick; on exit, SIGTERM, exit 0, and none of the BPF programs
@@ -125,13 +136,7 @@ def running_daemon(config: Path, port: int) -> Iterator[Daemon]:
     before = prog_ids()
     d = Daemon(config, port)
     try:
-        # /metrics answers before the probes attach (bind first); a first tick means attached.
-        wait_until(
-            d,
-            lambda s: value(s, "hangwatch_collector_success", collector="proc") == 1,
-            "the first tick",
-            timeout=120,
-        )
+        first_tick(d, timeout=120)
         added = prog_ids() - before
         yield d
     finally:

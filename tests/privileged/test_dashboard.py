@@ -20,7 +20,15 @@ from pathlib import Path
 import pytest
 
 from tests.fixturelib import Fixture
-from tests.privileged.daemonlib import INTERVAL, Daemon, Samples, free_port, value, wait_until
+from tests.privileged.daemonlib import (
+    INTERVAL,
+    Daemon,
+    Samples,
+    first_tick,
+    free_port,
+    value,
+    wait_until,
+)
 from tests.privileged.promlib import Prometheus
 from tests.test_deploy import (
     dashboard_metric_names,
@@ -67,11 +75,7 @@ def daemon(tmp_path: Path) -> Iterator[Daemon]:
     cfg.write_text(CONFIG.format(port=port))
     d = Daemon(cfg, port)
     try:
-        wait_until(
-            d,
-            lambda s: value(s, "hangwatch_collector_success", collector="proc") == 1,
-            "the daemon's first tick",
-        )
+        first_tick(d)
         yield d
     finally:
         rc = d.stop()

@@ -33,6 +33,7 @@ from tests.privileged.daemonlib import (
     INTERVAL,
     Daemon,
     Samples,
+    first_tick,
     free_port,
     pids_in,
     rss_bytes,
@@ -421,19 +422,15 @@ def test_sigkill_leaves_no_bpf_program(tmp_path: Path) -> None:
     before = prog_ids()
     d = Daemon(cfg, port)
     try:
-        wait_until(
-            d,
-            lambda s: value(s, "hangwatch_collector_success", collector="proc") == 1,
-            "the first tick",
-            timeout=120,
-        )
+        first_tick(d, timeout=120)
         added = prog_ids() - before
         assert added, "the daemon loaded nothing?"
         d.proc.kill()
         assert d.proc.wait(timeout=30) == -signal.SIGKILL
     finally:
         d.stop()
-    assert not leaked(added), f"BPF programs left after SIGKILL: {sorted(leaked(added))}"
+    left = leaked(added)
+    assert not left, f"BPF programs left after SIGKILL: {sorted(left)}"
 
 
 def test_sigterm_while_the_probes_compile_exits_0(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.fixturelib import REPO_ROOT, Fixture
-from tests.privileged.daemonlib import INTERVAL, Daemon, free_port, value, wait_until
+from tests.privileged.daemonlib import INTERVAL, Daemon, first_tick, free_port, value
 from tests.privileged.promlib import Prometheus
 
 RULES = sorted((REPO_ROOT / "deploy" / "prometheus").glob("*.yml"))
@@ -44,11 +44,7 @@ def stack(tmp_path: Path) -> Iterator[tuple[Daemon, Prometheus]]:
     d = Daemon(cfg, port)
     prom = None
     try:
-        wait_until(
-            d,
-            lambda s: value(s, "hangwatch_collector_success", collector="proc") == 1,
-            "the daemon's first tick",
-        )
+        first_tick(d)
         prom = Prometheus(tmp_path, port, RULES)
         yield d, prom
     finally:
