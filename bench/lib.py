@@ -6,20 +6,16 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
 
-from prometheus_client.parser import text_string_to_metric_families
-
-from tests.privileged.bpfobjs import map_names
+from scripts.bpfobjs import map_names
+from scripts.daemonproc import DaemonProcess, free_port, value
 
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parent
@@ -95,45 +91,22 @@ def memory_kib(pid: int) -> dict[str, int]:
     return out
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 # --- the daemon -----------------------------------------------------------------------------
-
-Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
-
-# Published with the first tick's results, never before: the daemon is attached and working.
-READY_METRIC = "hangwatch_bpf_events_dropped_total"
-
-
-def find(samples: Samples, name: str, **labels: str) -> float | None:
-    want = set(labels.items())
-    for (n, ls), v in samples.items():
-        if n == name and want <= ls:
-            return v
-    return None
-
-
-class DaemonError(RuntimeError):
-    pass
-
 
 # Extra top-level config lines for every daemon the bench starts (--bpf-stats).
 DAEMON_CONFIG: list[str] = []
 
 
-class Daemon:
-    """A real `hangwatch run` on a config of our own, its log in a temporary file."""
+class Daemon(DaemonProcess):
+    """A real `hangwatch run` on a config of our own, both it and the log in a temporary
+    directory that stop() removes."""
 
     def __init__(self, targets: Sequence[Mapping[str, str]], interval: float = 1.0) -> None:
-        self.port = free_port()
+        port = free_port()
         self._dir = tempfile.TemporaryDirectory(prefix="hangwatch-bench-")
-        self.config = Path(self._dir.name) / "config.yaml"
+        config = Path(self._dir.name) / "config.yaml"
         lines = [
-            f'listen: "127.0.0.1:{self.port}"',
+            f'listen: "127.0.0.1:{port}"',
             f"interval_seconds: {interval}",
             *DAEMON_CONFIG,
             "targets:",
@@ -143,79 +116,26 @@ class Daemon:
             for k, v in t.items():
                 lines.append(f"  {'- ' if first else '  '}{k}: {json.dumps(v)}")
                 first = False
-        self.config.write_text("\n".join(lines) + "\n")
-        self._log: IO[bytes] = (Path(self._dir.name) / "daemon.log").open("wb")
-        self.started = time.monotonic()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "agent", "run", "--config", str(self.config)],
-            cwd=REPO_ROOT,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-        )
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def log_text(self) -> str:
-        self._log.flush()
-        return (Path(self._dir.name) / "daemon.log").read_text(errors="replace")
-
-    def scrape(self) -> Samples | None:
-        try:
-            url = f"http://127.0.0.1:{self.port}/metrics"
-            with urllib.request.urlopen(url, timeout=5) as r:
-                text = r.read().decode()
-        except OSError:
-            return None
-        out: Samples = {}
-        for fam in text_string_to_metric_families(text):
-            for s in fam.samples:
-                out[(s.name, frozenset(s.labels.items()))] = s.value
-        return out
-
-    def wait_for(
-        self, check: Callable[[Samples], bool], what: str, timeout: float, poll: float = 0.05
-    ) -> Samples:
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise DaemonError(f"daemon exited ({self.proc.returncode}):\n{self.log_text()}")
-            samples = self.scrape()
-            if samples is not None and check(samples):
-                return samples
-            if time.monotonic() > deadline:
-                raise DaemonError(f"timed out after {timeout} s waiting for {what}")
-            time.sleep(poll)
+        config.write_text("\n".join(lines) + "\n")
+        super().__init__(config, port)
 
     def wait_ready(self, timeout: float = 60) -> float:
-        """Seconds from exec to the first scrape that has the daemon's own metrics."""
-        self.wait_for(lambda s: find(s, READY_METRIC) is not None, "first tick", timeout, 0.02)
+        """Seconds from exec to the first scrape that has the daemon's first tick."""
+        self.first_tick(timeout, poll=0.02)
         return time.monotonic() - self.started
 
     def wait_watching(self, pid: int, timeout: float = 20) -> None:
         self.wait_for(
-            lambda s: find(s, "hangwatch_process_threads", pid=str(pid)) is not None,
+            lambda s: value(s, "hangwatch_process_threads", pid=str(pid)) is not None,
             f"the daemon to watch pid {pid}",
             timeout,
         )
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-        self._dir.cleanup()
-
-    def __enter__(self) -> Daemon:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+    def stop(self, timeout: float = 30) -> int:
+        try:
+            return super().stop(timeout)
+        finally:
+            self._dir.cleanup()
 
 
 # --- workloads ------------------------------------------------------------------------------

@@ -30,17 +30,17 @@ from bench.lib import (
     DAEMON_CONFIG,
     WORKLOAD_REGEX,
     Daemon,
-    Samples,
     Workload,
     build_workloads,
     cpu_seconds,
-    find,
     hangwatch_objects,
     memory_kib,
     progress,
     wait_no_hangwatch,
     workload_argv,
 )
+from scripts.daemonproc import Samples, value
+from scripts.fixturelib import Fixture
 
 INTERVAL = 1.0
 NOTHING = [{"name": "nothing", "cmdline": "^hangwatch-bench-matches-nothing$"}]
@@ -166,7 +166,8 @@ def overhead(exe: Path, benches: Sequence[Bench], rounds: int, quick: bool) -> O
     res = Overhead()
     clean_wait = 5.0 if quick else 60.0
     from agent import preflight
-    from agent.probe import EmptyPrograms, KernelProbes
+    from agent.probe import KernelProbes
+    from bench.empty import EmptyPrograms
 
     preflight.check()
     with KernelProbes() as probes:
@@ -275,7 +276,7 @@ def resources(rep: Report, exe: Path, quick: bool) -> None:
             w.go()
             w.readline()
             d.wait_for(
-                lambda s: find(s, "hangwatch_process_threads", pid=str(w.pid)) == threads + 1,
+                lambda s: value(s, "hangwatch_process_threads", pid=str(w.pid)) == threads + 1,
                 f"{threads} threads in /metrics",
                 60,
             )
@@ -301,8 +302,8 @@ def resources(rep: Report, exe: Path, quick: bool) -> None:
 def dropped(d: Daemon) -> float:
     # Wait for a tick that read the counters after the load: two intervals is always enough.
     time.sleep(2 * INTERVAL + 0.2)
-    s = d.wait_for(lambda s: find(s, "hangwatch_bpf_events_dropped_total") is not None, "", 10)
-    return find(s, "hangwatch_bpf_events_dropped_total") or 0.0
+    s = d.wait_for(lambda s: value(s, "hangwatch_bpf_events_dropped_total") is not None, "", 10)
+    return value(s, "hangwatch_bpf_events_dropped_total") or 0.0
 
 
 def ringbuf(rep: Report, exe: Path, quick: bool) -> None:
@@ -382,14 +383,12 @@ def startup(rep: Report, quick: bool) -> None:
 
 def deadlocked(pid: int) -> Callable[[Samples], bool]:
     def check(s: Samples) -> bool:
-        return find(s, "hangwatch_service_state", pid=str(pid), state="deadlocked") == 1
+        return value(s, "hangwatch_service_state", pid=str(pid), state="deadlocked") == 1
 
     return check
 
 
 def detection(rep: Report, quick: bool) -> None:
-    from tests.fixturelib import Fixture
-
     reps = 1 if quick else 5
     lat = []
     target = INTERVAL + 1.0

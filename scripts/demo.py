@@ -1,25 +1,21 @@
 """`make demo`: the daemon watching four small programs, one of each kind, live.
 
-Starts `hangwatch run` with a config that selects the demo programs by command line, then
-the programs: a mutex deadlock, a pool parked on a condition variable nobody signals, a
-"model server" that loads (writes a log) for 8 s and then listens, and an idle Python HTTP
-server. Prints each service's state from /metrics every 2 s for about 30 s.
+Starts `hangwatch run` with a config that selects the demo programs by command line and,
+once it has ticked (attached, as on a real host), the programs: a mutex deadlock, a pool
+parked on a condition variable nobody signals, a "model server" that loads (writes a log) for
+8 s and then listens, and an idle Python HTTP server. Every 2 s for about 30 s it prints the
+daemon's new log lines and each service's state from /metrics.
 """
 
 from __future__ import annotations
 
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
-from prometheus_client.parser import text_string_to_metric_families
-
-from tests.fixturelib import REPO_ROOT, Fixture
+from scripts.daemonproc import DaemonError, DaemonProcess, Samples, free_port
+from scripts.fixturelib import Fixture
 
 CONFIG = """
 listen: "127.0.0.1:{port}"
@@ -38,30 +34,40 @@ targets:
 SECONDS = 30
 
 
-def scrape(port: int) -> dict[str, str]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    states = {}
-    for fam in text_string_to_metric_families(text):
-        if fam.name == "hangwatch_service_state":
-            for s in fam.samples:
-                if s.value == 1:
-                    states[s.labels["service"]] = s.labels["state"]
-    return states
+def states(samples: Samples) -> dict[str, str]:
+    """service -> its state, from one scrape."""
+    out = {}
+    for (name, labels), v in samples.items():
+        if name == "hangwatch_service_state" and v == 1:
+            ls = dict(labels)
+            out[ls["service"]] = ls["state"]
+    return out
 
 
 def main() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cfg = Path(tempfile.mkdtemp(prefix="hangwatch-demo-")) / "demo.yaml"
     cfg.write_text(CONFIG.format(port=port))
     print(f"hangwatch demo: daemon on 127.0.0.1:{port}, config {cfg}; log lines below.", flush=True)
-    daemon = subprocess.Popen(
-        [sys.executable, "-m", "agent", "run", "--config", str(cfg)], cwd=REPO_ROOT
-    )
-    try:
-        time.sleep(2.5)  # attach before the programs start, as on a real host
+    shown = 0
+
+    def new_log_lines() -> None:
+        nonlocal shown
+        text = daemon.output()
+        end = text.rfind("\n") + 1  # whole lines only
+        if end > shown:
+            print(text[shown:end], end="", flush=True)
+            shown = end
+
+    with DaemonProcess(cfg, port) as daemon:
+        # Attached before the programs start, as on a real host.
+        try:
+            daemon.first_tick(timeout=120)
+        except DaemonError as e:
+            new_log_lines()
+            print(f"hangwatch demo: {str(e).splitlines()[0]}", file=sys.stderr)
+            return 1
+        new_log_lines()
         with (
             Fixture.c("deadlock_mutex"),
             Fixture.c("condvar_pool", "8"),
@@ -70,16 +76,15 @@ def main() -> int:
         ):
             for t in range(0, SECONDS, 2):
                 time.sleep(2)
-                try:
-                    states = scrape(port)
-                except OSError as e:
-                    print(f"  scrape failed: {e}")
+                new_log_lines()
+                samples = daemon.scrape()
+                if samples is None:
+                    print("  scrape failed")
                     continue
-                row = "  ".join(f"{k}={v}" for k, v in sorted(states.items()))
+                row = "  ".join(f"{k}={v}" for k, v in sorted(states(samples).items()))
                 print(f"[{t + 2:2d} s] {row}", flush=True)
-    finally:
-        daemon.send_signal(signal.SIGTERM)
-        rc = daemon.wait(timeout=30)
+        rc = daemon.stop()
+        new_log_lines()
     return rc
 
 

@@ -20,18 +20,15 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from prometheus_client.parser import text_string_to_metric_families
-
-from tests.fixturelib import REPO_ROOT, build
+from scripts.daemonproc import DaemonError, DaemonProcess, free_port
+from scripts.fixturelib import build
 
 CONFIG = """
 listen: "127.0.0.1:{port}"
@@ -58,12 +55,6 @@ class Sample:
     deadlocks_logged: int
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def rss_kib(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -76,17 +67,12 @@ def cpu_ticks(pid: int) -> int:
     return int(fields[11]) + int(fields[12])
 
 
-def scrape_services(port: int) -> int:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-            text = r.read().decode()
-    except OSError:
+def scrape_services(daemon: DaemonProcess) -> int:
+    """How many services /metrics names (one state of each is 1); -1 if the scrape failed."""
+    samples = daemon.scrape(timeout=10)
+    if samples is None:
         return -1
-    n = 0
-    for fam in text_string_to_metric_families(text):
-        if fam.name == "hangwatch_service_state":
-            n += sum(1 for s in fam.samples if s.value == 1)
-    return n
+    return sum(1 for (n, _), v in samples.items() if n == "hangwatch_service_state" and v == 1)
 
 
 class Churn:
@@ -162,27 +148,15 @@ def main() -> int:
     port = free_port()
     cfg = work / "soak.yaml"
     cfg.write_text(CONFIG.format(port=port))
-    log_path = work / "daemon.log"
     churn = Churn(work)
-    log_f = log_path.open("w")
-    daemon = subprocess.Popen(
-        [sys.executable, "-m", "agent", "run", "--config", str(cfg)],
-        cwd=REPO_ROOT,
-        stdout=log_f,
-        stderr=subprocess.STDOUT,
-    )
-    print(f"soak: {args.minutes:g} min, daemon pid {daemon.pid} on :{port}, log {log_path}")
-    deadline = time.monotonic() + 120
-    while scrape_services(port) < 0:  # bound, but the probes compile first
-        if daemon.poll() is not None or time.monotonic() > deadline:
-            print(log_path.read_text())
-            return 1
-        time.sleep(1)
-    while "serving /metrics" not in log_path.read_text():
-        if daemon.poll() is not None or time.monotonic() > deadline:
-            print(log_path.read_text())
-            return 1
-        time.sleep(1)
+    daemon = DaemonProcess(cfg, port, log=work / "daemon.log")
+    print(f"soak: {args.minutes:g} min, daemon pid {daemon.pid} on :{port}, log {daemon.log}")
+    try:
+        daemon.first_tick(timeout=120, poll=1)  # /metrics answers first; the probes compile
+    except DaemonError as e:
+        daemon.stop()
+        print(f"{e}\n{daemon.output()}")
+        return 1
 
     samples: list[Sample] = []
     failures: list[str] = []
@@ -193,8 +167,8 @@ def main() -> int:
     try:
         while True:
             now = time.monotonic()
-            if daemon.poll() is not None:
-                failures.append(f"the daemon exited with {daemon.returncode}")
+            if not daemon.running():
+                failures.append(f"the daemon exited with {daemon.proc.returncode}")
                 break
             churn.step()
             if now >= next_sample:
@@ -206,8 +180,8 @@ def main() -> int:
                     rss_kib=rss_kib(daemon.pid),
                     cpu_pct=cpu,
                     fds=len(os.listdir(f"/proc/{daemon.pid}/fd")),
-                    services=scrape_services(port),
-                    deadlocks_logged=log_path.read_text().count("-> deadlocked"),
+                    services=scrape_services(daemon),
+                    deadlocks_logged=daemon.output().count("-> deadlocked"),
                 )
                 samples.append(s)
                 if s.services < 0:
@@ -223,10 +197,7 @@ def main() -> int:
             time.sleep(0.2)
     finally:
         churn.stop()
-        if daemon.poll() is None:
-            daemon.send_signal(signal.SIGTERM)
-        rc = daemon.wait(timeout=60)
-        log_f.close()
+        rc = daemon.stop(timeout=60)
     if rc != 0:
         failures.append(f"the daemon exited {rc} on SIGTERM")
     if len(samples) < 3:
@@ -243,7 +214,7 @@ def main() -> int:
             failures.append(f"RSS grew: {base.rss_kib} KiB at {base.t:.0f} s, {end.rss_kib} at end")
         if end.fds > 1.5 * base.fds and end.fds - base.fds > FDS_SLACK:
             failures.append(f"fds grew: {base.fds} at {base.t:.0f} s, {end.fds} at end")
-    errors = [ln for ln in log_path.read_text().splitlines() if " ERROR " in ln]
+    errors = [ln for ln in daemon.output().splitlines() if " ERROR " in ln]
     if errors:
         failures.append(f"{len(errors)} ERROR lines in the log, first: {errors[0]}")
     for f in failures:

@@ -1,94 +1,65 @@
-"""A real `hangwatch run` for tests: start it, scrape it, wait for what it says, stop it."""
+"""A real `hangwatch run` for tests: start it, scrape it, wait for what it says, stop it.
+
+Starting, scraping and stopping are ``scripts/daemonproc.py``'s (shared with the benchmark and
+the demo and soak scripts); this adds the pytest parts: waits that fail the test with the
+daemon's log, and a daemon that must leave no BPF program behind.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import re
-import signal
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.fixturelib import REPO_ROOT
+from scripts.bpfobjs import leaked, prog_ids
+from scripts.daemonproc import (
+    DaemonError,
+    DaemonTimeout,
+    Samples,
+    first_tick_done,
+    free_port,
+    value,
+)
+from scripts.daemonproc import DaemonProcess as Daemon
+
+__all__ = [
+    "INTERVAL",
+    "Daemon",
+    "Samples",
+    "first_tick",
+    "free_port",
+    "pids_in",
+    "rss_bytes",
+    "running_daemon",
+    "value",
+    "wait_for_log",
+    "wait_until",
+]
 
 INTERVAL = 0.5
 
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Daemon:
-    def __init__(self, config: Path, port: int) -> None:
-        self.port = port
-        self.log = config.with_suffix(".log")
-        self._log_f = self.log.open("w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "agent", "run", "--config", str(config)],
-            cwd=REPO_ROOT,
-            stdout=self._log_f,
-            stderr=subprocess.STDOUT,
-        )
-
-    def scrape(self) -> Samples | None:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5) as r:
-                text = r.read().decode()
-        except OSError:
-            return None
-        out: Samples = {}
-        for fam in text_string_to_metric_families(text):
-            for s in fam.samples:
-                out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-        return out
-
-    def output(self) -> str:
-        if not self._log_f.closed:
-            self._log_f.flush()
-        return self.log.read_text()
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout=30)
-        finally:
-            self._log_f.close()
-
-
-def value(samples: Samples, name: str, **labels: str) -> float | None:
-    """The one sample of ``name`` whose labels include ``labels``."""
-    hits = [v for (n, ls), v in samples.items() if n == name and labels.items() <= dict(ls).items()]
-    assert len(hits) <= 1, (name, labels, hits)
-    return hits[0] if hits else None
-
 
 def wait_until(daemon: Daemon, check: Callable[[Samples], bool], what: str, timeout: float = 20):
-    deadline = time.monotonic() + timeout
-    last: Samples | None = None
-    while time.monotonic() < deadline:
-        assert daemon.proc.poll() is None, f"daemon exited:\n{daemon.output()}"
-        last = daemon.scrape()
-        if last is not None and check(last):
-            return last
-        time.sleep(INTERVAL)
-    shown = "\n".join(
-        f"{n}{dict(ls)} {v}"
-        for (n, ls), v in sorted((last or {}).items())
-        if n.startswith("hangwatch_service_state") and v
-    )
-    pytest.fail(f"timed out waiting for {what}\nservice states:\n{shown}\nlog:\n{daemon.output()}")
+    """Scrape every INTERVAL until ``check`` holds; fail the test, with the service states of
+    the last scrape and the daemon's log, if it does not within ``timeout`` s or the daemon
+    exits."""
+    try:
+        return daemon.wait_for(check, what, timeout, poll=INTERVAL)
+    except DaemonTimeout as e:
+        shown = "\n".join(
+            f"{n}{dict(ls)} {v}"
+            for (n, ls), v in sorted((e.last or {}).items())
+            if n.startswith("hangwatch_service_state") and v
+        )
+        pytest.fail(
+            f"timed out waiting for {what}\nservice states:\n{shown}\nlog:\n{daemon.output()}"
+        )
+    except DaemonError as e:
+        pytest.fail(str(e))
 
 
 def rss_bytes(pid: int) -> int:
@@ -117,22 +88,14 @@ def wait_for_log(daemon: Daemon, pattern: str, what: str, timeout: float = 20) -
 
 
 def first_tick(daemon: Daemon, timeout: float = 20) -> Samples:
-    """Wait for the daemon's first tick. /metrics answers before the probes attach (the port
-    is bound first); a first tick means they are attached."""
-    return wait_until(
-        daemon,
-        lambda s: value(s, "hangwatch_collector_success", collector="proc") == 1,
-        "the daemon's first tick",
-        timeout=timeout,
-    )
+    """Wait for the daemon's first tick (the probes are attached then); fail the test if not."""
+    return wait_until(daemon, first_tick_done, "the daemon's first tick", timeout=timeout)
 
 
 @contextlib.contextmanager
 def running_daemon(config: Path, port: int) -> Iterator[Daemon]:
     """A daemon past its first tick; on exit, SIGTERM, exit 0, and none of the BPF programs
     it added left in the kernel."""
-    from tests.privileged.bpfobjs import leaked, prog_ids
-
     before = prog_ids()
     d = Daemon(config, port)
     try:

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from tests.fixturelib import REPO_ROOT
+from scripts.fixturelib import REPO_ROOT
 
 
 def diagnose_argv(

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixturelib import REPO_ROOT
-from tests.privileged.bpfobjs import leaked, prog_ids
+from scripts.bpfobjs import leaked, prog_ids
+from scripts.fixturelib import REPO_ROOT
 from tests.privileged.daemonlib import free_port
 
 CMD = [sys.executable, "-m", "agent"]

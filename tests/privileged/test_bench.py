@@ -7,7 +7,7 @@ import re
 import subprocess
 import sys
 
-from tests.fixturelib import REPO_ROOT
+from scripts.fixturelib import REPO_ROOT
 
 NUM = r"[\d,]+(?:\.\d+)?"
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixturelib import Fixture
+from scripts.fixturelib import Fixture
 from tests.privileged.daemonlib import (
     INTERVAL,
     Daemon,

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.fixturelib import REPO_ROOT, Fixture, tasks
+from scripts.fixturelib import REPO_ROOT, Fixture, tasks
 from tests.privileged.harness import Diagnosis, RunningDiagnose, diagnose_argv
 
 Diagnose = Callable[..., Diagnosis]

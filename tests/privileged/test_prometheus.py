@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixturelib import REPO_ROOT, Fixture
+from scripts.fixturelib import REPO_ROOT, Fixture
 from tests.privileged.daemonlib import INTERVAL, Daemon, first_tick, free_port, value
 from tests.privileged.promlib import Prometheus
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import bcrypt
 import pytest
 
-from tests.fixturelib import REPO_ROOT, Fixture, build
+from scripts.fixturelib import REPO_ROOT, Fixture, build
 from tests.privileged.daemonlib import INTERVAL, Daemon, free_port, value, wait_until
 from tests.test_webconfig import make_cert
 

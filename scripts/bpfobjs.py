@@ -1,8 +1,9 @@
 """The BPF programs and maps loaded in the kernel, straight from the bpf(2) syscall.
 
-Used to prove that the daemon leaves nothing behind (the program IDs it added while running
-must all be gone after it exits, however it exits) and that its maps stay bounded (entries
-per map of a running process). No bpftool needed.
+Used by the privileged tests to prove that the daemon leaves nothing behind (the program
+IDs it added while running must all be gone after it exits, however it exits) and that its
+maps stay bounded (entries per map of a running process), and by the benchmark to tell
+whether some hangwatch object is loaded. No bpftool needed.
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """Build and run the fixture programs in ``tests/fixtures``.
 
-Shared by ``tests/test_fixtures.py`` (the fixtures really do what they claim; no BPF) and
-``tests/privileged`` (the real tool diagnoses them). A fixture prints one flushed
+Shared by ``tests/test_fixtures.py`` (the fixtures really do what they claim; no BPF),
+``tests/privileged`` (the real tool diagnoses them), the benchmark's detection part and
+``scripts/demo.py`` / ``scripts/soak.py``; it lives here so that none of those reaches into
+``tests/`` for it. The sources stay in ``tests/fixtures``. A fixture prints one flushed
 ``TOKEN key=value ...`` line on stdout when it has reached its state; :class:`Fixture`
 starts it in its own process group, waits for that line, and kills the whole group on exit.
 """
@@ -23,9 +25,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any, Union
 
-TESTS_DIR = Path(__file__).resolve().parent
-REPO_ROOT = TESTS_DIR.parent
-FIXTURES_DIR = TESTS_DIR / "fixtures"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+FIXTURES_DIR = REPO_ROOT / "tests" / "fixtures"
 BUILD_DIR = FIXTURES_DIR / "build"
 CFLAGS = ("-O1", "-g", "-pthread", "-Wall", "-Werror")
 
