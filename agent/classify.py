@@ -50,6 +50,15 @@ class ServiceVerdict:
 
 
 @dataclass(frozen=True)
+class Evidence:
+    """The lock and I/O evidence of a service, in words, gathered before it is classified:
+    the classifier puts the part that explains its verdict into the reasons."""
+
+    cycles: Sequence[str] = ()  # each stable lock cycle (for a deadlock)
+    parked: Sequence[str] = ()  # the largest parked groups, listen times, last writes
+
+
+@dataclass(frozen=True)
 class ProcessFacts:
     """Everything the classifier needs about one process, gathered by the caller."""
 
@@ -178,6 +187,23 @@ def classify_service(
     threshold_s: float,
     gone: Sequence[int] = (),
     root_gone: bool = False,
+    evidence: Evidence | None = None,
+) -> ServiceVerdict:
+    """The service's verdict, its reasons ending with the evidence that explains it."""
+    v = _classify_service(root, procs, threshold_s, gone, root_gone)
+    if evidence is not None and v.state == DEADLOCKED:
+        v.reasons.extend(evidence.cycles)
+    elif evidence is not None and v.state in (STALLED, IDLE):
+        v.reasons.extend(evidence.parked)
+    return v
+
+
+def _classify_service(
+    root: int,
+    procs: Sequence[ProcessFacts],
+    threshold_s: float,
+    gone: Sequence[int],
+    root_gone: bool,
 ) -> ServiceVerdict:
     verdicts = [classify_process(f, threshold_s) for f in procs]
     for pid in gone:

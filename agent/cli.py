@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from . import __version__
 from .errors import EXIT_USAGE, HangwatchError
+from .settings import DURATION, INTERVAL, PARK_THRESHOLD
 
 DESCRIPTION = """\
 hangwatch tells whether a process that looks hung (GPU memory held, 0% utilisation,
@@ -30,11 +31,11 @@ exit codes: 0 ok, 2 bad input (names it), 3 missing privilege or kernel feature 
 """
 
 
-RUN_EPILOG = """\
+RUN_EPILOG = f"""\
 config (YAML; unknown keys are errors):
   listen: "0.0.0.0:9817"
-  interval_seconds: 1
-  park_threshold_seconds: 60
+  interval_seconds: {INTERVAL.default:g}            # {INTERVAL.range_text}
+  park_threshold_seconds: {PARK_THRESHOLD.default:g}     # {PARK_THRESHOLD.range_text}
   targets:
     - name: sglang
       cmdline: "sglang\\\\.launch_server"   # regex on the space-joined command line
@@ -46,16 +47,17 @@ config (YAML; unknown keys are errors):
       pids: [1234]
 
 web config (--web-config FILE; a restart, not SIGHUP, applies a change):
-  tls_server_config: {cert_file: tls.crt, key_file: tls.key}
-  basic_auth_users: {prometheus: "$2b$10$..."}   # a bcrypt hash: docs/security.md
+  tls_server_config: {{cert_file: tls.crt, key_file: tls.key}}
+  basic_auth_users: {{prometheus: "$2b$10$..."}}   # a bcrypt hash: docs/security.md
 
 exit codes: 0 stopped by SIGTERM/SIGINT, 2 bad config, web config or listen address (names
 the key), 3 missing privilege or kernel feature (names it)
 """
 
 
-def _positive_float(text: str) -> float:
-    """A number; its range is checked with the other input (diagnose.validate)."""
+def _seconds(text: str) -> float:
+    """A number; its range is checked with the other input (agent.settings, one range per
+    setting for flags and config keys alike)."""
     try:
         return float(text)
     except ValueError:
@@ -97,17 +99,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.add_argument(
         "--threshold",
-        type=_positive_float,
-        default=60.0,
+        type=_seconds,
+        default=PARK_THRESHOLD.default,
         metavar="S",
-        help="seconds every thread must be parked before a service is called stalled (default 60)",
+        help="seconds every thread must be parked before a service is called stalled "
+        f"(default {PARK_THRESHOLD.default:g}; {PARK_THRESHOLD.range_text})",
     )
     d.add_argument(
         "--duration",
-        type=_positive_float,
-        default=5.0,
+        type=_seconds,
+        default=DURATION.default,
         metavar="S",
-        help="seconds to observe (default 5; at least two reads are taken)",
+        help=f"seconds to observe (default {DURATION.default:g}; {DURATION.range_text}; "
+        "at least two reads are taken)",
     )
     d.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     r = sub.add_parser(
@@ -158,11 +162,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         if args.command == "run":
             if args.print_default_config:
-                from importlib import resources
+                from .config import default_text
 
-                sys.stdout.write(
-                    resources.files("agent").joinpath("default-config.yaml").read_text()
-                )
+                sys.stdout.write(default_text())
                 return 0
             from .daemon import run as run_daemon
 

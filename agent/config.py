@@ -16,15 +16,15 @@ from typing import Any
 
 import yaml
 
-from .errors import UsageError
+from .errors import UsageError, show
+from .procfs import PID_MAX_LIMIT
+from .settings import INTERVAL, PARK_THRESHOLD, Seconds, Settings
 
 DEFAULT_PORT = 9817
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")  # becomes a label value
-PID_MAX = 4194304  # the kernel's ceiling for pid_max (PID_MAX_LIMIT on 64-bit)
-_EXPONENT = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)[eE][-+]?\d{1,3}")
 MAX_REGEX = 1024  # characters: a selector is a short pattern, not a document
 MAX_CONFIG_BYTES = 1 << 20  # a config is a page of YAML; more is a wrong file
-TOP_KEYS = ("listen", "interval_seconds", "park_threshold_seconds", "bpf_stats", "targets")
+TOP_KEYS = ("listen", INTERVAL.key, PARK_THRESHOLD.key, "bpf_stats", "targets")
 TARGET_KEYS = ("name", "cmdline", "comm", "pids", "gpu")
 
 
@@ -42,13 +42,18 @@ class Target:
 @dataclass(frozen=True)
 class Config:
     listen: tuple[str, int] = ("0.0.0.0", DEFAULT_PORT)
-    interval_seconds: float = 1.0
-    park_threshold_seconds: float = 60.0
+    interval_seconds: float = INTERVAL.default
+    park_threshold_seconds: float = PARK_THRESHOLD.default
     targets: tuple[Target, ...] = field(default_factory=tuple)
     source: str = "built-in default"
     # The kernel's per-program run-time accounting: two clock reads per program run, for
     # every BPF program on the host; it made an unwatched futex call ~40% dearer. Opt-in.
     bpf_stats: bool = False
+
+    @property
+    def settings(self) -> Settings:
+        """What the observer runs on: the one path from these keys to the classifier."""
+        return Settings.daemon(self.park_threshold_seconds, self.interval_seconds)
 
     @property
     def listen_text(self) -> str:
@@ -60,15 +65,6 @@ def _err(source: str, key: str, what: str) -> UsageError:
     if source.startswith("--"):  # a flag, not a file: "--listen: ..."
         return UsageError(f"{source}: {what}")
     return UsageError(f"config {source}: {key}: {what}")
-
-
-def show(value: object, limit: int = 60) -> str:
-    """repr() cut to one short line: error messages name the bad value, not a whole document."""
-    try:
-        text = repr(value)
-    except (ValueError, RecursionError):  # an int too long to print, a nested structure
-        text = f"<{type(value).__name__}>"
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def unknown_key(raw: Mapping[Any, Any], known: tuple[str, ...]) -> tuple[str, str] | None:
@@ -106,18 +102,10 @@ def parse_listen(text: object, key: str = "listen", source: str = "--listen") ->
     return host, port
 
 
-def _number(
-    raw: Mapping[str, Any], key: str, default: float, lo: float, hi: float, src: str
-) -> float:
-    value = given = raw.get(key, default)
-    if isinstance(value, str) and _EXPONENT.fullmatch(value.strip()):
-        value = float(value)  # YAML 1.1 reads 1e3 (no dot, no sign) as a string
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _err(src, key, f"want a number of seconds, got {show(value)}")
-    if not lo <= value <= hi:  # also NaN
-        shown = given[:60] if isinstance(given, str) else show(given)
-        raise _err(src, key, f"{shown} is out of range {lo:g}-{hi:g} seconds")
-    return float(value)
+def _seconds(raw: Mapping[str, Any], setting: Seconds, src: str) -> float:
+    if setting.key not in raw:
+        return setting.default
+    return setting.check(raw[setting.key], f"config {src}: {setting.key}")
 
 
 def _regex(value: object, key: str, src: str) -> re.Pattern[str]:
@@ -151,8 +139,8 @@ def _target(raw: object, i: int, src: str) -> Target:
     if not isinstance(pids, list):
         raise _err(src, f"{where}.pids", f"want a list of PIDs, got {show(pids)}")
     for p in pids:
-        if isinstance(p, bool) or not isinstance(p, int) or not 0 < p <= PID_MAX:
-            raise _err(src, f"{where}.pids", f"{show(p)} is not a PID (1-{PID_MAX})")
+        if isinstance(p, bool) or not isinstance(p, int) or not 0 < p <= PID_MAX_LIMIT:
+            raise _err(src, f"{where}.pids", f"{show(p)} is not a PID (1-{PID_MAX_LIMIT})")
     gpu = raw.get("gpu", False)
     if not isinstance(gpu, bool):
         raise _err(src, f"{where}.gpu", f"want true or false, got {show(gpu)}")
@@ -170,8 +158,8 @@ def validate(raw: object, source: str) -> Config:
     if unknown:
         raise _err(source, *unknown)
     listen = parse_listen(raw.get("listen", f":{DEFAULT_PORT}"), "listen", source)
-    interval = _number(raw, "interval_seconds", 1.0, 0.1, 3600, source)
-    threshold = _number(raw, "park_threshold_seconds", 60.0, 1, 86400 * 7, source)
+    interval = _seconds(raw, INTERVAL, source)
+    threshold = _seconds(raw, PARK_THRESHOLD, source)
     bpf_stats = raw.get("bpf_stats", False)
     if not isinstance(bpf_stats, bool):
         raise _err(source, "bpf_stats", f"want true or false, got {show(bpf_stats)}")
@@ -197,11 +185,15 @@ def load_text(text: str, source: str) -> Config:
     return validate(raw, source)
 
 
+def default_text() -> str:
+    """The built-in config, as shipped (`hangwatch run --print-default-config`)."""
+    return resources.files("agent").joinpath("default-config.yaml").read_text()
+
+
 def load(path: str | None) -> Config:
     """The config at ``path``, or the built-in default."""
     if path is None:
-        text = resources.files("agent").joinpath("default-config.yaml").read_text()
-        return load_text(text, "built-in default")
+        return load_text(default_text(), "built-in default")
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read(MAX_CONFIG_BYTES + 1)

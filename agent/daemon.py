@@ -20,13 +20,15 @@ from typing import Any
 
 from . import __version__
 from . import config as config_mod
+from . import session as session_mod
 from .classify import ServiceVerdict
 from .discovery import Discovery, Service
 from .errors import UsageError
 from .model import GpuDevice, GpuReading, ProbeReading
-from .observe import GpuSourceLike, Observer, Tick
+from .observe import Scope, Tick
 from .procfs import ProcFS
-from .sampler import Sampler
+from .session import Session
+from .sources import GpuSource, ProbeSource
 from .status import (
     AgentStatus,
     CollectorStatus,
@@ -36,13 +38,7 @@ from .status import (
     ServiceStatus,
 )
 
-log = logging.getLogger("hangwatch")
-
-MIN_WINDOW_S = 5.0  # progress is judged over at least this much history
-
-
-def progress_window(interval_s: float) -> float:
-    return max(MIN_WINDOW_S, 2 * interval_s)
+log = logging.getLogger(__name__)
 
 
 def build_exposition(
@@ -99,22 +95,21 @@ DRAIN_SLICE_S = 0.1
 
 
 class Daemon:
-    """The loop, its state, and what it publishes. Probe and /proc are constructor arguments."""
+    """The loop, its state, and what it publishes. /proc is a constructor argument; the
+    probe and GPU source come with the session (``start()``, or ``with_sources`` in tests)."""
 
-    def __init__(
-        self, cfg: config_mod.Config, proc: ProcFS, probe: Any, gpu: GpuSourceLike | None = None
-    ) -> None:
+    def __init__(self, cfg: config_mod.Config, proc: ProcFS) -> None:
         self.cfg = cfg
         self.proc = proc
-        self.probe = probe
-        self.gpu = gpu
+        self.session: Session | None = None
         self.gpus: tuple[GpuDevice, ...] = ()  # devices of the last good NVML reading
         self.gpu_errors = 0
-        self.discovery = Discovery(
-            proc, cfg.targets, gpu_pids=gpu.pids if gpu else set, self_pid=os.getpid()
-        )
+        self.discovery = Discovery(proc, cfg.targets, gpu_pids=self._gpu_pids, self_pid=os.getpid())
         self.services: dict[int, Service] = {}
-        self.observer = self._observer(cfg)
+        # Discovery's services, as found at the start of each tick; gone processes dropped.
+        self.scope = Scope(
+            lambda: {root: s.pids for root, s in self.services.items()}, remember_gone=False
+        )
         self.exposition: Exposition | None = None
         self.states: dict[tuple[str, int], str] = {}  # (service, root) -> last logged state
         self.collectors: dict[str, CollectorStatus] = {}
@@ -122,16 +117,22 @@ class Daemon:
         self.reload_requested = threading.Event()
         self.config_path: str | None = None
 
-    def _observer(self, cfg: config_mod.Config) -> Observer:
-        window = progress_window(cfg.interval_seconds)
-        return Observer(
-            Sampler(self.proc),
-            self.probe,
-            threshold_s=cfg.park_threshold_seconds,
-            keep_ticks=int(window / cfg.interval_seconds) + 3,  # a window, not more: memory
-            membership=lambda: {root: s.pids for root, s in self.services.items()},
-            remember_gone=False,
-        )
+    @classmethod
+    def with_sources(
+        cls,
+        cfg: config_mod.Config,
+        proc: ProcFS,
+        probe: ProbeSource | None,
+        gpu: GpuSource | None = None,
+    ) -> Daemon:
+        """A daemon over given sources (tests: a fixture /proc, a fake NVML, a real probe)."""
+        d = cls(cfg, proc)
+        d.session = Session(cfg.settings, d.scope, probe, gpu, proc)
+        return d
+
+    def _gpu_pids(self) -> set[int]:
+        gpu = self.session.gpu if self.session is not None else None
+        return gpu.pids() if gpu is not None else set()
 
     def _timed(self, name: str, fn: Any, *args: Any) -> Any:
         t0 = time.monotonic()
@@ -144,12 +145,12 @@ class Daemon:
         self.collectors[name] = CollectorStatus(True, time.monotonic() - t0)
         return result
 
-    def _read_gpu(self) -> GpuReading | None:
+    def _read_gpu(self, session: Session) -> GpuReading | None:
         """NVML once per tick, before discovery (the gpu selector needs it). The source never
         raises; a failed read is exported as a failed collector and used as no evidence."""
-        if self.gpu is None:
+        reading = session.read_gpu()
+        if reading is None:
             return None
-        reading = self.gpu.read()
         self.collectors["gpu"] = CollectorStatus(reading.ok, reading.duration_s)
         self.gpu_errors = reading.errors_total
         if reading.ok:
@@ -157,27 +158,30 @@ class Daemon:
         return reading
 
     def tick(self) -> None:
-        gpu = self._read_gpu()
+        session = self.session
+        assert session is not None, "tick() before a session was attached"
+        gpu = self._read_gpu(session)
         services = self._timed("discovery", self.discovery.scan)
         if services is not None:
             self.services = services
         # A service that is gone logs "new" if its root PID comes back: bounded by live ones.
         self.states = {k: v for k, v in self.states.items() if k[1] in self.services}
-        tick = self._timed("proc", self.observer.tick, gpu)
+        tick = self._timed("proc", session.tick, gpu)
         if tick is None:
             return
-        self._forget_gone(tick)
-        verdicts = self.observer.verdicts(progress_window(self.cfg.interval_seconds))
+        # A process that exec'd is matched again by its new command line.
+        self.discovery.exec_seen(e.tgid for e in tick.reading.execs)
+        self._forget_gone(session, tick)
+        verdicts = session.verdicts()
         self._log_changes(verdicts)
         labels = {pid: self.discovery.labels(pid) for pid in tick.snapshot.processes}
         self.exposition = build_exposition(
-            verdicts, self.services, tick, labels, self._agent_status(tick)
+            verdicts, self.services, tick, labels, self._agent_status(session, tick)
         )
 
-    def _forget_gone(self, tick: Tick) -> None:
+    def _forget_gone(self, session: Session, tick: Tick) -> None:
         """Per-process kernel state of processes that exited, so maps stay bounded."""
-        forget = getattr(self.probe, "forget_processes", None)
-        if forget is None:
+        if session.probe is None:
             return
         live = set(tick.snapshot.processes)
         known = (
@@ -185,12 +189,13 @@ class Daemon:
         )
         gone = known - live
         if gone:
-            forget(gone)
+            session.probe.forget_processes(gone)
 
-    def _agent_status(self, tick: Tick) -> AgentStatus:
+    def _agent_status(self, session: Session, tick: Tick) -> AgentStatus:
         c = tick.reading.counters
-        stats = getattr(self.probe, "program_stats", None) if self.cfg.bpf_stats else None
-        programs: dict[str, ProgramStats] = (self._timed("bpf_stats", stats) or {}) if stats else {}
+        programs: dict[str, ProgramStats] = {}
+        if self.cfg.bpf_stats and session.probe is not None:
+            programs = self._timed("bpf_stats", session.probe.program_stats) or {}
         return AgentStatus(
             version=__version__,
             events_dropped_total=c.get("events_dropped", 0),
@@ -240,7 +245,8 @@ class Daemon:
             )
             new = replace(new, bpf_stats=self.cfg.bpf_stats)
         self.discovery.set_targets(new.targets)
-        self.observer.threshold_s = new.park_threshold_seconds
+        if self.session is not None:
+            self.session.reconfigure(new.settings)
         self.cfg = new
         log.info("reloaded %s: %d targets", new.source, len(new.targets))
 
@@ -254,23 +260,23 @@ class Daemon:
             self._wait_until(started + self.cfg.interval_seconds)
 
     def _wait_until(self, deadline: float) -> None:
-        """Sleep until the next tick, draining the ring buffer meanwhile where the probe
-        can: drained once per tick, its 64 pages would hold about 4,000 events a second."""
-        drain = getattr(self.probe, "drain", None)
+        """Sleep until the next tick, draining the ring buffer meanwhile: drained once per
+        tick, its 64 pages would hold about 4,000 events a second."""
+        probe = self.session.probe if self.session is not None else None
         while not self.stop.is_set():
             left = deadline - time.monotonic()
             if left <= 0:
                 return
-            if drain is None:
+            if probe is None:
                 self.stop.wait(left)
             else:
-                drain(min(left, DRAIN_SLICE_S))  # a slice, so that a stop is seen quickly
+                probe.drain(min(left, DRAIN_SLICE_S))  # a slice, so that a stop is seen quickly
 
 
 def run(config_path: str | None, listen: str | None, web_config: str | None = None) -> int:
     from prometheus_client import make_wsgi_app
 
-    from . import preflight, webconfig
+    from . import webconfig
     from .metrics import registry_for
 
     logging.basicConfig(
@@ -293,10 +299,10 @@ def run(config_path: str | None, listen: str | None, web_config: str | None = No
     if listen is not None:
         cfg = replace(cfg, listen=config_mod.parse_listen(listen))
     web = webconfig.load(web_config) if web_config is not None else None
-    for notice in preflight.check():
-        log.info("%s", notice)
-    holder: list[Daemon] = []
-    registry = registry_for(lambda: holder[0].exposition if holder else None)
+    daemon = Daemon(cfg, ProcFS())
+    daemon.config_path = config_path
+    daemon.stop, daemon.reload_requested = stop, reload_requested
+    registry = registry_for(lambda: daemon.exposition)
     host, port = cfg.listen
     try:  # bind before attaching: a port in use must change nothing
         server, _ = webconfig.serve(host, port, make_wsgi_app(registry), web)
@@ -304,20 +310,13 @@ def run(config_path: str | None, listen: str | None, web_config: str | None = No
         raise UsageError(f"listen {cfg.listen_text}: {e.strerror or e}") from None
     if web is not None and web.users and web.tls is None:
         log.warning("basic auth without TLS: passwords cross the network in the clear")
-    from .gpu import GpuSource
-    from .probe import KernelProbes  # bcc only after preflight
-
     try:
         if stop.is_set():  # asked to stop before anything was attached
             return _stopped()
-        with KernelProbes(long_wait_s=min(1.0, cfg.park_threshold_seconds)) as probe:
-            enable = getattr(probe, "enable_stats", None) if cfg.bpf_stats else None
-            restore = enable() if enable else None
-            gpu = GpuSource()
-            daemon = Daemon(cfg, ProcFS(), probe, gpu)
-            daemon.config_path = config_path
-            daemon.stop, daemon.reload_requested = stop, reload_requested
-            holder.append(daemon)
+        with session_mod.start(
+            cfg.settings, daemon.scope, proc=daemon.proc, bpf_stats=cfg.bpf_stats, notice=log.info
+        ) as session:
+            daemon.session = session
             log.info(
                 "serving /metrics on %s%s; %d targets from %s; interval %g s, threshold %g s",
                 cfg.listen_text,
@@ -327,12 +326,7 @@ def run(config_path: str | None, listen: str | None, web_config: str | None = No
                 cfg.interval_seconds,
                 cfg.park_threshold_seconds,
             )
-            try:
-                daemon.loop()
-            finally:
-                gpu.close()
-                if restore is not None and callable(restore):
-                    restore()
+            daemon.loop()
     finally:
         server.shutdown()
         server.server_close()

@@ -9,12 +9,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TextIO
 
+from . import session as session_mod
 from .classify import ServiceVerdict, describe_group
 from .errors import UsageError
 from .model import ProbeEvent, plural
-from .observe import GpuSourceLike, Observer, Tick
+from .observe import Scope, Tick
 from .procfs import ProcFS
-from .sampler import Sampler
+from .session import Session
+from .settings import DURATION, PARK_THRESHOLD, Settings
 
 # x86-64 numbers of the syscalls a parked thread is usually in, for the report.
 SYSCALL_NAMES = {
@@ -43,19 +45,21 @@ SYSCALL_NAMES = {
 @dataclass(frozen=True)
 class DiagnoseOptions:
     pids: Sequence[int]
-    threshold_s: float = 60.0
-    duration_s: float = 5.0
-    interval_s: float = 0.5
+    threshold_s: float = PARK_THRESHOLD.default
+    duration_s: float = DURATION.default
     as_json: bool = False
+
+    @property
+    def settings(self) -> Settings:
+        return Settings.diagnose(self.threshold_s)
 
 
 def validate(opts: DiagnoseOptions, proc: ProcFS) -> None:
     """Bad input is an error before anything is attached."""
     if not opts.pids:
         raise UsageError("no --pid given", "name at least one process: --pid PID")
-    for name, value in (("--threshold", opts.threshold_s), ("--duration", opts.duration_s)):
-        if not value > 0 or value > 86400:
-            raise UsageError(f"{name} {value} is out of range", "give seconds, > 0 and <= 86400")
+    for setting, value in ((PARK_THRESHOLD, opts.threshold_s), (DURATION, opts.duration_s)):
+        setting.check(value, setting.flag or setting.key)
     for pid in opts.pids:
         if pid <= 0 or proc.stat(pid) is None:
             raise UsageError(f"no such process: --pid {pid}")
@@ -64,19 +68,18 @@ def validate(opts: DiagnoseOptions, proc: ProcFS) -> None:
             raise UsageError(f"--pid {pid} is a thread of process {tgid}", f"give --pid {tgid}")
 
 
-def observe(
-    observer: Observer, opts: DiagnoseOptions, log: TextIO, gpu: GpuSourceLike | None = None
-) -> None:
+def observe(session: Session, opts: DiagnoseOptions, log: TextIO) -> None:
     """Tick for the duration; at least two ticks, so a cycle can be confirmed."""
+    interval = session.settings.interval_s
     start = time.monotonic()
     n = 0
     while True:
-        observer.tick(gpu.read() if gpu is not None else None)
+        session.tick(session.read_gpu())
         n += 1
         elapsed = time.monotonic() - start
         if elapsed >= opts.duration_s and n >= 2:
             break
-        time.sleep(max(0.0, min(opts.interval_s, opts.duration_s - elapsed)) or opts.interval_s)
+        time.sleep(max(0.0, min(interval, opts.duration_s - elapsed)) or interval)
     print(f"hangwatch: observed for {time.monotonic() - start:.1f} s ({n} reads)", file=log)
 
 
@@ -304,20 +307,17 @@ def render_text(
 
 
 def run(opts: DiagnoseOptions, out: TextIO = sys.stdout, log: TextIO = sys.stderr) -> int:
-    from . import preflight  # late: --help and bad input need no kernel checks
-
     proc = ProcFS()
     validate(opts, proc)
-    for notice in preflight.check():
-        print(f"hangwatch: {notice}", file=log)
-    from .gpu import GpuSource
-    from .probe import KernelProbes  # bcc only after preflight mounted tracefs
+    scope = Scope.of_roots(proc, opts.pids)
 
-    gpu = GpuSource()
-    with KernelProbes(long_wait_s=min(1.0, opts.threshold_s)) as probe:
-        observer = Observer(Sampler(proc), probe, threshold_s=opts.threshold_s)
-        observer.set_roots(opts.pids)
-        watched = observer.discover()  # before saying "attached": from here on, waits are seen
+    def notice(line: str) -> None:
+        print(f"hangwatch: {line}", file=log)
+
+    with session_mod.start(opts.settings, scope, proc=proc, notice=notice) as session:
+        probe = session.probe
+        assert probe is not None  # start() always attaches one
+        watched = session.observer.discover()  # before "attached": from here on, waits are seen
         print(
             f"hangwatch: attached probes ({probe.programs} tracepoints) in "
             f"{probe.load_seconds:.1f} s; watching {plural(len(watched), 'process', 'processes')} of "
@@ -325,11 +325,9 @@ def run(opts: DiagnoseOptions, out: TextIO = sys.stdout, log: TextIO = sys.stder
             file=log,
             flush=True,
         )
-        try:
-            observe(observer, opts, log, gpu)
-        finally:
-            gpu.close()
-        verdicts = observer.verdicts()
+        observe(session, opts, log)
+        verdicts = session.verdicts()
+        observer = session.observer
         tick = observer.ticks[-1]
     # The probe reports EDEADLK for every process; show those of the services asked about.
     ours = {p for pids in observer.members.values() for p in pids}

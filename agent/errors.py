@@ -29,3 +29,12 @@ class KernelFeatureError(HangwatchError):
     """Missing privilege or kernel feature. Exit 3, saying which and how to fix it."""
 
     exit_code = EXIT_PRIVILEGE
+
+
+def show(value: object, limit: int = 60) -> str:
+    """repr() cut to one short line: error messages name the bad value, not a whole document."""
+    try:
+        text = repr(value)
+    except (ValueError, RecursionError):  # an int too long to print, a nested structure
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -22,7 +22,7 @@ from typing import Any
 
 from .model import GpuDevice, GpuProcessUse, GpuReading
 
-log = logging.getLogger("hangwatch.gpu")
+log = logging.getLogger(__name__)
 
 # A tick may ask twice (discovery, then verdicts): one NVML read serves both.
 CACHE_S = 0.5

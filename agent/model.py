@@ -10,13 +10,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-# Linux futex ABI (include/uapi/linux/futex.h): commands after masking the flags.
-FUTEX_WAIT = 0
-FUTEX_LOCK_PI = 6
-FUTEX_WAIT_BITSET = 9
-FUTEX_WAIT_REQUEUE_PI = 11
-FUTEX_LOCK_PI2 = 13
-FUTEX_CMD_MASK = 0x7F
+from .abi import HW
+
+# Linux futex ABI (include/uapi/linux/futex.h): commands after masking the flags, as
+# bpf/hangwatch.h declares them for both sides.
+FUTEX_WAIT = HW["HW_FUTEX_WAIT"]
+FUTEX_LOCK_PI = HW["HW_FUTEX_LOCK_PI"]
+FUTEX_WAIT_BITSET = HW["HW_FUTEX_WAIT_BITSET"]
+FUTEX_WAIT_REQUEUE_PI = HW["HW_FUTEX_WAIT_REQUEUE_PI"]
+FUTEX_LOCK_PI2 = HW["HW_FUTEX_LOCK_PI2"]
+FUTEX_CMD_MASK = HW["HW_FUTEX_CMD_MASK"]
+# The lock word of a PI futex (not used by the BPF side): owner TID and the waiters bit.
 FUTEX_TID_MASK = 0x3FFFFFFF
 FUTEX_WAITERS = 0x80000000
 
@@ -32,6 +36,16 @@ OP_NAMES = {
     FUTEX_WAIT_REQUEUE_PI: "WAIT_REQUEUE_PI",
     FUTEX_LOCK_PI2: "LOCK_PI2",
 }
+
+
+# Letters of /proc/PID/task/TID/stat that mean the thread is not on a CPU nor runnable:
+# sleeping (S), in uninterruptible sleep (D), an idle kernel thread (I), stopped (T) or
+# stopped by a tracer (t). Z and X are dead, R runs or waits for a CPU.
+BLOCKED_STATES = frozenset("SDITt")
+
+
+def is_blocked(state: str) -> bool:
+    return state in BLOCKED_STATES
 
 
 def plural(n: int, noun: str, many: str | None = None) -> str:
@@ -91,7 +105,7 @@ class ThreadSample:
 
     @property
     def blocked(self) -> bool:
-        return self.state in ("S", "D", "I", "T", "t")
+        return is_blocked(self.state)
 
 
 @dataclass(frozen=True)
@@ -182,6 +196,14 @@ class SocketEvent:
 
 
 @dataclass(frozen=True)
+class ExecEvent:
+    """An exec, of any process: discovery reads its command line again."""
+
+    ts_ns: int  # CLOCK_MONOTONIC
+    tgid: int
+
+
+@dataclass(frozen=True)
 class FdWrites:
     """Writes to one fd of a watched process since it was watched (write, writev, pwrite64)."""
 
@@ -210,6 +232,7 @@ class ProbeReading:
     writes: Mapping[int, Mapping[int, FdWrites]] = field(default_factory=dict)
     # TIDs the kernel keeps an entry for (watched processes): forget them once gone
     threads: frozenset[int] = frozenset()
+    execs: tuple[ExecEvent, ...] = ()  # drained since the last read
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """One tick of observation, shared by `diagnose` and the daemon.
 
-Each tick: find the services' processes, point the probe at them, take a
-snapshot, build its wait-for graph, confirm cycles against the previous tick,
-and update park times. Verdicts are then computed over a window of ticks.
+Each tick: find the services' processes (the Scope says which), point the probe at them,
+take a snapshot, build its wait-for graph, confirm cycles against the previous tick, and
+update park times. Verdicts are then computed over a window of ticks.
 """
 
 from __future__ import annotations
@@ -11,12 +11,9 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 from .classify import (
-    DEADLOCKED,
-    IDLE,
-    STALLED,
+    Evidence,
     ProcessFacts,
     ServiceVerdict,
     classify_service,
@@ -28,23 +25,26 @@ from .model import GpuReading, ProbeEvent, ProbeReading, Snapshot, SocketEvent
 from .procfs import ProcFS
 from .progress import ParkSettings, ParkTracker, window_progress
 from .sampler import Sampler, descendants
+from .settings import Settings
+from .sources import ProbeSource
 from .waitgraph import WaitForGraph, WordGroup
 
 
-class ProbeSource(Protocol):
-    """What the observer needs of a probe (agent.probe.KernelProbes, or a test's stand-in)."""
+@dataclass(frozen=True)
+class Scope:
+    """Which services an observation watches: the difference between `diagnose` and `run`,
+    as data. ``members`` is asked once per tick for root -> the service's PIDs (root first);
+    ``remember_gone`` keeps processes that exited in the verdicts, marked gone (diagnose
+    reports on what it was asked about; the daemon drops them)."""
 
-    def watch(self, tgids: Iterable[int]) -> None: ...
-    def read(self) -> ProbeReading: ...
-    def forget(self, tids: Iterable[int]) -> None: ...
+    members: Callable[[], Mapping[int, Sequence[int]]]
+    remember_gone: bool
 
-
-class GpuSourceLike(Protocol):
-    """What diagnose and the daemon need of agent.gpu.GpuSource (tests inject a fake NVML)."""
-
-    def read(self) -> GpuReading: ...
-    def pids(self) -> set[int]: ...
-    def close(self) -> None: ...
+    @classmethod
+    def of_roots(cls, proc: ProcFS, roots: Iterable[int]) -> Scope:
+        """Fixed roots and, each tick, their descendants as /proc shows them."""
+        fixed = list(dict.fromkeys(roots))
+        return cls(lambda: descendants(proc, fixed), remember_gone=True)
 
 
 @dataclass(frozen=True)
@@ -119,48 +119,36 @@ class ListenHistory:
 
 
 class Observer:
+    """Ticks (snapshot, wait-for graph, stable cycles, park times) and verdicts over them.
+
+    Settings are inputs of each call, so a reload changes them without reaching inside."""
+
     def __init__(
         self,
         sampler: Sampler,
-        probe: ProbeSource | None = None,
-        threshold_s: float = 60.0,
+        probe: ProbeSource | None,
+        scope: Scope,
         park: ParkSettings | None = None,
-        keep_ticks: int = 600,
-        membership: Callable[[], Mapping[int, Sequence[int]]] | None = None,
-        remember_gone: bool = True,
     ) -> None:
-        """``membership`` gives root -> pids each tick (the daemon's discovery); without it,
-        the roots given to ``set_roots`` and their descendants. ``remember_gone`` keeps
-        exited processes in the verdicts as gone (diagnose); the daemon drops them."""
         self.sampler = sampler
         self.probe = probe
-        self.threshold_s = threshold_s
+        self.scope = scope
         self.park = park or ParkSettings()
         self.tracker = ParkTracker(self.park)
-        self.membership = membership
-        self.remember_gone = remember_gone
-        self.roots: list[int] = []
         self.members: dict[int, list[int]] = {}
         self._seen: dict[int, set[int]] = {}  # root -> every pid ever in the service
         self._prev_sigs: set[frozenset] = set()
-        self.ticks: deque[Tick] = deque(maxlen=keep_ticks)
+        self.ticks: deque[Tick] = deque()  # the progress window's ticks: see _trim
         self.events: deque[ProbeEvent] = deque(maxlen=1000)  # ring-buffer events, newest last
         self.sockets = ListenHistory(self.sampler.proc)
         self.gpu_history = GpuHistory()
         self._fd_names: dict[tuple[int, int], str] = {}  # (pid, fd) -> link when last written
         self._fd_seen: dict[tuple[int, int], int] = {}  # (pid, fd) -> last_ns when named
 
-    def set_roots(self, roots: Iterable[int]) -> None:
-        self.roots = list(dict.fromkeys(roots))
-
     def discover(self) -> list[int]:
         """Find the services' processes now and point the probe at them."""
-        if self.membership is not None:
-            self.members = {root: list(pids) for root, pids in self.membership().items()}
-            self.roots = list(self.members)
-        else:
-            self.members = descendants(self.sampler.proc, self.roots)
-        if self.remember_gone:
+        self.members = {root: list(pids) for root, pids in self.scope.members().items()}
+        if self.scope.remember_gone:
             for root, pids in self.members.items():
                 self._seen.setdefault(root, set()).update(pids)
         pids = sorted({p for ps in self.members.values() for p in ps})
@@ -168,8 +156,9 @@ class Observer:
             self.probe.watch(pids)
         return pids
 
-    def tick(self, gpu: GpuReading | None = None) -> Tick:
-        """One observation; ``gpu`` is this interval's NVML reading, when there is a source."""
+    def tick(self, gpu: GpuReading | None = None, window_s: float | None = None) -> Tick:
+        """One observation; ``gpu`` is this interval's NVML reading, when there is a source.
+        Ticks older than the progress window ``window_s`` are let go."""
         pids = self.discover()
         reading = ProbeReading()
         if self.probe is not None:
@@ -193,43 +182,49 @@ class Observer:
         self.gpu_history.update(gpu, self.ticks[-1].gpu if self.ticks else None, snap.mono_ns)
         tick = Tick(snap, graph, stable, reading, gpu)
         self.ticks.append(tick)
+        self._trim(window_s)
         return tick
 
-    def window_start(self, window_s: float | None) -> Tick:
-        """The oldest kept tick no older than ``window_s`` (all of them if None)."""
-        latest = self.ticks[-1]
+    def _trim(self, window_s: float | None) -> None:
+        """Keep what a verdict reads: the window's ticks (the daemon), or the first and the
+        latest (diagnose's window is the whole observation). Memory stays bounded either way."""
+        ticks = self.ticks
         if window_s is None:
-            return self.ticks[0]
-        limit = latest.snapshot.mono_ns - int(window_s * 1e9)
-        for t in self.ticks:
-            if t.snapshot.mono_ns >= limit:
-                return t
-        return latest
+            while len(ticks) > 2:
+                del ticks[1]
+            return
+        limit = ticks[-1].snapshot.mono_ns - int(window_s * 1e9)
+        while len(ticks) > 1 and ticks[0].snapshot.mono_ns < limit:
+            ticks.popleft()
 
-    def verdicts(self, window_s: float | None = None) -> list[ServiceVerdict]:
-        latest = self.ticks[-1]
-        old_tick = self.window_start(window_s)
+    def verdicts(self, settings: Settings) -> list[ServiceVerdict]:
+        latest, old_tick = self.ticks[-1], self.ticks[0]  # the window: see _trim
         old = old_tick.snapshot
         snap = latest.snapshot
         groups = latest.graph.groups()
         window_ns = snap.mono_ns - old.mono_ns
+        names = {t.tid: t.name for p in snap.processes.values() for t in p.threads}
         out = []
-        for root in self.roots:
+        for root, members in self.members.items():
             facts = []
-            for pid in self.members.get(root, [root]):
+            for pid in members:
                 sample = snap.processes.get(pid)
                 if sample is None:
                     continue
                 tids = {t.tid for t in sample.threads}
                 parks = self.tracker.parks.get(pid, {})
-                progress = window_progress(old.processes.get(pid), sample, window_ns, self.park)
+                accepts = None
                 if pid in latest.reading.accepts:  # counted by the probe since watched
-                    progress.accepts = latest.reading.accepts[pid] - old_tick.reading.accepts.get(
-                        pid, 0
-                    )
+                    accepts = latest.reading.accepts[pid] - old_tick.reading.accepts.get(pid, 0)
                 gpu = self.gpu_history.facts(pid, latest.gpu, old_tick.gpu, snap.mono_ns)
-                if gpu is not None and gpu.active:
-                    progress.gpu_active, progress.gpu_detail = True, describe_active(gpu)
+                progress = window_progress(
+                    old.processes.get(pid),
+                    sample,
+                    window_ns,
+                    self.park,
+                    accepts=accepts,
+                    gpu_detail=describe_active(gpu) if gpu is not None and gpu.active else None,
+                )
                 facts.append(
                     ProcessFacts(
                         sample=sample,
@@ -242,29 +237,32 @@ class Observer:
                 )
             live = {f.sample.pid for f in facts}
             gone = sorted(self._seen.get(root, set()) - live)  # empty unless remember_gone
-            v = classify_service(
-                root, facts, self.threshold_s, gone=gone, root_gone=root not in live
+            cycles = sorted({c for f in facts for c in f.cycles})
+            evidence = Evidence(
+                cycles=[describe_cycle(c, latest.graph.edges, names) for c in cycles],
+                parked=self._parked_evidence(live, latest, groups),
             )
-            v.reasons.extend(self._evidence(v, live, latest, groups))
-            out.append(v)
+            out.append(
+                classify_service(
+                    root,
+                    facts,
+                    settings.park_threshold_s,
+                    gone=gone,
+                    root_gone=root not in live,
+                    evidence=evidence,
+                )
+            )
         return out
 
-    def _evidence(
-        self, v: ServiceVerdict, pids: set[int], tick: Tick, groups: list[WordGroup]
-    ) -> list[str]:
-        """The lock evidence behind a verdict, in words: its cycles, or its largest parked groups."""
-        graph = tick.graph
-        if v.state == DEADLOCKED:
-            names = {t.tid: t.name for p in tick.snapshot.processes.values() for t in p.threads}
-            return [describe_cycle(c, graph.edges, names) for c in v.cycles]
-        if v.state in (STALLED, IDLE):
-            now = tick.snapshot.mono_ns
-            mine = [g for g in groups if pids.intersection(g.pids)]
-            out = [describe_group(g, now) for g in mine[:3]]
-            out.extend(self.sockets.describe(pids, tick.snapshot))
-            out.extend(self._last_writes(pids, tick.reading, now))
-            return out
-        return []
+    def _parked_evidence(self, pids: set[int], tick: Tick, groups: list[WordGroup]) -> list[str]:
+        """What a parked service waits on, in words: its largest parked groups, since when
+        its ports listen, and its last writes."""
+        now = tick.snapshot.mono_ns
+        mine = [g for g in groups if pids.intersection(g.pids)]
+        out = [describe_group(g, now) for g in mine[:3]]
+        out.extend(self.sockets.describe(pids, tick.snapshot))
+        out.extend(self._last_writes(pids, tick.reading, now))
+        return out
 
     def _name_written_fds(self, reading: ProbeReading) -> None:
         """Name each fd when it is written (a log closed later is still named), and only

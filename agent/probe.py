@@ -16,17 +16,26 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from .abi import BPF_DIR, HEADER, header_defines
 from .errors import KernelFeatureError
-from .model import FdWrites, FutexWait, InflightWait, ProbeEvent, ProbeReading, SocketEvent
+from .model import (
+    ExecEvent,
+    FdWrites,
+    FutexWait,
+    InflightWait,
+    ProbeEvent,
+    ProbeReading,
+    SocketEvent,
+)
+from .procfs import ProcFS
 from .status import ProgramStats
 
-BPF_DIR = Path(os.environ.get("HANGWATCH_BPF_DIR", Path(__file__).resolve().parent.parent / "bpf"))
 FALLBACK_HEADERS = "/usr/src/hangwatch-kernel-headers"
 
 # The one BPF object, in this order: maps and helpers first, then the program files that use
 # them. Joined as one text rather than #included, because bcc rewrites map calls
 # (watched.lookup(...)) only in its main file; see bpf/maps.bpf.h.
-BPF_SOURCES = ("maps.bpf.h", "futex.bpf.c", "io.bpf.c")
+BPF_SOURCES = ("maps.bpf.h", "futex.bpf.c", "io.bpf.c", "exec.bpf.c")
 
 # Tracepoints compiled in only where the kernel has them: syscall -> -D flag.
 OPTIONAL_SYSCALLS = {
@@ -40,24 +49,16 @@ OPTIONAL_SYSCALLS = {
     "writev": "HAVE_WRITEV",
     "pwrite64": "HAVE_PWRITE64",
 }
+# Other tracepoints compiled in only where the kernel has them: (category, name) -> -D flag.
+OPTIONAL_TRACEPOINTS = {("sched", "sched_process_exec"): "HAVE_SCHED_PROCESS_EXEC"}
 
 STATS_SYSCTL = Path("/proc/sys/kernel/bpf_stats_enabled")
-PID_MAX = Path("/proc/sys/kernel/pid_max")
 # Ring-buffer records held in memory between two reads; beyond, they count as dropped.
 MAX_PENDING_EVENTS = 65536
 # bpf(2) BPF_ENABLE_STATS (Linux 5.8): stats stay on while the returned fd is open.
 SYS_BPF = {"x86_64": 321, "aarch64": 280}
 BPF_ENABLE_STATS = 32
 BPF_STATS_RUN_TIME = 0
-
-
-def header_defines(path: Path | None = None) -> dict[str, int]:
-    """The HW_* constants of bpf/hangwatch.h: declared once, in C."""
-    text = (path or BPF_DIR / "hangwatch.h").read_text()
-    return {
-        m.group(1): int(m.group(2), 0)
-        for m in re.finditer(r"^#define\s+(HW_\w+)\s+(0x[0-9a-fA-F]+|\d+)\b", text, re.M)
-    }
 
 
 def bpf_text(bpf_dir: Path | None = None) -> str:
@@ -94,21 +95,8 @@ def _program_name(func_name: bytes) -> str:
     return func_name.decode().rsplit("__", 1)[-1]
 
 
-def _fdinfo(fd: int) -> dict[str, str]:
-    with open(f"/proc/self/fdinfo/{fd}") as f:
-        return dict(line.split(":", 1) for line in f.read().splitlines() if ":" in line)
-
-
-def _thread_alive(tgid: int, tid: int) -> bool:
-    return os.path.exists(f"/proc/{tgid}/task/{tid}")
-
-
-def watched_words(pid_max_path: Path = PID_MAX) -> int:
+def watched_words(pid_max: int) -> int:
     """Words of the watched-process bitmap: one bit per possible PID (64-bit words)."""
-    try:
-        pid_max = int(pid_max_path.read_text())
-    except (OSError, ValueError):
-        pid_max = 1 << 22  # the kernel's ceiling (PID_MAX_LIMIT on 64-bit)
     return pid_max // 64 + 1
 
 
@@ -138,7 +126,7 @@ COMPILER_LIBS = ("libLLVM", "libclang")
 MADV_PAGEOUT = 21  # Linux 5.4
 
 
-def release_compiler_memory(maps_path: str = "/proc/self/maps") -> None:
+def release_compiler_memory(proc: ProcFS) -> None:
     """Give back what compiling the programs left behind: the heap LLVM freed (malloc_trim)
     and the compiler's code pages (MADV_PAGEOUT: dropped, read back from the library file
     if ever needed again). Compiling leaves the daemon at ~140 MB RSS, ~100 MB of it this;
@@ -148,16 +136,11 @@ def release_compiler_memory(maps_path: str = "/proc/self/maps") -> None:
         libc.malloc_trim(0)
         madvise = libc.madvise
         madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        with open(maps_path) as f:
-            lines = f.read().splitlines()
     except (OSError, AttributeError):
         return
-    for line in lines:
-        fields = line.split()
-        if len(fields) < 6 or not any(lib in fields[5] for lib in COMPILER_LIBS):
-            continue
-        start, end = (int(x, 16) for x in fields[0].split("-"))
-        madvise(start, end - start, MADV_PAGEOUT)  # EINVAL before 5.4: harmless
+    for m in proc.maps("self"):
+        if any(lib in m.path for lib in COMPILER_LIBS):
+            madvise(m.start, m.end - m.start, MADV_PAGEOUT)  # EINVAL before 5.4: harmless
 
 
 def _once(undo: Callable[[], object]) -> Callable[[], None]:
@@ -183,10 +166,13 @@ class KernelProbes:
         ringbuf_pages: int = 64,
         bpf_dir: Path | None = None,
         map_sizes: dict[str, int] | None = None,
+        proc: ProcFS | None = None,
     ) -> None:
         """``map_sizes`` overrides the entry limits of bpf/maps.bpf.h by name
-        (``{"MAX_THREADS": 8}``): how tests fill a map on purpose."""
+        (``{"MAX_THREADS": 8}``): how tests fill a map on purpose. ``proc`` is where
+        pid_max, thread liveness and the programs' fdinfo are read."""
         bpf_dir = bpf_dir or BPF_DIR
+        self._proc = proc or ProcFS()
         for name, size in (map_sizes or {}).items():
             if not re.fullmatch(r"MAX_[A-Z_]+", name) or not 0 < size <= 1 << 24:
                 raise ValueError(f"bad map size {name}={size}")
@@ -206,15 +192,15 @@ class KernelProbes:
                 f"merged fallback at {FALLBACK_HEADERS}",
             )
         os.environ["BCC_KERNEL_SOURCE"] = headers
-        self._defs = header_defines(bpf_dir / "hangwatch.h")
+        self._defs = header_defines(bpf_dir / HEADER)
         cflags = [
             f"-I{bpf_dir}",
             f"-DLONG_WAIT_NS={int(long_wait_s * 1e9)}ULL",
             f"-DRINGBUF_PAGES={ringbuf_pages}",
-            f"-DWATCHED_WORDS={watched_words()}",
+            f"-DWATCHED_WORDS={watched_words(self._proc.pid_max())}",
             *(f"-D{name}={size}" for name, size in (map_sizes or {}).items()),
         ]
-        self.missing: list[str] = []  # optional syscalls this kernel has no tracepoints for
+        self.missing: list[str] = []  # optional syscalls (and tracepoints) this kernel lacks
         for name, flag in OPTIONAL_SYSCALLS.items():
             if all(
                 BPF.tracepoint_exists("syscalls", f"sys_{side}_{name}")
@@ -223,6 +209,11 @@ class KernelProbes:
                 cflags.append(f"-D{flag}")
             else:
                 self.missing.append(name)
+        for (category, event), flag in OPTIONAL_TRACEPOINTS.items():
+            if BPF.tracepoint_exists(category, event):
+                cflags.append(f"-D{flag}")
+            else:
+                self.missing.append(event)
         t0 = time.monotonic()
         try:
             self._bpf = BPF(text=bpf_text(bpf_dir).encode(), cflags=cflags)
@@ -232,7 +223,7 @@ class KernelProbes:
                 "check that the kernel has BPF, syscall tracepoints and tracefs mounted",
             ) from e
         self.load_seconds = time.monotonic() - t0
-        release_compiler_memory()
+        release_compiler_memory(self._proc)
         self.programs = self._bpf.num_open_tracepoints()
         self._watched = self._bpf[b"watched"]
         self._threads = self._bpf[b"threads"]
@@ -244,11 +235,13 @@ class KernelProbes:
         self._fd_writes = self._bpf[b"fd_writes"]
         self._events: list[ProbeEvent] = []
         self._socket_events: list[SocketEvent] = []
+        self._execs: list[ExecEvent] = []
         self._event_kinds = {
             self._defs["HW_EVENT_LONG_WAIT"]: "long-wait",
             self._defs["HW_EVENT_EDEADLK"]: "edeadlk",
             self._defs["HW_EVENT_BIND"]: "bind",
             self._defs["HW_EVENT_LISTEN"]: "listen",
+            self._defs["HW_EVENT_EXEC"]: "exec",
         }
         self._overflow = 0  # records dropped here because nobody read them: see drain()
         self._ring = self._bpf[b"events"]
@@ -256,7 +249,7 @@ class KernelProbes:
         self._watching: set[int] = set()
 
     def _on_event(self, _ctx: object, data: int, _size: int) -> None:
-        if len(self._events) + len(self._socket_events) >= MAX_PENDING_EVENTS:
+        if len(self._events) + len(self._socket_events) + len(self._execs) >= MAX_PENDING_EVENTS:
             self._overflow += 1
             return
         e = self._ring.event(data)
@@ -265,6 +258,8 @@ class KernelProbes:
             self._socket_events.append(
                 SocketEvent(kind, e.ts_ns, e.tgid, e.tid, e.fd, e.family, e.port, e.backlog)
             )
+        elif kind == "exec":
+            self._execs.append(ExecEvent(e.ts_ns, e.tgid))
         else:
             self._events.append(
                 ProbeEvent(kind, e.ts_ns, e.tgid, e.tid, e.uaddr, e.op, e.duration_ns, e.ret)
@@ -336,7 +331,7 @@ class KernelProbes:
         for tid, o in _by_tid(self._pi_ops):
             if o.tgid not in watching or tid in tracked or o.op not in pi_locks:
                 continue
-            if not _thread_alive(o.tgid, tid):
+            if not self._proc.thread_exists(o.tgid, tid):
                 dead.append(tid)
                 continue
             wait = FutexWait(uaddr=o.uaddr, op=o.op, val=0, since_ns=o.start_ns, source="bpf")
@@ -348,11 +343,13 @@ class KernelProbes:
         (returns early once some came). Between reads, so that a burst of events does not
         overflow the ring buffer before the next read."""
         self._bpf.ring_buffer_poll(max(0, int(seconds * 1000)))
+        self._bpf.ring_buffer_consume()  # records submitted without a wakeup (execs) too
 
     def read(self) -> ProbeReading:
-        self._bpf.ring_buffer_poll(0)
+        self._bpf.ring_buffer_consume()  # every record, woken for or not
         events, self._events = tuple(self._events), []
         sockets, self._socket_events = tuple(self._socket_events), []
+        execs, self._execs = tuple(self._execs), []
         inflight, tracked, dead = self._waits()
         # Refusals of unwatched processes are not the caller's business until the process is
         # watched; they are dropped here once their thread is gone, since no caller would
@@ -361,7 +358,7 @@ class KernelProbes:
         for tid, r in _by_tid(self._refusals):
             if r.tgid in self._watching:
                 refusals[tid] = (r.tgid, r.uaddr, r.ts_ns)
-            elif not _thread_alive(r.tgid, tid):
+            elif not self._proc.thread_exists(r.tgid, tid):
                 dead.append(tid)
         if dead:
             self.forget(dead)
@@ -388,18 +385,19 @@ class KernelProbes:
             accepts=accepts,
             writes=writes,
             threads=frozenset(tracked),
+            execs=execs,
         )
 
     def tracepoints(self) -> list[str]:
         """The syscall tracepoints attached (``sys_enter_futex``, ...)."""
-        return sorted(_program_name(name) for name in self._bpf.funcs)
+        return sorted(_program_name(name) for name in self._bpf.funcs if b"__syscalls__" in name)
 
     def program_stats(self) -> dict[str, ProgramStats]:
         """Cumulative run time and count per attached program, named by its tracepoint
         (``sys_enter_futex``). All zero unless stats are on: see ``enable_stats``."""
         out = {}
         for func_name, fn in self._bpf.funcs.items():
-            info = _fdinfo(fn.fd)
+            info = self._proc.fdinfo("self", fn.fd)
             out[_program_name(func_name)] = ProgramStats(
                 run_seconds=int(info.get("run_time_ns", "0")) / 1e9,
                 run_count=int(info.get("run_cnt", "0")),
@@ -426,29 +424,6 @@ class KernelProbes:
         self._bpf.cleanup()
 
     def __enter__(self) -> KernelProbes:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class EmptyPrograms:
-    """Programs that do nothing, on the tracepoints ``KernelProbes`` attaches to: the floor
-    that the syscall tracepoints themselves cost, for benchmarks to measure ours against."""
-
-    def __init__(self, tracepoints: Iterable[str]) -> None:
-        from bcc import BPF
-
-        headers = kernel_headers()
-        if headers:
-            os.environ["BCC_KERNEL_SOURCE"] = headers
-        text = "\n".join(f"TRACEPOINT_PROBE(syscalls, {tp}) {{ return 0; }}" for tp in tracepoints)
-        self._bpf = BPF(text=text.encode())
-
-    def close(self) -> None:
-        self._bpf.cleanup()
-
-    def __enter__(self) -> EmptyPrograms:
         return self
 
     def __exit__(self, *exc: object) -> None:

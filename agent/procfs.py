@@ -17,6 +17,8 @@ SYS_FUTEX = 202  # x86-64 syscall numbers: /proc/.../syscall reports them raw
 SYS_FUTEX_WAITV = 449
 SYS_FUTEX_WAIT = 454
 
+# The kernel's ceiling for kernel.pid_max (PID_MAX_LIMIT on 64-bit): no PID is larger.
+PID_MAX_LIMIT = 1 << 22
 TCP_LISTEN = 0x0A
 TCP_ESTABLISHED = 0x01
 U64 = 1 << 64
@@ -66,6 +68,7 @@ class MemMap:
     offset: int
     dev: str
     inode: int
+    path: str = ""  # the mapped file, or [stack], [heap], ... ; "" for anonymous memory
 
 
 def parse_stat(text: str) -> ProcStat | None:
@@ -170,7 +173,7 @@ def parse_maps_line(line: str) -> MemMap | None:
     )
     if start is None or end is None or end < start or offset is None or inode is None:
         return None
-    return MemMap(start, end, f[1], offset, f[3], inode)
+    return MemMap(start, end, f[1], offset, f[3], inode, f[5].strip() if len(f) > 5 else "")
 
 
 class ProcFS:
@@ -234,6 +237,23 @@ class ProcFS:
         text = self._read(pid, "task", tid, "syscall")
         return parse_syscall(text) if text else None
 
+    def thread_exists(self, pid: int, tid: int) -> bool:
+        return os.path.exists(os.path.join(self.root, str(pid), "task", str(tid)))
+
+    def pid_max(self) -> int:
+        """kernel.pid_max: PIDs are below it (the ceiling where it cannot be read)."""
+        text = self._read("sys", "kernel", "pid_max")
+        value = _uint(text.strip(), limit=PID_MAX_LIMIT + 1) if text else None
+        return value or PID_MAX_LIMIT
+
+    def fdinfo(self, pid: int | str, fd: int) -> dict[str, str]:
+        """/proc/PID/fdinfo/FD as keys and values (a BPF program's run time and count)."""
+        text = self._read(pid, "fdinfo", fd) or ""
+        return dict(
+            (k.strip(), v.strip())
+            for k, _, v in (line.partition(":") for line in text.splitlines())
+        )
+
     def tgid_of(self, tid: int) -> int | None:
         text = self._read(tid, "status")
         if text is None:
@@ -287,7 +307,7 @@ class ProcFS:
                 out.extend(parse_net_tcp(text, family))
         return out
 
-    def maps(self, pid: int) -> list[MemMap]:
+    def maps(self, pid: int | str) -> list[MemMap]:
         text = self._read(pid, "maps")
         if not text:
             return []

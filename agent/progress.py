@@ -8,7 +8,7 @@ source feed the same fields, so the classifier has one place to look.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .model import ProcessSample, Snapshot, plural
 
@@ -31,7 +31,7 @@ class ThreadPark:
     last_work_ns: int  # CLOCK_MONOTONIC; parked for (now - last_work_ns)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ProcessProgress:
     """What one process did between two snapshots."""
 
@@ -40,10 +40,10 @@ class ProcessProgress:
     cpu_ns: int = 0
     working_tids: tuple[int, ...] = ()  # threads above the CPU floor
     write_bytes: int | None = None  # None: not measurable (no /proc/PID/io access)
-    accepts: int | None = None  # fed by the daemon's accept probe
-    gpu_active: bool | None = None  # fed by the GPU source
+    accepts: int | None = None  # counted by the probe's accept programs
+    gpu_active: bool | None = None  # from the GPU source
     gpu_detail: str | None = None  # what the GPU did, in words
-    notes: list[str] = field(default_factory=list)
+    notes: tuple[str, ...] = ()
 
     @property
     def did_work(self) -> bool:
@@ -128,25 +128,43 @@ class ParkTracker:
 
 
 def window_progress(
-    old: ProcessSample | None, new: ProcessSample, window_ns: int, settings: ParkSettings
+    old: ProcessSample | None,
+    new: ProcessSample,
+    window_ns: int,
+    settings: ParkSettings,
+    accepts: int | None = None,
+    gpu_detail: str | None = None,
 ) -> ProcessProgress:
-    """Progress of one process between two snapshots ``window_ns`` apart."""
-    prog = ProcessProgress(pid=new.pid, window_ns=window_ns)
+    """Progress of one process between two snapshots ``window_ns`` apart. ``accepts`` is
+    what the probe counted in the window; ``gpu_detail`` says what the GPU did, if it was
+    active."""
+    notes: tuple[str, ...] = ()
     if old is not None and old.start_ticks != new.start_ticks:
         old = None  # the PID was reused: all of the new process is new
     if old is None:
         # Started within the window: everything it did so far was done in it.
-        prog.notes.append("started in this window")
+        notes = ("started in this window",)
         old = ProcessSample(new.pid, new.ppid, new.comm, new.start_ticks, (), 0)
     floor = max(settings.cpu_floor_min_ns, int(window_ns * settings.cpu_floor_ratio))
     old_cpu = {t.tid: t.cpu_ns for t in old.threads}
+    cpu_ns = 0
     working = []
     for t in new.threads:
         delta = t.cpu_ns - old_cpu.get(t.tid, 0)  # a new thread's whole CPU time is new work
-        prog.cpu_ns += max(0, delta)
+        cpu_ns += max(0, delta)
         if delta > floor:
             working.append(t.tid)
-    prog.working_tids = tuple(working)
+    written = None
     if old.write_bytes is not None and new.write_bytes is not None:
-        prog.write_bytes = max(0, new.write_bytes - old.write_bytes)
-    return prog
+        written = max(0, new.write_bytes - old.write_bytes)
+    return ProcessProgress(
+        pid=new.pid,
+        window_ns=window_ns,
+        cpu_ns=cpu_ns,
+        working_tids=tuple(working),
+        write_bytes=written,
+        accepts=accepts,
+        gpu_active=True if gpu_detail is not None else None,
+        gpu_detail=gpu_detail,
+        notes=notes,
+    )

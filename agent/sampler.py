@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 
 from .model import (
     FUTEX_CMD_MASK,
+    FUTEX_WAIT_BITSET,
     WAIT_OPS,
     FutexWait,
     Listener,
@@ -18,6 +19,7 @@ from .model import (
     Refusal,
     Snapshot,
     ThreadSample,
+    is_blocked,
 )
 from .procfs import (
     SYS_FUTEX,
@@ -63,7 +65,7 @@ def seeded_wait(sc: SyscallLine | None) -> FutexWait | None:
             return None
         return FutexWait(sc.args[0], op, sc.args[2] & 0xFFFFFFFF, source="proc")
     if sc.nr == SYS_FUTEX_WAIT:
-        return FutexWait(sc.args[0], 9, sc.args[1] & 0xFFFFFFFF, source="proc")
+        return FutexWait(sc.args[0], FUTEX_WAIT_BITSET, sc.args[1] & 0xFFFFFFFF, source="proc")
     return FutexWait(0, 0, 0, vector=True, source="proc")  # futex_waitv: words are in a vector
 
 
@@ -94,7 +96,7 @@ class _ThreadRead:
 
     @property
     def blocked(self) -> bool:
-        return self.state != "R"
+        return is_blocked(self.state)
 
 
 class Sampler:
@@ -188,7 +190,7 @@ class Sampler:
         st = proc.thread_stat(pid, tid)
         if st is None or st.state in ("Z", "X"):
             return None
-        blocked = st.state != "R"
+        blocked = is_blocked(st.state)
         sc = proc.thread_syscall(pid, tid) if blocked else None
         last_ran = None
         if blocked:

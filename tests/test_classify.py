@@ -27,11 +27,13 @@ def facts(
     sample = process(pid, *(parked(pid * 100 + i) for i in range(n)), listeners=listeners)
     if unread:
         sample = sample.__class__(**{**sample.__dict__, "unread_bytes": unread})
-    prog = ProcessProgress(pid=pid, window_ns=5 * 10**9)
-    if work == "cpu":
-        prog.working_tids, prog.cpu_ns = (pid * 100,), 4 * 10**9
-    elif work == "write":
-        prog.write_bytes = 4096
+    prog = ProcessProgress(
+        pid=pid,
+        window_ns=5 * 10**9,
+        working_tids=(pid * 100,) if work == "cpu" else (),
+        cpu_ns=4 * 10**9 if work == "cpu" else 0,
+        write_bytes=4096 if work == "write" else None,
+    )
     return ProcessFacts(sample, prog, n if parked_n is None else parked_n, parked_s, cycles)
 
 

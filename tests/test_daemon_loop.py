@@ -8,26 +8,16 @@ from pathlib import Path
 from agent.config import validate
 from agent.daemon import DRAIN_SLICE_S, Daemon
 from agent.procfs import ProcFS
+from tests.fakeprobe import RecordingProbe
 
 
-class DrainingProbe:
-    """Records drain() calls; sleeps as long as asked, like a ring buffer with no records."""
-
-    def __init__(self) -> None:
-        self.slices: list[float] = []
-
-    def drain(self, seconds: float) -> None:
-        self.slices.append(seconds)
-        time.sleep(seconds)
-
-
-def make(tmp_path: Path, probe: object) -> Daemon:
+def make(tmp_path: Path, probe: RecordingProbe | None) -> Daemon:
     cfg = validate({"targets": [{"name": "x", "cmdline": "^nothing$"}]}, "test")
-    return Daemon(cfg, ProcFS(str(tmp_path)), probe)
+    return Daemon.with_sources(cfg, ProcFS(str(tmp_path)), probe)
 
 
 def test_the_wait_between_ticks_drains_in_short_slices(tmp_path: Path) -> None:
-    probe = DrainingProbe()
+    probe = RecordingProbe()
     d = make(tmp_path, probe)
     t0 = time.monotonic()
     d._wait_until(t0 + 0.35)
@@ -39,7 +29,7 @@ def test_the_wait_between_ticks_drains_in_short_slices(tmp_path: Path) -> None:
 
 
 def test_a_stop_ends_the_wait_within_a_slice(tmp_path: Path) -> None:
-    probe = DrainingProbe()
+    probe = RecordingProbe()
     d = make(tmp_path, probe)
     d.stop.set()
     t0 = time.monotonic()

@@ -19,7 +19,7 @@ from agent.gpu import CACHE_S, NOT_INSTALLED, GpuSource
 from agent.model import GpuDevice, GpuProcessUse
 from tests.fakenvml import GIB, V1, V2, V3, FakeDevice, FakeNVML
 
-LOGGER = "hangwatch.gpu"
+LOGGER = "agent.gpu"  # every module logs as logging.getLogger(__name__)
 
 
 class Clock:

@@ -46,7 +46,9 @@ def host(tmp_path: Path) -> Path:
 def daemon(tmp_path: Path, fake: FakeNVML, clock: Clock) -> Daemon:
     cfg = validate({"targets": [{"name": "any-gpu", "gpu": True}]}, "test")
     assert cfg.targets[0] == Target("any-gpu", gpu=True)
-    return Daemon(cfg, ProcFS(str(host(tmp_path))), None, GpuSource(nvml=fake, clock=clock))
+    return Daemon.with_sources(
+        cfg, ProcFS(str(host(tmp_path))), None, GpuSource(nvml=fake, clock=clock)
+    )
 
 
 def tick(d: Daemon, clock: Clock, fake: FakeNVML, util: int, stamp: int) -> None:
@@ -85,7 +87,8 @@ def test_a_gpu_process_is_discovered_judged_and_exported(tmp_path: Path) -> None
     info = {"gpu": "0", "uuid": "GPU-aaaa", "name": "NVIDIA H200"}
     assert reg.get_sample_value("hangwatch_gpu_info", info) == 1
     assert reg.get_sample_value("hangwatch_collector_success", {"collector": "gpu"}) == 1
-    assert "GPU 0: 60% SM utilisation" in d.observer.verdicts(5)[0].reasons[0]
+    assert d.session is not None
+    assert "GPU 0: 60% SM utilisation" in d.session.verdicts()[0].reasons[0]
 
 
 def test_idle_process_not_found_samples_and_errors_mid_run(tmp_path: Path) -> None:

@@ -42,11 +42,15 @@ def history(*readings: GpuReading, step_s: float = 10) -> tuple[GpuHistory, int]
 
 
 def facts(pid: int, gpu, parked_s: float = 300.0, cpu: bool = False) -> ProcessFacts:
-    prog = ProcessProgress(pid=pid, window_ns=5 * S)
-    if cpu:
-        prog.working_tids, prog.cpu_ns = (pid,), S
-    if gpu is not None and gpu.active:
-        prog.gpu_active, prog.gpu_detail = True, describe_active(gpu)
+    active = gpu is not None and gpu.active
+    prog = ProcessProgress(
+        pid=pid,
+        window_ns=5 * S,
+        working_tids=(pid,) if cpu else (),
+        cpu_ns=S if cpu else 0,
+        gpu_active=True if active else None,
+        gpu_detail=describe_active(gpu) if active else None,
+    )
     sample = process(pid, parked(pid), parked(pid + 1))
     return ProcessFacts(sample, prog, 1 if cpu else 2, 0.0 if cpu else parked_s, (), gpu)
 

@@ -1,0 +1,26 @@
+"""The constants shared with the BPF programs, read from bpf/hangwatch.h: declared once, in C.
+
+The futex commands and the event kinds are numbers the kernel side and this side must agree
+on; the header is the one place they are written, and this module reads its ``HW_*`` defines.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+BPF_DIR = Path(os.environ.get("HANGWATCH_BPF_DIR", Path(__file__).resolve().parent.parent / "bpf"))
+HEADER = "hangwatch.h"
+
+
+def header_defines(path: Path | None = None) -> dict[str, int]:
+    """The HW_* integer constants of bpf/hangwatch.h."""
+    text = (path or BPF_DIR / HEADER).read_text()
+    return {
+        m.group(1): int(m.group(2), 0)
+        for m in re.finditer(r"^#define\s+(HW_\w+)\s+(0x[0-9a-fA-F]+|\d+)\b", text, re.M)
+    }
+
+
+HW = header_defines()

@@ -1,0 +1,83 @@
+"""Where an observation starts and ends, for both commands: preflight, attach, observe, detach.
+
+`diagnose` and `run` differ only in their inputs (the settings, the Scope of services to
+watch) and in what they do with each tick; both start through ``start()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+from .classify import ServiceVerdict
+from .model import GpuReading
+from .observe import Observer, Scope, Tick
+from .procfs import ProcFS
+from .sampler import Sampler
+from .settings import LONG_WAIT_S, Settings
+from .sources import GpuSource, ProbeSource
+
+
+class Session:
+    """One observation: its settings, the probe and GPU source it reads, and its observer.
+
+    Built by ``start()`` from the real sources, or directly from stand-ins in tests."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        scope: Scope,
+        probe: ProbeSource | None,
+        gpu: GpuSource | None,
+        proc: ProcFS | None = None,
+    ) -> None:
+        self.settings = settings
+        self.probe = probe
+        self.gpu = gpu
+        self.observer = Observer(Sampler(proc or ProcFS()), probe, scope)
+
+    def read_gpu(self) -> GpuReading | None:
+        """This interval's NVML reading; None without a GPU source."""
+        return self.gpu.read() if self.gpu is not None else None
+
+    def tick(self, gpu: GpuReading | None) -> Tick:
+        return self.observer.tick(gpu, self.settings.window_s)
+
+    def verdicts(self) -> list[ServiceVerdict]:
+        return self.observer.verdicts(self.settings)
+
+    def reconfigure(self, settings: Settings) -> None:
+        """New settings (SIGHUP): the threshold and window apply from the next verdict."""
+        self.settings = settings
+
+
+@contextlib.contextmanager
+def start(
+    settings: Settings,
+    scope: Scope,
+    *,
+    proc: ProcFS | None = None,
+    bpf_stats: bool = False,
+    notice: Callable[[str], None] = lambda _: None,
+) -> Iterator[Session]:
+    """Check privilege and kernel features (KernelFeatureError, exit 3), attach the probes
+    and open NVML, yield the session, and detach on the way out whatever happened.
+
+    ``bpf_stats`` turns on the kernel's per-program run-time accounting for the session's
+    life. ``notice`` is told what preflight fixed (a tracefs it mounted)."""
+    from . import preflight  # late: --help and bad input need no kernel checks
+
+    for line in preflight.check():
+        notice(line)
+    from .gpu import GpuSource as NvmlSource
+    from .probe import KernelProbes  # bcc only after preflight mounted tracefs
+
+    with contextlib.ExitStack() as stack:
+        probe: ProbeSource = stack.enter_context(KernelProbes(long_wait_s=LONG_WAIT_S, proc=proc))
+        if bpf_stats:
+            restore = probe.enable_stats()
+            if restore is not None:
+                stack.callback(restore)
+        gpu = NvmlSource()
+        stack.callback(gpu.close)
+        yield Session(settings, scope, probe, gpu, proc)

@@ -1,0 +1,53 @@
+"""A probe that needs no kernel: it implements the whole ProbeSource protocol (mypy checks
+this file against it), records what it is asked, and reads back what a test sets."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+
+from agent.model import ProbeReading
+from agent.sources import ProbeSource
+from agent.status import ProgramStats
+
+
+class RecordingProbe:
+    programs = 0
+    load_seconds = 0.0
+
+    def __init__(self, reading: ProbeReading | None = None) -> None:
+        self.reading = reading or ProbeReading()
+        self.watched: set[int] = set()
+        self.forgotten: list[int] = []
+        self.forgotten_processes: list[int] = []
+        self.slices: list[float] = []  # every drain(), in seconds asked
+        self.closed = False
+
+    def watch(self, tgids: Iterable[int]) -> None:
+        self.watched = set(tgids)
+
+    def read(self) -> ProbeReading:
+        return self.reading
+
+    def drain(self, seconds: float) -> None:
+        """Sleeps as long as asked, like a ring buffer that receives no record."""
+        self.slices.append(seconds)
+        time.sleep(seconds)
+
+    def forget(self, tids: Iterable[int]) -> None:
+        self.forgotten.extend(tids)
+
+    def forget_processes(self, tgids: Iterable[int]) -> None:
+        self.forgotten_processes.extend(tgids)
+
+    def program_stats(self) -> dict[str, ProgramStats]:
+        return {}
+
+    def enable_stats(self) -> Callable[[], None] | None:
+        return None
+
+    def close(self) -> None:
+        self.closed = True
+
+
+_conforms: type[ProbeSource] = RecordingProbe  # mypy: the fake keeps up with the protocol
