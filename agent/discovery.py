@@ -4,7 +4,9 @@ A process matching a target is the root of a service named after the target; its
 descendants (TP ranks, scheduler and detokenizer workers) belong to it, and a matched
 process whose ancestor also matched folds into the ancestor's service. One pass over
 /proc per interval; a process's cmdline and environment are read once (cached by PID and
-start time, so a reused PID is read afresh).
+start time, so a reused PID is read afresh) and again after it execs: its comm changed, or
+the probe saw the exec (``exec_seen``; a launcher that execs the same interpreter keeps its
+comm).
 """
 
 from __future__ import annotations
@@ -80,6 +82,15 @@ class Discovery:
         self.self_pid = self_pid  # never watch ourselves
         self._known: dict[int, _Known] = {}
 
+    def exec_seen(self, tgids: Iterable[int]) -> None:
+        """Processes that exec'd since the last scan: read and matched afresh at the next one
+        (a process seen between fork and exec kept its parent's command line)."""
+        for pid in tgids:
+            k = self._known.get(pid)
+            if k is not None:
+                k.cmdline = k.labels = None
+                k.checked = False
+
     def set_targets(self, targets: Iterable[Target]) -> None:
         self.targets = tuple(targets)
         for k in self._known.values():
@@ -109,7 +120,8 @@ class Discovery:
             if st is None or st.state in ("Z", "X"):
                 continue
             k = self._known.get(pid)
-            if k is None or k.start != st.start_ticks:
+            # A new comm means an exec (or a prctl): read and match it afresh.
+            if k is None or k.start != st.start_ticks or k.comm != st.comm:
                 k = _Known(st.start_ticks, st.comm, st.ppid)
             k.ppid = st.ppid  # re-parenting happens
             if not k.checked or pid in gpu or (k.matched and self._gpu_only(k.matched)):

@@ -122,11 +122,7 @@ static __always_inline int wait_exit(long ret)
 
 	struct hw_hist_key key = {.tgid = tgid, .slot = bpf_log2l(dur)};
 	u64 zero = 0;
-	u64 *n = wait_hist.lookup_or_try_init(&key, &zero);
-	if (n)
-		__sync_fetch_and_add(n, 1);
-	else
-		COUNT(hist_full);
+	add_or_count_full(wait_hist.lookup_or_try_init(&key, &zero), 1, COUNTER(hist_full));
 
 	/* Any wait that ends means an earlier refusal no longer describes the thread. */
 	if (t->flags & HW_THREAD_REFUSED) {

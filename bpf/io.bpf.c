@@ -73,11 +73,8 @@ static __always_inline int write_exit(long ret)
 	struct hw_fd_key key = {.tgid = tgid, .fd = t->write_fd};
 	struct hw_fd_writes zero = {};
 	struct hw_fd_writes *st = fd_writes.lookup_or_try_init(&key, &zero);
-	if (!st) {
-		COUNT(fd_writes_full);
+	if (!add_or_count_full(st ? &st->bytes : 0, ret, COUNTER(fd_writes_full)))
 		return 0;
-	}
-	__sync_fetch_and_add(&st->bytes, ret);
 	__sync_fetch_and_add(&st->calls, 1);
 	st->last_ns = bpf_ktime_get_ns(); /* a racing writer may store an older time: harmless */
 	return 0;
@@ -107,11 +104,7 @@ static __always_inline int accept_exit(long ret)
 	if (!is_watched(tgid))
 		return 0;
 	u64 zero = 0;
-	u64 *n = accepts.lookup_or_try_init(&tgid, &zero);
-	if (n)
-		__sync_fetch_and_add(n, 1);
-	else
-		COUNT(accepts_full);
+	add_or_count_full(accepts.lookup_or_try_init(&tgid, &zero), 1, COUNTER(accepts_full));
 	return 0;
 }
 

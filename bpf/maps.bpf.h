@@ -1,7 +1,7 @@
 /* hangwatch: the maps, settings and helpers that every program file shares.
  *
  * agent/probe.py builds ONE BPF object from this file followed by
- * futex.bpf.c and io.bpf.c (BPF_SOURCES there), joined as one text with
+ * futex.bpf.c, io.bpf.c and exec.bpf.c (BPF_SOURCES there), joined as one text with
  * #line directives. They are not #included: bcc rewrites map calls such as
  * watched.lookup() only in its main file, so a map call in an included file
  * compiles to an indirect call the verifier rejects ("unknown opcode 8d").
@@ -73,6 +73,24 @@ static __always_inline struct hw_counters *this_cpu_counters(void)
 			c_->field++;                                                               \
 	} while (0)
 
+/* Which counter add_or_count_full() bumps: a byte offset into struct hw_counters. */
+#define COUNTER(field) __builtin_offsetof(struct hw_counters, field)
+
+/* libbpf-tools' "lookup_or_try_init, then add", for bcc, where a map cannot be passed to
+ * a function: `slot` is what X.lookup_or_try_init() returned (NULL when the map is full,
+ * counted in the counter at `full`). Returns 1 if `delta` was added. */
+static __always_inline int add_or_count_full(u64 *slot, u64 delta, u32 full)
+{
+	if (!slot) {
+		struct hw_counters *c = this_cpu_counters();
+		if (c)
+			(*(u64 *)((char *)c + full))++; /* per-CPU: a plain increment is safe */
+		return 0;
+	}
+	__sync_fetch_and_add(slot, delta);
+	return 1;
+}
+
 static __always_inline int is_watched(u32 tgid)
 {
 	u32 word = tgid / 64;
@@ -118,5 +136,13 @@ static __always_inline struct hw_event *reserve_event(u32 kind, u32 tgid, u32 ti
 static __always_inline void submit_event(struct hw_event *e)
 {
 	events.ringbuf_submit(e, 0);
+	COUNT(events_sent);
+}
+
+/* For frequent events that nobody waits for (execs): a wakeup of the reader costs an
+ * interrupt here and a wakeup of the agent per event; the record waits for its next read. */
+static __always_inline void submit_event_lazily(struct hw_event *e)
+{
+	events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
 	COUNT(events_sent);
 }

@@ -109,6 +109,43 @@ def test_reused_pid_is_matched_afresh(tmp_path):
     assert 300 not in d.scan()
 
 
+def test_exec_with_a_new_comm_is_matched_afresh(tmp_path):
+    """A process seen between fork and exec (the parent's comm and cmdline) that then execs
+    the target: the new comm in stat is enough to read it again."""
+    root = tree(tmp_path)
+    add(root, 400, 200, "bash", "bash -c launch", "RANK=9")
+    d = Discovery(ProcFS(str(root)), TARGETS)
+    assert 400 not in d.scan() and d.labels(400) == {"rank": "9"}
+    add(root, 400, 200, "python3", "python3 -m sglang.launch_server", "RANK=3")
+    services = d.scan()
+    assert services[400].name == "sglang"
+    assert d.labels(400) == {"rank": "3"}
+
+
+def test_exec_seen_matches_afresh_with_the_same_comm(tmp_path):
+    """A python launcher that execs python: same comm, so only the probe's exec says so."""
+    root = tree(tmp_path)
+    add(root, 400, 200, "python3", "python3 launcher.py", "RANK=9")
+    d = Discovery(ProcFS(str(root)), TARGETS)
+    assert 400 not in d.scan() and d.labels(400) == {"rank": "9"}
+    add(root, 400, 200, "python3", "python3 -m sglang.launch_server", "RANK=3")
+    assert 400 not in d.scan()  # read once: the exec is not visible in stat
+    d.exec_seen([400, 12345])  # 12345: an exec of a process never scanned
+    services = d.scan()
+    assert services[400].name == "sglang"
+    assert d.labels(400) == {"rank": "3"}
+    assert 12345 not in services
+
+
+def test_exec_away_from_the_target_ends_the_service(tmp_path):
+    root = tree(tmp_path)
+    d = Discovery(ProcFS(str(root)), TARGETS)
+    assert 300 in d.scan()
+    add(root, 300, 1, "torchrun", "/usr/bin/python3 cleanup.py")
+    d.exec_seen([300])
+    assert 300 not in d.scan()
+
+
 def test_labels_are_allow_listed_environment_values_only(tmp_path):
     d = Discovery(ProcFS(str(tree(tmp_path))), TARGETS)
     d.scan()

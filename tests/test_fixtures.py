@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixturelib import (
+from scripts.fixturelib import (
     FUTEX_CMD_MASK,
     FUTEX_LOCK_PI,
     FUTEX_LOCK_PI2,
@@ -345,6 +345,18 @@ def test_idle_http_answers() -> None:
         with pytest.raises(urllib.error.HTTPError) as err:
             urllib.request.urlopen(base + "/nope", timeout=5)
         assert err.value.code == 404
+
+
+@pytest.mark.parametrize("how", [(), ("--from-thread",)])
+def test_exec_launcher_execs_the_target_in_place(how: tuple[str, ...]) -> None:
+    with Fixture.py("exec_launcher", *how, ready="STARTED") as fx:
+        comm = Path(f"/proc/{fx.pid}/comm").read_text()
+        assert b"--target" not in Path(f"/proc/{fx.pid}/cmdline").read_bytes()
+        fx.send("go")
+        assert fx.wait_for("TARGET").get_int("pid") == fx.pid
+        assert Path(f"/proc/{fx.pid}/cmdline").read_bytes().endswith(b"--target\0")
+        assert Path(f"/proc/{fx.pid}/comm").read_text() == comm  # python execs python
+        assert tasks(fx.pid) == [fx.pid]
 
 
 def test_pylocks() -> None:

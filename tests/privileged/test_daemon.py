@@ -17,13 +17,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixturelib import REPO_ROOT, Fixture
-from tests.privileged.bpfobjs import leaked, prog_ids
+from scripts.bpfobjs import leaked, prog_ids
+from scripts.fixturelib import REPO_ROOT, Fixture
 from tests.privileged.daemonlib import (
     INTERVAL,
     Daemon,
     Samples,
     free_port,
+    pids_in,
     running_daemon,
     value,
     wait_until,
@@ -208,3 +209,36 @@ def test_gpu_target_on_a_host_without_nvml(tmp_path: Path) -> None:
     log = d.output()
     assert rc == 0, log
     assert log.count("NVML not available") == 1, log
+
+
+def last_tick(s: Samples) -> float:
+    return value(s, "hangwatch_last_tick_timestamp_seconds") or 0.0
+
+
+def test_a_process_seen_before_it_execs_the_target_is_watched(tmp_path: Path) -> None:
+    """A launcher (python) that the daemon has read, then execs the target (python again: the
+    same comm and PID). Only the probe's exec event tells discovery to read it again."""
+    port = free_port()
+    cfg = tmp_path / "exec.yaml"
+    cfg.write_text(
+        f'listen: "127.0.0.1:{port}"\ninterval_seconds: {INTERVAL}\n'
+        'targets:\n  - name: launched\n    cmdline: "exec_launcher\\\\.py --target"\n'
+    )
+    with running_daemon(cfg, port) as d, Fixture.py("exec_launcher", ready="STARTED") as fx:
+        # A tick that ended after the launcher started, then a later one: that one's discovery
+        # began after the first ended, so it has read the launcher's command line.
+        started = time.time()
+        s = wait_until(d, lambda s: last_tick(s) > started, "a tick after the launcher started")
+        after = last_tick(s)
+        s = wait_until(d, lambda s: last_tick(s) > after, "the tick after that")
+        assert fx.pid not in pids_in(s), "the launcher itself matched"
+        fx.send("go")
+        fx.wait_for("TARGET")
+        wait_until(
+            d,
+            lambda s: (
+                value(s, "hangwatch_process_threads", pid=str(fx.pid), service="launched")
+                is not None
+            ),
+            f"the exec'd target {fx.pid} to be watched",
+        )

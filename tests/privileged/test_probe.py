@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 from agent.errors import KernelFeatureError
-from agent.model import PI_LOCK_OPS, FdWrites, ProbeEvent, ProbeReading, SocketEvent
+from agent.model import PI_LOCK_OPS, ExecEvent, FdWrites, ProbeEvent, ProbeReading, SocketEvent
 from agent.probe import BPF_DIR, BPF_SOURCES, KernelProbes
-from tests.fixturelib import SYS_FUTEX, Fixture
+from scripts.fixturelib import SYS_FUTEX, Fixture
 
 EDEADLK = 35
 FUTEX_WAKE = 1
@@ -49,12 +49,14 @@ class Seen:
         self.probes = probes
         self.events: list[ProbeEvent] = []
         self.socket_events: list[SocketEvent] = []
+        self.execs: list[ExecEvent] = []
         self.last = ProbeReading()
 
     def read(self) -> ProbeReading:
         self.last = self.probes.read()
         self.events += self.last.events
         self.socket_events += self.last.socket_events
+        self.execs += self.last.execs
         return self.last
 
     def until(self, predicate: Callable[[Seen], object], what: str, timeout: float = 5) -> None:
@@ -112,6 +114,36 @@ def test_bind_and_listen_reported_for_unwatched_process(open_probes: OpenProbes)
     r = seen.last
     assert pid not in r.accepts and pid not in r.writes and pid not in r.wait_histogram, r
     assert_nothing_lost(r)
+
+
+# --- exec: every process ----------------------------------------------------------------
+
+
+def test_exec_reported_for_every_process(open_probes: OpenProbes) -> None:
+    """Each launcher execs twice: when started (fork, exec python), and when told to (python
+    execs python: same comm, same PID). The second one from a thread that is not the leader."""
+    probes = open_probes()
+    seen = Seen(probes)
+    with (
+        Fixture.py("exec_launcher", ready="STARTED") as unwatched,
+        Fixture.py("exec_launcher", "--from-thread", ready="STARTED") as watched,
+    ):
+        probes.watch([watched.pid])
+        pids = (unwatched.pid, watched.pid)
+        seen.until(
+            lambda s: all(sum(e.tgid == p for e in s.execs) == 1 for p in pids), "the first execs"
+        )
+        t0 = time.monotonic_ns()
+        for fx in (unwatched, watched):
+            fx.send("go")
+            fx.wait_for("TARGET")
+        seen.until(
+            lambda s: all(sum(e.tgid == p for e in s.execs) == 2 for p in pids), "the second execs"
+        )
+    for pid in pids:
+        first, second = (e.ts_ns for e in seen.execs if e.tgid == pid)
+        assert first < t0 <= second, (pid, first, t0, second)
+    assert_nothing_lost(seen.last)
 
 
 # --- accepts and writes: watched processes only --------------------------------------------
@@ -229,6 +261,30 @@ def test_forget_processes_empties_per_process_maps(open_probes: OpenProbes) -> N
         assert pid not in r.accepts and pid not in r.writes and pid not in r.wait_histogram, r
         assert tid not in r.inflight, r.inflight
     assert_nothing_lost(r)
+
+
+def test_full_per_process_maps_are_counted() -> None:
+    """accepts, fd_writes and wait_hist at one entry each, taken by a process that is
+    not there: every accept, write and ended wait of the fixture is counted as lost."""
+    probes = KernelProbes(map_sizes={"MAX_ACCEPTS": 1, "MAX_FD_WRITES": 1, "MAX_HIST": 1})
+    try:
+        for name, key in ((b"accepts", (0,)), (b"fd_writes", (0, 0)), (b"wait_hist", (0, 0))):
+            table = probes._bpf[name]
+            table[table.Key(*key)] = table.Leaf()
+        seen = Seen(probes)
+        with Fixture.c("listen_write", "2", ready="STARTED") as fx:
+            probes.watch([fx.pid])
+            port, _, _ = start_server(fx)
+            connect(port, 2)
+            fx.wait_for("READY")
+            # write 3 to the file; LISTENING and READY to stdout (READY may still be in flight)
+            seen.until(lambda s: s.last.counters["fd_writes_full"] == 5, "5 writes lost")
+        r = seen.last
+        assert (r.counters["accepts_full"], r.counters["hist_full"]) == (2, 1), r.counters
+        assert fx.pid not in r.accepts and fx.pid not in r.writes, r
+        assert fx.pid not in r.wait_histogram, r.wait_histogram
+    finally:
+        probes.close()
 
 
 def test_program_stats_count_runs_once_enabled(open_probes: OpenProbes) -> None:
