@@ -32,8 +32,8 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import yaml
 
-from .config import show, unknown_key
-from .errors import UsageError
+from .config import unknown_key
+from .errors import UsageError, show
 
 TOP_KEYS = ("tls_server_config", "basic_auth_users")
 TLS_KEYS = ("cert_file", "key_file", "client_auth_type", "client_ca_file", "min_version")
@@ -55,6 +55,7 @@ TLS_VERSIONS = {"TLS12": ssl.TLSVersion.TLSv1_2, "TLS13": ssl.TLSVersion.TLSv1_3
 # Cost at most 15: every check costs 2**cost rounds, and a scrape must not wait seconds.
 _BCRYPT = re.compile(r"\$2[aby]\$(0[4-9]|1[0-5])\$[./A-Za-z0-9]{53}")
 REQUEST_TIMEOUT_S = 30.0  # a client that stalls in the handshake or the request is dropped
+SOMAXCONN_PATH = "/proc/sys/net/core/somaxconn"
 CACHE_SIZE = 64  # verified credentials kept, so a scrape costs no bcrypt round after the first
 
 
@@ -316,6 +317,22 @@ def with_basic_auth(app: WsgiApp, auth: BasicAuth, realm: str = "hangwatch") -> 
 # --- the server -----------------------------------------------------------------------------
 
 
+def listen_backlog(path: str = SOMAXCONN_PATH) -> int:
+    """The listen(2) backlog of /metrics: the kernel's own limit, net.core.somaxconn (4096
+    since Linux 5.4), as Go's net package, and so node_exporter, uses; socket.SOMAXCONN where
+    it cannot be read. Not the standard library's 5: connections that arrive faster than the
+    accept loop takes them wait in this queue, and a burst that overflows it is answered with
+    SYN cookies or dropped, its scrapes left to retransmissions that back off for a minute."""
+    try:
+        with open(path, encoding="ascii") as f:
+            n = int(f.read(32).split()[0])
+    except (OSError, ValueError, IndexError):
+        return socket.SOMAXCONN
+    if n <= 0:
+        return socket.SOMAXCONN
+    return min(n, 0xFFFF)  # kernels before 4.1 keep it in 16 bits: more would wrap (Go caps too)
+
+
 class _Handler(WSGIRequestHandler):
     timeout = REQUEST_TIMEOUT_S  # per connection: a stalled client cannot hold a thread
 
@@ -354,6 +371,7 @@ def serve(
 
     class Server(_Server):
         address_family = family
+        request_queue_size = listen_backlog()  # what server_activate passes to listen(2)
 
     if web is not None and web.users:
         app = with_basic_auth(app, BasicAuth(web.users))
