@@ -314,18 +314,24 @@ def test_exits_soon_waits_for_go() -> None:
         assert fx.wait_exit(timeout=5) == 0
 
 
-def test_loader(tmp_path: Path) -> None:
+@pytest.mark.parametrize("load", [("--load-seconds", "1"), ("--until-go",)], ids=["1s", "go"])
+def test_loader(tmp_path: Path, load: tuple[str, ...]) -> None:
     log = tmp_path / "load.log"
-    with Fixture.py("loader", "--load-seconds", "1", "--log", log, ready="LOADING") as fx:
+    with Fixture.py("loader", *load, "--log", log, ready="LOADING") as fx:
         workers = fx.info.get_ints("workers")
         loader_tid = fx.info.get_int("loader_tid")
         assert len(workers) == 4
         wait_until(lambda: log.exists() and log.stat().st_size > 0, 2, "log lines")
-        size = log.stat().st_size
-        time.sleep(0.2)
-        assert log.stat().st_size > size, "the log does not grow while loading"
         ticks = {w: thread_cpu_ticks(fx.pid, w) for w in workers}
+        if load == ("--until-go",):
+            size = log.stat().st_size
+            wait_until(lambda: log.stat().st_size > size, 5, "the log to grow while loading")
+            fx.send("go")
         listening = fx.wait_for("LISTENING", timeout=5)
+        # One line per write, 50 ms apart, then "ready".
+        lines = log.read_text().splitlines()
+        assert len(lines) >= 2 and lines[-1] == "ready", lines
+        assert lines[:-1] == [f"loaded shard {i}" for i in range(len(lines) - 1)], lines
         assert all(thread_cpu_ticks(fx.pid, w) == t for w, t in ticks.items()), "workers spin"
         for w in workers:
             sleeping_on(fx.pid, w)

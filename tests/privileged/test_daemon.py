@@ -65,7 +65,7 @@ def test_daemon_reports_each_fixture_and_detaches_on_sigterm(daemon: Daemon) -> 
         Fixture.c("deadlock_mutex") as mutex,
         Fixture.c("pi_deadlock", "--wait-for-go", ready="HOLDING") as pi,
         Fixture.c("condvar_pool", "8") as pool,
-        Fixture.py("loader", "--load-seconds", "3", ready="LOADING") as loader,
+        Fixture.py("loader", "--until-go", ready="LOADING") as loader,
     ):
         # Discovery must pick the new PI process up before it locks, so the EDEADLK is seen.
         wait_until(
@@ -89,6 +89,16 @@ def test_daemon_reports_each_fixture_and_detaches_on_sigterm(daemon: Daemon) -> 
         parked = value(s, "hangwatch_process_parked_seconds", pid=pid)
         assert parked is not None and parked >= THRESHOLD
 
+        # The loader loads until told: its writes are counted first, however late discovery
+        # found it (they count only once it is watched).
+        wait_until(
+            daemon,
+            lambda s: (
+                (value(s, "hangwatch_process_write_bytes_total", pid=str(loader.pid)) or 0) > 0
+            ),
+            "the loader's log writes to be counted",
+        )
+        loader.send("go")
         s = wait_until(daemon, state_is("loader", "idle"), "the loader to finish and listen")
         pid = str(loader.pid)
         assert (value(s, "hangwatch_process_listening_ports", pid=pid) or 0) >= 1

@@ -24,11 +24,12 @@ from agent import config as config_mod
 from agent.daemon import Daemon as AgentDaemon
 from agent.metrics import registry_for
 from agent.model import FUTEX_WAIT, FutexWait, InflightWait, ProbeReading
-from agent.observe import Observer
+from agent.observe import Observer, Scope
 from agent.procfs import ProcFS
 from agent.sampler import Sampler
-from tests.fixturelib import Fixture, build
-from tests.privileged.bpfobjs import leaked, map_entries, prog_ids
+from agent.settings import Settings
+from scripts.bpfobjs import leaked, map_entries, prog_ids
+from scripts.fixturelib import Fixture, build
 from tests.privileged.daemonlib import (
     INTERVAL,
     Daemon,
@@ -300,7 +301,7 @@ def test_full_map_and_full_ring_buffer_are_counted_and_verdicts_hold(tmp_path: P
             f"interval_seconds: 0.5\npark_threshold_seconds: 1\ntargets:\n"
             f"  - {{name: pool, pids: [{pool.pid}]}}\n  - {{name: dl, pids: [{dl.pid}]}}\n"
         )
-        agent = AgentDaemon(config_mod.load(str(cfg)), ProcFS(), probe)
+        agent = AgentDaemon.with_sources(config_mod.load(str(cfg)), ProcFS(), probe)
         agent.tick()  # watches both
         pool.send("go")  # 12 waits begin under the probe; the threads map holds 4
         pool.wait_for("READY", timeout=30)
@@ -315,7 +316,7 @@ def test_full_map_and_full_ring_buffer_are_counted_and_verdicts_hold(tmp_path: P
         deadline = time.monotonic() + 30
         while True:
             agent.tick()
-            states = {v.pid: v.state for v in agent.observer.verdicts(5.0)}
+            states = {v.pid: v.state for v in agent.session.verdicts()}
             if states == {pool.pid: "stalled", dl.pid: "deadlocked"}:
                 break
             assert time.monotonic() < deadline, states
@@ -369,6 +370,7 @@ def _vanishing(cls: type[VanishingProcFS]) -> type[VanishingProcFS]:
 
 
 _vanishing(VanishingProcFS)
+SCOPE = Scope(lambda: {10: [10, 20]}, remember_gone=False)
 
 
 @pytest.mark.parametrize("only_thread", [False, True])
@@ -376,15 +378,15 @@ def test_proc_entries_vanishing_mid_read_mean_gone(tmp_path: Path, only_thread: 
     """Pure: whichever read the process (or one thread) disappears before, a tick completes
     and says gone (or one thread fewer); the observer's verdicts never raise."""
     counting = VanishingProcFS(make_proc(tmp_path / "count"), at=-1, only_thread=only_thread)
-    Observer(Sampler(counting), remember_gone=False, membership=lambda: {10: [10, 20]}).tick()
+    Observer(Sampler(counting), None, SCOPE).tick()
     assert counting.calls > 10
     for at in range(1, counting.calls + 2):
         root = make_proc(tmp_path / f"{at}")
         proc = VanishingProcFS(root, at, only_thread)
-        obs = Observer(Sampler(proc), remember_gone=False, membership=lambda: {10: [10, 20]})
+        obs = Observer(Sampler(proc), None, SCOPE)
         tick = obs.tick()
         obs.tick()  # and the tick after, with the entry gone for good
-        verdicts = obs.verdicts(5.0)
+        verdicts = obs.verdicts(Settings.daemon(60, 1))
         assert [v.pid for v in verdicts] == [10]
         p = tick.snapshot.processes.get(10)
         if only_thread:
@@ -496,13 +498,16 @@ def test_acceptance_churn_pool_storm(tmp_path: Path) -> None:
             Fixture.c("park_pool", "2000", timeout=60) as pool,
             Fixture.c("deadlock_mutex") as alive,
         ):
+            # The pool is progressing while its start (2,000 thread creations) is in the
+            # progress window: wait for the verdict it settles on before the storm.
             wait_until(
                 d,
                 lambda s: (
                     state_of(s, "deadlock", alive.pid) == "deadlocked"
                     and value(s, "hangwatch_process_threads", pid=str(pool.pid)) == 2001
+                    and state_of(s, "pool", pool.pid) in ("idle", "stalled")
                 ),
-                "the pool and the remaining deadlock",
+                "the pool to settle and the remaining deadlock",
                 timeout=60,
             )
             codes = scrape_storm(d.port, 200)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from scripts.fixturelib import REPO_ROOT, Fixture
-from tests.privileged.daemonlib import INTERVAL, Daemon, first_tick, free_port, value
+from tests.privileged.daemonlib import INTERVAL, Daemon, first_tick, free_port, value, wait_until
 from tests.privileged.promlib import Prometheus
 
 RULES = sorted((REPO_ROOT / "deploy" / "prometheus").glob("*.yml"))
@@ -77,9 +77,13 @@ def test_alerts_fire_for_the_hangs_and_never_for_the_idle_server(stack) -> None:
                 assert a["labels"].get("service") in ("mutex-cycle", "pool"), shown
                 assert a["annotations"].get("runbook_url"), shown
         # The idle server is idle in the daemon's eyes, and in Prometheus: nothing is active
-        # for it, now and after a few more evaluations.
-        s = daemon.scrape() or {}
-        assert value(s, "hangwatch_service_state", service="http", state="idle") == 1
+        # for it, now and after a few more evaluations. (Idle once its start-up is out of the
+        # progress window, which can be after the pool's stall fired: waited for, not raced.)
+        wait_until(
+            daemon,
+            lambda s: value(s, "hangwatch_service_state", service="http", state="idle") == 1,
+            "the idle server to be idle",
+        )
         time.sleep(3)
         for a in prom.alerts():
             assert a["labels"].get("pid") != str(http.pid), json.dumps(a, indent=1)
