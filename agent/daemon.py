@@ -13,7 +13,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from types import FrameType
 from typing import Any
@@ -98,9 +98,12 @@ class Daemon:
     """The loop, its state, and what it publishes. /proc is a constructor argument; the
     probe and GPU source come with the session (``start()``, or ``with_sources`` in tests)."""
 
-    def __init__(self, cfg: config_mod.Config, proc: ProcFS) -> None:
+    def __init__(
+        self, cfg: config_mod.Config, proc: ProcFS, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.cfg = cfg
         self.proc = proc
+        self.clock = clock  # the loop's schedule (tests give one that the fake probe advances)
         self.session: Session | None = None
         self.gpus: tuple[GpuDevice, ...] = ()  # devices of the last good NVML reading
         self.gpu_errors = 0
@@ -124,9 +127,10 @@ class Daemon:
         proc: ProcFS,
         probe: ProbeSource | None,
         gpu: GpuSource | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> Daemon:
         """A daemon over given sources (tests: a fixture /proc, a fake NVML, a real probe)."""
-        d = cls(cfg, proc)
+        d = cls(cfg, proc, clock)
         d.session = Session(cfg.settings, d.scope, probe, gpu, proc)
         return d
 
@@ -252,7 +256,7 @@ class Daemon:
 
     def loop(self) -> None:
         while not self.stop.is_set():
-            started = time.monotonic()
+            started = self.clock()
             if self.reload_requested.is_set():
                 self.reload_requested.clear()
                 self.reload()
@@ -264,7 +268,7 @@ class Daemon:
         tick, its 64 pages would hold about 4,000 events a second."""
         probe = self.session.probe if self.session is not None else None
         while not self.stop.is_set():
-            left = deadline - time.monotonic()
+            left = deadline - self.clock()
             if left <= 0:
                 return
             if probe is None:

@@ -11,12 +11,23 @@ from agent.sources import ProbeSource
 from agent.status import ProgramStats
 
 
+class FakeClock:
+    """A monotonic clock that moves only when told."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
 class RecordingProbe:
     programs = 0
     load_seconds = 0.0
 
-    def __init__(self, reading: ProbeReading | None = None) -> None:
+    def __init__(self, reading: ProbeReading | None = None, clock: FakeClock | None = None) -> None:
         self.reading = reading or ProbeReading()
+        self.clock = clock  # drain() advances it instead of sleeping, if given
         self.watched: set[int] = set()
         self.forgotten: list[int] = []
         self.forgotten_processes: list[int] = []
@@ -30,9 +41,12 @@ class RecordingProbe:
         return self.reading
 
     def drain(self, seconds: float) -> None:
-        """Sleeps as long as asked, like a ring buffer that receives no record."""
+        """Waits as long as asked, like a ring buffer that receives no record."""
         self.slices.append(seconds)
-        time.sleep(seconds)
+        if self.clock is not None:
+            self.clock.now += seconds
+        else:
+            time.sleep(seconds)
 
     def forget(self, tids: Iterable[int]) -> None:
         self.forgotten.extend(tids)

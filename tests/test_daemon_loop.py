@@ -5,27 +5,32 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
+
 from agent.config import validate
 from agent.daemon import DRAIN_SLICE_S, Daemon
 from agent.procfs import ProcFS
-from tests.fakeprobe import RecordingProbe
+from tests.fakeprobe import FakeClock, RecordingProbe
 
 
-def make(tmp_path: Path, probe: RecordingProbe | None) -> Daemon:
+def make(tmp_path: Path, probe: RecordingProbe | None, clock: FakeClock | None = None) -> Daemon:
     cfg = validate({"targets": [{"name": "x", "cmdline": "^nothing$"}]}, "test")
-    return Daemon.with_sources(cfg, ProcFS(str(tmp_path)), probe)
+    if clock is None:
+        return Daemon.with_sources(cfg, ProcFS(str(tmp_path)), probe)
+    return Daemon.with_sources(cfg, ProcFS(str(tmp_path)), probe, clock=clock)
 
 
 def test_the_wait_between_ticks_drains_in_short_slices(tmp_path: Path) -> None:
-    probe = RecordingProbe()
-    d = make(tmp_path, probe)
-    t0 = time.monotonic()
-    d._wait_until(t0 + 0.35)
-    waited = time.monotonic() - t0
-    assert 0.35 <= waited < 0.35 + DRAIN_SLICE_S + 0.2, waited
-    assert len(probe.slices) >= 3 and all(0 < s <= DRAIN_SLICE_S for s in probe.slices), (
-        probe.slices
-    )
+    """On a clock that only the drains move: the wait is cut into slices of at most
+    DRAIN_SLICE_S that end exactly at the deadline, however slow the machine."""
+    clock = FakeClock()
+    probe = RecordingProbe(clock=clock)
+    d = make(tmp_path, probe, clock)
+    t0 = clock()
+    wait = 3.5 * DRAIN_SLICE_S
+    d._wait_until(t0 + wait)
+    assert clock() - t0 == pytest.approx(wait)
+    assert probe.slices == pytest.approx([DRAIN_SLICE_S] * 3 + [DRAIN_SLICE_S / 2]), probe.slices
 
 
 def test_a_stop_ends_the_wait_within_a_slice(tmp_path: Path) -> None:
