@@ -5,10 +5,12 @@ PYTEST_ARGS ?=
 
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lint test run demo bench clean
+.PHONY: help setup setup-tests lint test run demo bench clean
 
 help:
 	@echo "make setup   install what hangwatch needs (apt packages, kernel headers, tracefs, .venv)"
+	@echo "make setup-tests  setup, and the real software the tests run (PyTorch, uvicorn, zmq:"
+	@echo "             a venv of ~5.5 GB outside the checkout, HANGWATCH_REALSW_VENV, once per machine)"
 	@echo "make lint    ruff check, ruff format --check and mypy"
 	@echo "make test    setup, lint, then pytest (extra options: PYTEST_ARGS='-k futex')"
 	@echo "make run     the daemon on its built-in defaults, /metrics on :9817 (root)"
@@ -19,13 +21,16 @@ help:
 setup:
 	@bash scripts/setup.sh
 
+setup-tests:
+	@bash scripts/setup.sh --tests
+
 lint: setup
 	$(PY) -m ruff check agent tests scripts bench
 	$(PY) -m ruff format --check agent tests scripts bench
 	$(PY) -m mypy
 
 # lint before pytest: a style failure is cheaper to report than a test run.
-test: setup lint
+test: setup-tests lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # The daemon on its built-in defaults (GPU processes and known inference servers).

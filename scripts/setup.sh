@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Make this machine able to run and test hangwatch: apt packages, kernel headers for bcc, tracefs,
-# and .venv. Idempotent; prints one line per step it actually does, so a second run is silent and
-# takes about a second. Debian 12 and Ubuntu 22.04/24.04; see docs/install.md.
+# and .venv; with --tests also the real software the tests run (tests/realsw). Idempotent; prints
+# one line per step it actually does, so a second run is silent and takes about a second. Debian 12 and Ubuntu 22.04/24.04; see docs/install.md.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -201,7 +201,49 @@ if [[ ! -r $STAMP || $(<"$STAMP") != "$hash" ]]; then
     echo "$hash" > "$STAMP"
 fi
 
-# --- 5. check ----------------------------------------------------------------------------------
+# --- 5. real software for tests/realsw (--tests only: make test) -------------------------------
+# PyTorch (gloo on CPU, under torchrun) and a small serving stack, in their own venv OUTSIDE the
+# checkout: torch with its nvidia-* wheels is about 5 GB, so every checkout on the machine shares
+# one copy and a fresh machine pays for it once. Not in .venv: the agent must not import any of it,
+# and `make run` on a GPU node must not download it. Installed again when
+# tests/realsw/requirements.txt changes (its hash is the stamp).
+if [[ ${1:-} == --tests ]]; then
+    REALSW_VENV=${HANGWATCH_REALSW_VENV:-/var/cache/hangwatch/realsw}
+    REALSW_REQS=tests/realsw/requirements.txt
+    REALSW_STAMP=$REALSW_VENV/.hangwatch-realsw-stamp
+    realsw_hash=$(sha256sum "$REALSW_REQS" | cut -d' ' -f1)
+    realsw_current() {
+        [[ -x $REALSW_VENV/bin/python && -r $REALSW_STAMP && $(<"$REALSW_STAMP") == "$realsw_hash" ]] &&
+            grep -Eq '^home *= */usr/bin$' "$REALSW_VENV/pyvenv.cfg" 2>/dev/null
+    }
+    if ! realsw_current; then
+        realsw_parent=$(dirname "$REALSW_VENV")
+        if [[ ! -d $realsw_parent || ! -w $realsw_parent ]]; then
+            as_root mkdir -p "$realsw_parent"
+            as_root chown "$(id -u):$(id -g)" "$realsw_parent"
+        fi
+        # Checkouts share the venv: one setup installs while another waits here, then finds it current.
+        exec {realsw_lock}>"$realsw_parent/.$(basename "$REALSW_VENV").lock"
+        flock "$realsw_lock"
+        if ! realsw_current; then
+            if [[ ! -x $REALSW_VENV/bin/python ]] || ! grep -Eq '^home *= */usr/bin$' "$REALSW_VENV/pyvenv.cfg" 2>/dev/null; then
+                [[ -e $REALSW_VENV ]] && say "removing $REALSW_VENV (not made by /usr/bin/python3)"
+                rm -rf "$REALSW_VENV"
+                say "creating $REALSW_VENV for tests/realsw (PyTorch: about 5 GB, once per machine)"
+                /usr/bin/python3 -m venv "$REALSW_VENV"
+            fi
+            say "pip install -r $REALSW_REQS into $REALSW_VENV"
+            # No pip cache: the venv is the cache, and a second copy of the wheels would double the disk.
+            "$REALSW_VENV/bin/pip" install -q --disable-pip-version-check --no-cache-dir -r "$REALSW_REQS"
+            "$REALSW_VENV/bin/python" -c 'import torch.distributed as d, sys; sys.exit(not d.is_gloo_available())' ||
+                die "$REALSW_VENV has torch without gloo; the tests/realsw scenarios need it"
+            echo "$realsw_hash" > "$REALSW_STAMP"
+        fi
+        exec {realsw_lock}>&-
+    fi
+fi
+
+# --- 6. check ----------------------------------------------------------------------------------
 .venv/bin/python - <<'EOF' || exit 1
 import sys
 

@@ -1,0 +1,248 @@
+"""Real software for the tests: the cached venv and the PyTorch jobs of ``tests/realsw``.
+
+``scripts/setup.sh`` installs ``tests/realsw/requirements.txt`` (torch, a serving stack) into a
+venv outside the checkout, ``$HANGWATCH_REALSW_VENV`` (default ``/var/cache/hangwatch/realsw``),
+and writes the file's sha256 into it as a stamp. This module finds that venv's python and
+torchrun, says what is missing, and starts ``tests/realsw/torch_jobs.py`` in its shapes as a
+:class:`Job`: a :class:`~scripts.fixturelib.Fixture` that also kills the processes that left its
+process group (torchrun starts every worker in a session of its own, so killing the launcher's
+group alone would leave the ranks running).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import signal
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from scripts.daemonproc import free_port
+from scripts.fixturelib import REPO_ROOT, Arg, Fixture, FixtureError, FixtureLine
+
+DEFAULT_VENV = Path("/var/cache/hangwatch/realsw")
+REQUIREMENTS = REPO_ROOT / "tests" / "realsw" / "requirements.txt"
+TORCH_JOBS = REPO_ROOT / "tests" / "realsw" / "torch_jobs.py"
+STAMP_NAME = ".hangwatch-realsw-stamp"  # same name as in scripts/setup.sh
+START_TIMEOUT = 120.0  # importing torch takes 2-4 s per process; 3 of them share 2 cores here
+
+# What a job must not inherit from whoever runs the tests: it would change the rendezvous.
+_SCRUBBED = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "VIRTUAL_ENV",
+    "PYTHONPATH",
+    "PYTHONHOME",
+)
+
+
+def venv() -> Path:
+    return Path(os.environ.get("HANGWATCH_REALSW_VENV") or DEFAULT_VENV)
+
+
+def python() -> Path:
+    return venv() / "bin" / "python"
+
+
+def torchrun() -> Path:
+    return venv() / "bin" / "torchrun"
+
+
+def missing() -> str | None:
+    """Why the real-software jobs cannot run here, or None when they can."""
+    where = venv()
+    for exe in (python(), torchrun()):
+        if not os.access(exe, os.X_OK):
+            return f"no {exe}: the real-software venv is not installed; run `make setup-tests`"
+    try:
+        stamp = (where / STAMP_NAME).read_text().strip()
+    except OSError:
+        return (
+            f"{where} has no {STAMP_NAME} (an install that did not finish?); run `make setup-tests`"
+        )
+    want = hashlib.sha256(REQUIREMENTS.read_bytes()).hexdigest()
+    if stamp != want:
+        return f"{where} was installed from another {REQUIREMENTS.name}; run `make setup-tests`"
+    return None
+
+
+def job_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _SCRUBBED}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+# --- process trees -------------------------------------------------------------------------
+
+
+def _ppids() -> dict[int, int]:
+    """PID -> parent PID for every process now."""
+    out: dict[int, int] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                out[int(name)] = int(f.read().rpartition(")")[2].split()[1])
+        except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
+            continue
+    return out
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children first, then theirs)."""
+    children: dict[int, list[int]] = {}
+    for child, parent in _ppids().items():
+        children.setdefault(parent, []).append(child)
+    out: list[int] = []
+    todo = [pid]
+    while todo:
+        for child in sorted(children.get(todo.pop(0), [])):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _signal(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, sig)
+
+
+def kill_tree(pid: int, timeout: float = 10.0) -> None:
+    """SIGKILL ``pid`` and all its descendants, wherever their process groups are.
+
+    Stops the tree first, top down, until a scan finds nobody new: a stopped process cannot
+    fork, and a process killed before its children were found would orphan them to init.
+    """
+    stopped: list[int] = []
+    _signal(pid, signal.SIGSTOP)
+    stopped.append(pid)
+    while True:
+        new = [p for p in descendants(pid) if p not in stopped]
+        if not new:
+            break
+        for p in new:
+            _signal(p, signal.SIGSTOP)
+        stopped.extend(new)
+    for p in stopped:
+        _signal(p, signal.SIGKILL)
+    deadline = time.monotonic() + timeout
+    for p in stopped[1:]:  # the root is reaped by its Popen; the rest by their parents or init
+        while _alive(p) and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def listening(port: int) -> bool:
+    """Whether a TCP socket listens on ``port`` (any address, IPv4 or IPv6) in this netns."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f)
+                for row in f:
+                    local, state = row.split()[1], row.split()[3]
+                    if state == "0A" and int(local.rpartition(":")[2], 16) == port:
+                        return True
+        except FileNotFoundError:
+            continue
+    return False
+
+
+# --- jobs ------------------------------------------------------------------------------------
+
+
+class Job(Fixture):
+    """A real-software job: a :class:`Fixture` whose ``close`` kills its whole process tree."""
+
+    def __init__(self, argv: Sequence[Arg], *, shape: str, port: int, **kwargs: Any) -> None:
+        kwargs.setdefault("timeout", START_TIMEOUT)
+        kwargs.setdefault("env", job_env())
+        super().__init__(argv, **kwargs)
+        self.shape = shape
+        self.port = port
+
+    def __enter__(self) -> Job:
+        super().__enter__()
+        return self
+
+    def ready_lines(self, count: int, timeout: float | None = None) -> list[FixtureLine]:
+        """The next ``count`` READY lines (one per process that reached its state)."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        return [
+            self.wait_for("READY", timeout=max(0.0, deadline - time.monotonic()))
+            for _ in range(count)
+        ]
+
+    def ranks(self, count: int = 2, timeout: float | None = None) -> dict[int, FixtureLine]:
+        """READY lines of ``count`` ranks, by rank."""
+        lines = self.ready_lines(count, timeout)
+        by_rank = {line.get_int("rank"): line for line in lines}
+        if len(by_rank) != count:
+            raise FixtureError(self.describe(f"READY lines of {count} distinct ranks expected"))
+        return by_rank
+
+    def close(self) -> None:
+        if self.proc is not None:
+            kill_tree(self.proc.pid)
+        super().close()
+
+
+def torchrun_job(shape: str, *args: Arg, nproc: int = 2, **kwargs: Any) -> Job:
+    """``torchrun --nproc_per_node=NPROC`` on one node, a free port, ``torch_jobs.py --shape``."""
+    port = free_port()
+    argv: list[Arg] = [
+        torchrun(),
+        f"--nproc_per_node={nproc}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={port}",
+        TORCH_JOBS,
+        "--shape",
+        shape,
+        *args,
+    ]
+    return Job(argv, shape=shape, port=port, ready=None, **kwargs)
+
+
+def direct_job(shape: str, *args: Arg, **kwargs: Any) -> Job:
+    """``torch_jobs.py --shape`` run by the venv's python, no torchrun; MASTER_PORT is free."""
+    port = free_port()
+    argv: list[Arg] = [python(), TORCH_JOBS, "--shape", shape, *args]
+    env = job_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    return Job(argv, shape=shape, port=port, ready=None, env=env, **kwargs)
+
+
+def missing_node_job(**kwargs: Any) -> Job:
+    """``torchrun --nnodes=2`` as node 0 of 2, the second node never started.
+
+    Its agent hosts the rendezvous store and waits there for the other node's agent; no worker
+    (and so no ``torch_jobs.py``) ever starts, so there is no READY line: wait for
+    :func:`listening` on ``job.port`` instead.
+    """
+    port = free_port()
+    argv: list[Arg] = [
+        torchrun(),
+        "--nnodes=2",
+        "--node_rank=0",
+        "--nproc_per_node=1",
+        "--master_addr=127.0.0.1",
+        f"--master_port={port}",
+        TORCH_JOBS,
+        "--shape",
+        "training_loop",
+    ]
+    return Job(argv, shape="rendezvous_node_missing", port=port, ready=None, **kwargs)
