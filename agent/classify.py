@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .gpuverdict import ProcessGpu, describe_idle, describe_spin
-from .model import ProcessSample, plural
+from .model import Listener, ProcessSample, plural
 from .progress import ProcessProgress
 from .waitgraph import WaitEdge, WordGroup
 
@@ -36,6 +36,7 @@ class ProcessVerdict:
     listening_ports: tuple[int, ...] = ()
     gone: bool = False
     gpu_spin: bool = False  # host parked past the threshold while its GPUs stay pegged
+    worked: bool = False  # did work of its own in the window (not merely under the threshold)
 
 
 @dataclass
@@ -68,6 +69,8 @@ class ProcessFacts:
     parked_seconds: float
     cycles: Sequence[tuple[int, ...]] = ()
     gpu: ProcessGpu | None = None  # None: NVML did not answer, or it holds no GPU
+    # The service's listening ports that outside clients connect to; None: all of them.
+    front_door_ports: frozenset[int] | None = None
 
 
 def _all_threads(n: int) -> str:
@@ -104,6 +107,12 @@ def describe_group(g: WordGroup, now_ns: int) -> str:
     return f"{plural(len(g.tids), 'thread')} parked on one word {g.uaddr:#x} ({g.op_name}){where}, {owner}{since}"
 
 
+def front_doors(sample: ProcessSample, ports: frozenset[int] | None) -> list[Listener]:
+    """The process's listeners that clients outside the service connect to (``ports``: the
+    service's front-door ports; None: every listener counts, as when nothing is known)."""
+    return [lst for lst in sample.listeners if ports is None or lst.port in ports]
+
+
 def classify_process(facts: ProcessFacts, threshold_s: float) -> ProcessVerdict:
     s, prog = facts.sample, facts.progress
     n = len(s.threads)
@@ -136,13 +145,19 @@ def classify_process(facts: ProcessFacts, threshold_s: float) -> ProcessVerdict:
         v.reasons.append(describe_spin([gpu]))
         return v
     if prog.did_work:
+        v.worked = True
         v.reasons.extend(prog.signals())
         return v
     if facts.parked_threads < n:
+        v.worked = True
         v.reasons.append(f"{n - facts.parked_threads} of {plural(n, 'thread')} not parked")
         return v
     v.state, why = _parked_state(
-        facts.parked_seconds, threshold_s, s.listeners, s.unread_bytes, _all_threads(n)
+        facts.parked_seconds,
+        threshold_s,
+        front_doors(s, facts.front_door_ports),
+        s.unread_bytes,
+        _all_threads(n),
     )
     v.reasons.extend(why)
     idle_gpu = describe_idle({s.pid: gpu}) if gpu is not None else None
@@ -152,33 +167,34 @@ def classify_process(facts: ProcessFacts, threshold_s: float) -> ProcessVerdict:
 
 
 def _parked_state(
-    parked_s: float, threshold_s: float, listeners: Iterable, unread: int, who: str
+    parked_s: float, threshold_s: float, doors: Iterable[Listener], unread: int, who: str
 ) -> tuple[str, list[str]]:
-    listeners = list(listeners)
-    queued = sum(lst.queued for lst in listeners)
-    ports = ", ".join(str(p) for p in sorted({lst.port for lst in listeners}))
+    """Nothing progresses: idle when a front door has nothing waiting at it; otherwise
+    stalled once past the threshold, and still progressing under it."""
+    doors = list(doors)
+    queued = sum(lst.queued for lst in doors)
+    ports = ", ".join(str(p) for p in sorted({lst.port for lst in doors}))
     reasons = [f"{who} parked for {_fmt_s(parked_s)}, no progress in the window"]
-    if listeners and (queued or unread):
+    under = f"no progress for {_fmt_s(parked_s)}, under the {_fmt_s(threshold_s)} threshold"
+    if doors and not (queued or unread):
+        reasons.append(
+            f"listening on port {ports} with an empty accept queue: waiting for requests"
+        )
+        return IDLE, reasons
+    if doors:
         pend = []
         if queued:
             pend.append(f"{plural(queued, 'connection')} waiting in the accept queue")
         if unread:
             pend.append(f"{plural(unread, 'byte')} of requests unread")
         reasons.append(f"listening on port {ports}: " + " and ".join(pend))
-        if parked_s >= threshold_s:
-            return STALLED, reasons
-        reasons.append(f"under the {_fmt_s(threshold_s)} threshold: not called stalled yet")
-        return IDLE, reasons
-    if listeners:
-        reasons.append(
-            f"listening on port {ports} with an empty accept queue: waiting for requests"
-        )
-        return IDLE, reasons
+    else:
+        reasons.append("no front door: nothing outside the service is waiting to be served")
     if parked_s >= threshold_s:
-        reasons.append(f"past the {_fmt_s(threshold_s)} threshold, not listening")
+        reasons.append(f"past the {_fmt_s(threshold_s)} threshold")
         return STALLED, reasons
-    reasons.append(f"under the {_fmt_s(threshold_s)} threshold: not called stalled yet")
-    return IDLE, reasons
+    reasons.append(under)
+    return PROGRESSING, reasons
 
 
 def classify_service(
@@ -217,22 +233,23 @@ def _classify_service(
         )
     if cycles:
         reasons = [f"{plural(len(cycles), 'lock cycle')} stable across two reads"]
-        return ServiceVerdict(root, DEADLOCKED, reasons, cycles, verdicts)
+        return _waiters_take(ServiceVerdict(root, DEADLOCKED, reasons, cycles, verdicts))
     spinning = [f for f, v in zip(procs, verdicts) if v.gpu_spin]
-    host_working = [v for v in verdicts if v.state == PROGRESSING and not v.gone]
-    if spinning and not host_working:
+    working = [v for v in verdicts if v.worked and not v.gone]
+    if spinning and not working:
         reasons = [describe_spin(f.gpu for f in spinning if f.gpu is not None)]
-        return ServiceVerdict(root, STALLED, reasons, cycles, verdicts, gpu_spin=True)
-    working = [v for v in verdicts if v.state == PROGRESSING and not v.gone]
+        return _waiters_take(
+            ServiceVerdict(root, STALLED, reasons, cycles, verdicts, gpu_spin=True)
+        )
     if working:
         reasons = [f"process {v.pid} ({v.comm}): {'; '.join(v.reasons)}" for v in working]
-        parked = [v for v in verdicts if v.state != PROGRESSING]
+        parked = [v for v in verdicts if not v.worked and not v.gone]
         if parked:
             reasons.append(
                 f"{plural(len(parked), 'other process', 'other processes')} parked while a peer "
                 "works: not a stall"
             )
-        return ServiceVerdict(root, PROGRESSING, reasons, cycles, verdicts)
+        return _waiters_take(ServiceVerdict(root, PROGRESSING, reasons, cycles, verdicts))
     if not procs:
         return ServiceVerdict(root, PROGRESSING, ["nothing left to watch"], cycles, verdicts, True)
     parked_s = min(f.parked_seconds for f in procs)
@@ -243,11 +260,22 @@ def _classify_service(
     state, reasons = _parked_state(
         parked_s,
         threshold_s,
-        [lst for f in procs for lst in f.sample.listeners],
+        [lst for f in procs for lst in front_doors(f.sample, f.front_door_ports)],
         sum(f.sample.unread_bytes for f in procs),
         who,
     )
     idle_gpu = describe_idle({f.sample.pid: f.gpu for f in procs if f.gpu is not None})
     if idle_gpu:
         reasons.append(idle_gpu)
-    return ServiceVerdict(root, state, reasons, cycles, verdicts)
+    return _waiters_take(ServiceVerdict(root, state, reasons, cycles, verdicts))
+
+
+def _waiters_take(v: ServiceVerdict) -> ServiceVerdict:
+    """Processes that did nothing of their own but wait (not in a cycle, not gone) take the
+    service's state: a healthy idle server's scheduler is idle, not stalled; a rank parked in
+    a collective behind a computing peer is progressing; the front-end of a scheduler in a
+    lock cycle is deadlocked with it."""
+    for p in v.processes:
+        if not (p.worked or p.gone or p.state == DEADLOCKED or p.gpu_spin):
+            p.state = v.state
+    return v

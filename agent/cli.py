@@ -16,10 +16,12 @@ no answer, every thread in futex) is deadlocked, stalled, idle or progressing.
 
 states:
   deadlocked   a wait-for cycle among its threads (locks held in a ring), stable across two reads
-  stalled      every thread parked past the threshold, no progress, not an idle listener
-  idle         every thread parked, listening with an empty accept queue (or parked for
-               less than the threshold): waiting for work
-  progressing  it did work in the window: CPU, bytes written, connections accepted
+  stalled      no progress past the threshold, and not idle: work waits for it, or it has no
+               front door (a distributed job, a batch process)
+  idle         no progress, and nothing waits for it: a front door (a listener that clients
+               outside the service connect to) with an empty accept queue
+  progressing  it did work that reaches outside the service in the window (CPU, writes to
+               files or clients, GPU), or it waits without a front door under the threshold
 """
 
 DIAGNOSE_EPILOG = """\

@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from .errors import UsageError, show
+from .frontdoor import FrontDoorConfig
 from .procfs import PID_MAX_LIMIT
 from .settings import INTERVAL, PARK_THRESHOLD, Seconds, Settings
 
@@ -25,7 +26,7 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")  # becomes a label value
 MAX_REGEX = 1024  # characters: a selector is a short pattern, not a document
 MAX_CONFIG_BYTES = 1 << 20  # a config is a page of YAML; more is a wrong file
 TOP_KEYS = ("listen", INTERVAL.key, PARK_THRESHOLD.key, "bpf_stats", "targets")
-TARGET_KEYS = ("name", "cmdline", "comm", "pids", "gpu")
+TARGET_KEYS = ("name", "cmdline", "comm", "pids", "gpu", "front_door_ports", "front_door")
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,8 @@ class Target:
     comm: re.Pattern[str] | None = None  # matched in full against /proc/PID/comm
     pids: frozenset[int] = frozenset()
     gpu: bool = False  # any process that holds GPU memory
+    # Its front-door ports as declared (empty: it has none); None: found from its connections
+    front_doors: FrontDoorConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -146,7 +149,33 @@ def _target(raw: object, i: int, src: str) -> Target:
         raise _err(src, f"{where}.gpu", f"want true or false, got {show(gpu)}")
     if cmdline is None and comm is None and not pids and not gpu:
         raise _err(src, where, f"target {name!r} selects nothing: give cmdline, comm, pids or gpu")
-    return Target(name, cmdline, comm, frozenset(pids), gpu)
+    return Target(name, cmdline, comm, frozenset(pids), gpu, _front_doors(raw, where, src))
+
+
+def _front_doors(raw: Mapping[Any, Any], where: str, src: str) -> FrontDoorConfig | None:
+    """``front_door_ports: [8000]`` (exactly these) or ``front_door: false`` (none)."""
+    if "front_door_ports" in raw and "front_door" in raw:
+        raise _err(src, where, "give front_door_ports or front_door: false, not both")
+    if "front_door" in raw:
+        value = raw["front_door"]
+        if value is not False:
+            raise _err(
+                src,
+                f"{where}.front_door",
+                f"want false (it has no front door), got {show(value)}; "
+                "to name its front doors, list them in front_door_ports",
+            )
+        return FrontDoorConfig()
+    if "front_door_ports" not in raw:
+        return None
+    ports = raw["front_door_ports"]
+    key = f"{where}.front_door_ports"
+    if not isinstance(ports, list) or not ports:
+        raise _err(src, key, f"want a non-empty list of ports, got {show(ports)}")
+    for p in ports:
+        if isinstance(p, bool) or not isinstance(p, int) or not 0 < p <= 65535:
+            raise _err(src, key, f"{show(p)} is not a port (1-65535)")
+    return FrontDoorConfig(frozenset(ports))
 
 
 def validate(raw: object, source: str) -> Config:

@@ -24,6 +24,7 @@ from . import session as session_mod
 from .classify import ServiceVerdict
 from .discovery import Discovery, Service
 from .errors import UsageError
+from .frontdoor import FrontDoorConfig
 from .model import GpuDevice, GpuReading, ProbeReading
 from .observe import Scope, Tick
 from .procfs import ProcFS
@@ -111,7 +112,9 @@ class Daemon:
         self.services: dict[int, Service] = {}
         # Discovery's services, as found at the start of each tick; gone processes dropped.
         self.scope = Scope(
-            lambda: {root: s.pids for root, s in self.services.items()}, remember_gone=False
+            lambda: {root: s.pids for root, s in self.services.items()},
+            remember_gone=False,
+            declared_doors=self._declared_doors,
         )
         self.exposition: Exposition | None = None
         self.states: dict[tuple[str, int], str] = {}  # (service, root) -> last logged state
@@ -133,6 +136,12 @@ class Daemon:
         d = cls(cfg, proc, clock)
         d.session = Session(cfg.settings, d.scope, probe, gpu, proc)
         return d
+
+    def _declared_doors(self, root: int) -> FrontDoorConfig | None:
+        """The front doors the service's target declares, if it does."""
+        svc = self.services.get(root)
+        target = next((t for t in self.cfg.targets if svc and t.name == svc.name), None)
+        return target.front_doors if target is not None else None
 
     def _gpu_pids(self) -> set[int]:
         gpu = self.session.gpu if self.session is not None else None

@@ -120,6 +120,58 @@ class Listener:
 
 
 @dataclass(frozen=True)
+class Connection:
+    """An established TCP connection held by a process (/proc/PID/net/tcp{,6})."""
+
+    local_address: str
+    local_port: int
+    remote_address: str
+    remote_port: int
+    inode: int
+    rx_queue: int  # bytes received and not yet read
+    tx_queue: int  # bytes sent and not yet acknowledged
+
+
+# The kernel's default start of net.ipv4.ip_local_port_range.
+DEFAULT_EPHEMERAL_FROM = 32768
+# torchrun's own default (torch/distributed/run.py): the static rendezvous's store port when
+# no --master-port is given.
+TORCHRUN_DEFAULT_MASTER_PORT = 29500
+
+
+@dataclass(frozen=True)
+class Plumbing:
+    """What a process's environment and command line say about a distributed job's plumbing.
+
+    Read once per process (its environment is the one it was exec'd with): ``MASTER_PORT``
+    (the int only; nothing else of the environment is kept) and the ports a launcher's flags
+    name (torchrun's ``--master-port``, ``--rdzv-endpoint``).
+    """
+
+    master_port: int | None = None  # MASTER_PORT in its environment: a torch.distributed rank
+    launcher: str | None = None  # "torchrun" when it is torch's launcher (an elastic agent)
+    flag_ports: tuple[tuple[str, int], ...] = ()  # (flag, port) named on its command line
+
+    @property
+    def ports(self) -> frozenset[int]:
+        out = {port for _, port in self.flag_ports}
+        if self.master_port is not None:
+            out.add(self.master_port)
+        return frozenset(out)
+
+    @property
+    def distributed(self) -> bool:
+        """A rank or a launcher of a distributed job."""
+        return self.master_port is not None or self.launcher is not None or bool(self.flag_ports)
+
+    def why(self, port: int) -> str | None:
+        """What names ``port`` as plumbing: 'MASTER_PORT', '--rdzv-endpoint', ..."""
+        if port == self.master_port:
+            return "MASTER_PORT"
+        return next((flag for flag, p in self.flag_ports if p == port), None)
+
+
+@dataclass(frozen=True)
 class ProcessSample:
     pid: int
     ppid: int
@@ -131,6 +183,12 @@ class ProcessSample:
     unread_bytes: int = 0  # bytes queued unread on its established TCP connections
     # uaddr -> identity of the word across processes (shared mappings), see sampler
     word_ids: Mapping[int, tuple] = field(default_factory=dict)
+    connections: tuple[Connection, ...] = ()  # its established TCP connections
+    plumbing: Plumbing = field(default_factory=Plumbing)  # its distributed-job hints
+
+    @property
+    def plumbing_ports(self) -> frozenset[int]:
+        return self.plumbing.ports
 
     def thread(self, tid: int) -> ThreadSample | None:
         for t in self.threads:
@@ -147,6 +205,9 @@ class Snapshot:
     gone: frozenset[int] = frozenset()  # watched pids that no longer exist
     # tid -> pid for live threads outside the watched processes that a lock names as owner
     foreign_owners: Mapping[int, int] = field(default_factory=dict)
+    # The first port of net.ipv4.ip_local_port_range: ports the kernel hands out for bind(0)
+    # and connect() start here.
+    ephemeral_from: int = DEFAULT_EPHEMERAL_FROM
 
     def wall_of(self, mono_ns: int) -> float:
         """time.time() of a CLOCK_MONOTONIC instant, by this snapshot's pair of clocks."""

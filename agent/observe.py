@@ -20,6 +20,7 @@ from .classify import (
     describe_cycle,
     describe_group,
 )
+from .frontdoor import FrontDoorConfig, FrontDoors, front_doors
 from .gpuverdict import GpuHistory, describe_active
 from .model import GpuReading, ProbeEvent, ProbeReading, Snapshot, SocketEvent
 from .procfs import ProcFS
@@ -39,6 +40,9 @@ class Scope:
 
     members: Callable[[], Mapping[int, Sequence[int]]]
     remember_gone: bool
+    # The front doors a service's target declares (root -> config; None: decide from what
+    # connects to its listeners).
+    declared_doors: Callable[[int], FrontDoorConfig | None] = lambda _root: None
 
     @classmethod
     def of_roots(cls, proc: ProcFS, roots: Iterable[int]) -> Scope:
@@ -206,6 +210,8 @@ class Observer:
         names = {t.tid: t.name for p in snap.processes.values() for t in p.threads}
         out = []
         for root, members in self.members.items():
+            samples = [snap.processes[p] for p in members if p in snap.processes]
+            doors = front_doors(samples, self.scope.declared_doors(root), snap.ephemeral_from)
             facts = []
             for pid in members:
                 sample = snap.processes.get(pid)
@@ -233,6 +239,7 @@ class Observer:
                         parked_seconds=self.tracker.parked_seconds(pid, snap.mono_ns),
                         cycles=[c for c in latest.cycles if tids.intersection(c)],
                         gpu=gpu,
+                        front_door_ports=doors.ports,
                     )
                 )
             live = {f.sample.pid for f in facts}
@@ -240,7 +247,7 @@ class Observer:
             cycles = sorted({c for f in facts for c in f.cycles})
             evidence = Evidence(
                 cycles=[describe_cycle(c, latest.graph.edges, names) for c in cycles],
-                parked=self._parked_evidence(live, latest, groups),
+                parked=self._parked_evidence(live, latest, groups, doors),
             )
             out.append(
                 classify_service(
@@ -254,12 +261,16 @@ class Observer:
             )
         return out
 
-    def _parked_evidence(self, pids: set[int], tick: Tick, groups: list[WordGroup]) -> list[str]:
-        """What a parked service waits on, in words: its largest parked groups, since when
-        its ports listen, and its last writes."""
+    def _parked_evidence(
+        self, pids: set[int], tick: Tick, groups: list[WordGroup], doors: FrontDoors
+    ) -> list[str]:
+        """What a parked service waits on, in words: its largest parked groups, which of its
+        listeners are front doors, since when its ports listen, and its last writes."""
         now = tick.snapshot.mono_ns
         mine = [g for g in groups if pids.intersection(g.pids)]
         out = [describe_group(g, now) for g in mine[:3]]
+        if doors.doors:
+            out.append(doors.describe())
         out.extend(self.sockets.describe(pids, tick.snapshot))
         out.extend(self._last_writes(pids, tick.reading, now))
         return out

@@ -9,9 +9,13 @@ chose (prctl PR_SET_NAME), so nothing here may trust a file to be UTF-8 or well 
 from __future__ import annotations
 
 import os
+import re
 import socket
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+from .model import DEFAULT_EPHEMERAL_FROM, TORCHRUN_DEFAULT_MASTER_PORT, Plumbing
 
 SYS_FUTEX = 202  # x86-64 syscall numbers: /proc/.../syscall reports them raw
 SYS_FUTEX_WAITV = 449
@@ -58,6 +62,8 @@ class TcpSocket:
     tx_queue: int
     rx_queue: int
     inode: int
+    remote_address: str = ""
+    remote_port: int = 0
 
 
 @dataclass(frozen=True)
@@ -148,16 +154,114 @@ def parse_net_tcp(text: str, family: str) -> list[TcpSocket]:
         if len(f) < 10:
             continue
         host, _, port_hex = f[1].rpartition(":")
+        rhost, _, rport_hex = f[2].rpartition(":")
         tx_hex, _, rx_hex = f[4].partition(":")
-        addr = _addr(host, family)
-        port, st = _uint(port_hex, 16, 1 << 16), _uint(f[3], 16, 1 << 8)
+        addr, raddr = _addr(host, family), _addr(rhost, family)
+        port, rport = _uint(port_hex, 16, 1 << 16), _uint(rport_hex, 16, 1 << 16)
+        st = _uint(f[3], 16, 1 << 8)
         tx, rx, inode = _uint(tx_hex, 16, 1 << 32), _uint(rx_hex, 16, 1 << 32), _uint(f[9])
         if addr is None or port is None or st is None or tx is None or rx is None:
             continue  # not a line of this format: skip it, keep the rest
-        if inode is None:
+        if inode is None or raddr is None or rport is None:
             continue
-        out.append(TcpSocket(family, addr, port, st, tx, rx, inode))
+        out.append(TcpSocket(family, addr, port, st, tx, rx, inode, raddr, rport))
     return out
+
+
+def parse_port_range(text: str) -> tuple[int, int] | None:
+    """/proc/sys/net/ipv4/ip_local_port_range: 'FIRST\tLAST'."""
+    parts = text.split()
+    if len(parts) != 2:
+        return None
+    first, last = _uint(parts[0], limit=1 << 16), _uint(parts[1], limit=1 << 16)
+    if not first or last is None or last < first:
+        return None
+    return first, last
+
+
+_PORT = re.compile(r"[0-9]{1,5}")
+
+
+def _port(text: str) -> int | None:
+    """A TCP port 1-65535 written as plain digits (0, 'auto', '29_500': None)."""
+    value = int(text) if _PORT.fullmatch(text) else 0
+    return value if 0 < value < 1 << 16 else None
+
+
+def parse_master_port(environ: bytes) -> int | None:
+    """MASTER_PORT of a NUL-separated environment block; the last one wins, as in os.environ."""
+    port = None
+    for item in environ.split(b"\0"):
+        if item.startswith(b"MASTER_PORT="):
+            port = _port(item[len(b"MASTER_PORT=") :].decode("ascii", "replace").strip())
+    return port
+
+
+def parse_rdzv_port(endpoint: str) -> int | None:
+    """The port of torchrun's --rdzv-endpoint HOST[:PORT] ('[v6]', '[v6]:PORT'); without a port,
+    the c10d backend's default 29400 (torch.distributed.elastic.rendezvous.utils)."""
+    endpoint = endpoint.strip()
+    if not endpoint:
+        return None
+    if endpoint.startswith("[") and endpoint.endswith("]"):
+        return RDZV_DEFAULT_PORT
+    host, sep, port = endpoint.rpartition(":")
+    if not sep:
+        return RDZV_DEFAULT_PORT
+    return _port(port) if host else None
+
+
+RDZV_DEFAULT_PORT = 29400
+LAUNCHER_MODULES = ("torch.distributed.run", "torch.distributed.launch")
+_PORT_FLAGS = {
+    "--master_port": "--master-port",
+    "--master-port": "--master-port",
+    "--rdzv_endpoint": "--rdzv-endpoint",
+    "--rdzv-endpoint": "--rdzv-endpoint",
+}
+
+
+def _launcher(argv: Sequence[str]) -> str | None:
+    """'torchrun' when the command line runs torch's launcher: ``torchrun ...``,
+    ``python [opts] .../torchrun ...`` or ``python [opts] -m torch.distributed.run ...``."""
+    if not argv:
+        return None
+    if os.path.basename(argv[0]) == "torchrun":
+        return "torchrun"
+    i = 1
+    while i < len(argv) and argv[i].startswith("-"):  # the interpreter's options
+        if argv[i] == "-m":
+            module = argv[i + 1] if i + 1 < len(argv) else ""
+            return "torchrun" if module in LAUNCHER_MODULES else None
+        i += 1
+    return "torchrun" if i < len(argv) and os.path.basename(argv[i]) == "torchrun" else None
+
+
+def parse_plumbing(environ: bytes | None, argv: Sequence[str]) -> Plumbing:
+    """A process's plumbing hints: MASTER_PORT from its environment; from its command line,
+    whether it is torchrun and the ports of ``--master-port N``, ``--master_port=N``,
+    ``--rdzv-endpoint HOST:PORT`` (both spellings, both forms). A torchrun given neither
+    flag nor ``--standalone`` keeps its default master port, 29500."""
+    flags: list[tuple[str, int]] = []
+    standalone = False
+    for i, arg in enumerate(argv):
+        name, eq, value = arg.partition("=")
+        standalone = standalone or arg == "--standalone"
+        flag = _PORT_FLAGS.get(name)
+        if flag is None:
+            continue
+        if not eq:
+            if i + 1 >= len(argv):
+                continue
+            value = argv[i + 1]
+        port = parse_rdzv_port(value) if flag == "--rdzv-endpoint" else _port(value.strip())
+        if port is not None and (flag, port) not in flags:
+            flags.append((flag, port))
+    launcher = _launcher(argv)
+    if launcher is not None and not flags and not standalone:
+        flags.append(("torchrun's default --master-port", TORCHRUN_DEFAULT_MASTER_PORT))
+    master = parse_master_port(environ) if environ else None
+    return Plumbing(master_port=master, launcher=launcher, flag_ports=tuple(flags))
 
 
 def parse_maps_line(line: str) -> MemMap | None:
@@ -204,8 +308,25 @@ class ProcFS:
         raw = self._read_bytes(pid, "cmdline")
         return raw.rstrip(b"\0").replace(b"\0", b" ").decode(errors="replace") if raw else None
 
+    def argv(self, pid: int) -> list[str] | None:
+        """The command line's arguments, as the process was exec'd (or rewrote them)."""
+        raw = self._read_bytes(pid, "cmdline")
+        if not raw:
+            return None
+        return [a.decode(errors="replace") for a in raw.rstrip(b"\0").split(b"\0")]
+
     def environ(self, pid: int) -> bytes | None:
         return self._read_bytes(pid, "environ")
+
+    def plumbing(self, pid: int) -> Plumbing:
+        """The process's plumbing hints (see parse_plumbing); none when unreadable."""
+        return parse_plumbing(self.environ(pid), self.argv(pid) or [])
+
+    def ephemeral_from(self) -> int:
+        """The first port of net.ipv4.ip_local_port_range (the kernel's default where unread)."""
+        text = self._read("sys", "net", "ipv4", "ip_local_port_range")
+        got = parse_port_range(text) if text else None
+        return got[0] if got else DEFAULT_EPHEMERAL_FROM
 
     def _read_bytes(self, *parts: object) -> bytes | None:
         try:
@@ -231,6 +352,11 @@ class ProcFS:
 
     def thread_exec_start_ms(self, pid: int, tid: int) -> float | None:
         text = self._read(pid, "task", tid, "sched")
+        return parse_exec_start_ms(text) if text else None
+
+    def own_exec_start_ms(self) -> float | None:
+        """se.exec_start of the calling thread (running now: the scheduler clock's 'now')."""
+        text = self._read("thread-self", "sched")
         return parse_exec_start_ms(text) if text else None
 
     def thread_syscall(self, pid: int, tid: int) -> SyscallLine | None:

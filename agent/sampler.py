@@ -11,9 +11,11 @@ from .model import (
     FUTEX_CMD_MASK,
     FUTEX_WAIT_BITSET,
     WAIT_OPS,
+    Connection,
     FutexWait,
     Listener,
     LockRead,
+    Plumbing,
     ProbeReading,
     ProcessSample,
     Refusal,
@@ -120,15 +122,26 @@ class Sampler:
         self.wall = wall
         self._reads: dict[tuple[int, int], _ThreadRead] = {}  # (pid, tid) -> last tick's read
         self._next_reads: dict[tuple[int, int], _ThreadRead] = {}
+        # pid -> ((start time, comm), its plumbing hints): read once per process, and again
+        # when the PID is reused or the process execs (its comm changes)
+        self._sched_offset_ns = 0  # CLOCK_MONOTONIC minus the scheduler clock: see snapshot
+        self._plumbing: dict[int, tuple[tuple[int, str], Plumbing]] = {}
+        self._next_plumbing: dict[int, tuple[tuple[int, str], Plumbing]] = {}
 
     def snapshot(self, pids: Iterable[int], probe: ProbeReading | None = None) -> Snapshot:
         probe = probe or ProbeReading()
         now = self.clock_ns()
         wall = self.wall()
+        own = self.proc.own_exec_start_ms()
+        # se.exec_start is the scheduler clock, which need not be CLOCK_MONOTONIC (on one VM
+        # here it ran 123 s behind). This thread is running now, so its own exec_start is
+        # "now" on that clock: the difference converts every thread's to monotonic.
+        self._sched_offset_ns = now - int(own * 1e6) if own is not None else 0
         processes: dict[int, ProcessSample] = {}
         gone = set()
         net_cache: dict[str, list] = {}
         self._next_reads = {}
+        self._next_plumbing = {}
         for pid in pids:
             p = self._process(pid, probe, net_cache)
             if p is None:
@@ -136,13 +149,14 @@ class Sampler:
             else:
                 processes[pid] = p
         self._reads = self._next_reads  # threads not seen this tick are forgotten
+        self._plumbing = self._next_plumbing
         known = {t.tid for p in processes.values() for t in p.threads}
         foreign = {}
         for tid in owner_candidates(processes.values()) - known:
             tgid = self.proc.tgid_of(tid)
             if tgid is not None:
                 foreign[tid] = tgid
-        return Snapshot(now, wall, processes, frozenset(gone), foreign)
+        return Snapshot(now, wall, processes, frozenset(gone), foreign, self.proc.ephemeral_from())
 
     def _process(self, pid: int, probe: ProbeReading, net_cache: dict) -> ProcessSample | None:
         proc = self.proc
@@ -166,7 +180,7 @@ class Sampler:
                 mem.close()
         if not threads:
             return None
-        listeners, unread = self._sockets(pid, net_cache)
+        listeners, unread, connections = self._sockets(pid, net_cache)
         return ProcessSample(
             pid=pid,
             ppid=st.ppid,
@@ -177,7 +191,15 @@ class Sampler:
             listeners=listeners,
             unread_bytes=unread,
             word_ids=word_ids,
+            connections=connections,
+            plumbing=self._plumbing_of(pid, (st.start_ticks, st.comm)),
         )
+
+    def _plumbing_of(self, pid: int, key: tuple[int, str]) -> Plumbing:
+        known = self._plumbing.get(pid)
+        hints = known[1] if known is not None and known[0] == key else self.proc.plumbing(pid)
+        self._next_plumbing[pid] = (key, hints)
+        return hints
 
     def _read_thread(self, pid: int, tid: int) -> _ThreadRead | None:
         proc = self.proc
@@ -195,9 +217,10 @@ class Sampler:
         last_ran = None
         if blocked:
             ms = proc.thread_exec_start_ms(pid, tid)
-            # se.exec_start is in ms of the scheduler clock, which on Linux tracks
-            # CLOCK_MONOTONIC; clamp so a skew never puts it in the future.
-            last_ran = min(int(ms * 1e6), self.clock_ns()) if ms is not None else None
+            # On the scheduler clock: moved to monotonic by this snapshot's offset, and
+            # clamped so that the offset's own error never puts it in the future.
+            if ms is not None:
+                last_ran = min(int(ms * 1e6) + self._sched_offset_ns, self.clock_ns())
         return _ThreadRead(cpu, st.comm, st.state, sc, last_ran)
 
     def _thread(
@@ -278,14 +301,19 @@ class Sampler:
             placed.append(replace(t, stack=(stack.start, stack.end)) if stack else t)
         return placed, word_ids
 
-    def _sockets(self, pid: int, net_cache: dict) -> tuple[tuple[Listener, ...], int]:
+    def _sockets(
+        self, pid: int, net_cache: dict
+    ) -> tuple[tuple[Listener, ...], int, tuple[Connection, ...]]:
+        """Its listeners, the bytes unread on its connections, and its established connections:
+        /proc/PID/net/tcp{,6} filtered by the socket inodes of its fds (one read of the
+        tables per network namespace per tick)."""
         inodes = self.proc.socket_inodes(pid)
         if not inodes:
-            return (), 0
+            return (), 0, ()
         ns = self.proc.net_namespace(pid) or f"pid:{pid}"
         if ns not in net_cache:
             net_cache[ns] = self.proc.tcp_sockets(pid)
-        listeners, unread = [], 0
+        listeners, unread, connections = [], 0, []
         for s in net_cache[ns]:
             if s.inode not in inodes:
                 continue
@@ -293,4 +321,15 @@ class Sampler:
                 listeners.append(Listener(s.family, s.address, s.port, s.rx_queue, s.tx_queue))
             elif s.state == TCP_ESTABLISHED:
                 unread += s.rx_queue
-        return tuple(listeners), unread
+                connections.append(
+                    Connection(
+                        s.address,
+                        s.port,
+                        s.remote_address,
+                        s.remote_port,
+                        s.inode,
+                        s.rx_queue,
+                        s.tx_queue,
+                    )
+                )
+        return tuple(listeners), unread, tuple(connections)

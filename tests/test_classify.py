@@ -22,7 +22,15 @@ LISTEN = Listener("tcp", "0.0.0.0", 8000, queued=0, backlog=128)
 
 
 def facts(
-    pid=10, n=3, parked_n=None, parked_s=120.0, cycles=(), work=None, listeners=(), unread=0
+    pid=10,
+    n=3,
+    parked_n=None,
+    parked_s=120.0,
+    cycles=(),
+    work=None,
+    listeners=(),
+    unread=0,
+    doors=None,
 ) -> ProcessFacts:
     sample = process(pid, *(parked(pid * 100 + i) for i in range(n)), listeners=listeners)
     if unread:
@@ -34,7 +42,9 @@ def facts(
         cpu_ns=4 * 10**9 if work == "cpu" else 0,
         write_bytes=4096 if work == "write" else None,
     )
-    return ProcessFacts(sample, prog, n if parked_n is None else parked_n, parked_s, cycles)
+    return ProcessFacts(
+        sample, prog, n if parked_n is None else parked_n, parked_s, cycles, front_door_ports=doors
+    )
 
 
 def test_cycle_wins_over_work():
@@ -56,8 +66,30 @@ def test_all_parked_past_threshold_is_stalled():
 
 def test_all_parked_under_threshold_is_not_yet_stalled():
     v = classify_process(facts(parked_s=59), 60)
-    assert v.state == IDLE
-    assert any("under the 60 s threshold" in r for r in v.reasons)
+    assert v.state == PROGRESSING  # idle is only ever a front door with nothing waiting
+    assert "no progress for 59 s, under the 60 s threshold" in v.reasons
+
+
+def test_plumbing_listeners_are_no_front_door():
+    """A rank's store and collective ports: parked past the threshold is stalled, not idle."""
+    store = Listener("tcp", "0.0.0.0", 29500, queued=0, backlog=128)
+    v = classify_process(facts(parked_s=61, listeners=(store,), doors=frozenset()), 60)
+    assert v.state == STALLED
+    assert any("no front door" in r for r in v.reasons)
+    both = (store, LISTEN)
+    assert classify_process(facts(listeners=both, doors=frozenset({8000})), 60).state == IDLE
+
+
+def test_waiting_processes_take_the_services_state():
+    """The scheduler of an idle server is idle; a rank behind a computing peer progresses."""
+    server = [facts(pid=11, listeners=(LISTEN,)), facts(pid=12)]
+    v = classify_service(10, server, 60)
+    assert v.state == IDLE and {p.state for p in v.processes} == {IDLE}
+    ranks = [facts(pid=11, work="cpu", parked_n=2), facts(pid=12)]
+    v = classify_service(10, ranks, 60)
+    assert {p.pid: p.state for p in v.processes} == {11: PROGRESSING, 12: PROGRESSING}
+    hung = [facts(pid=11, cycles=[(1100, 1101)]), facts(pid=12)]
+    assert [p.state for p in classify_service(10, hung, 60).processes] == [DEADLOCKED] * 2
 
 
 def test_listener_with_empty_queue_is_idle_however_long_parked():
@@ -130,8 +162,12 @@ def test_service_state_follows_the_precedence(procs, threshold):
         assert v.state == DEADLOCKED
     elif any(w for _, w, *_ in procs):
         assert v.state == PROGRESSING
-    elif any(listen for *_, listen in procs) or min(ps for _, _, ps, _ in procs) < threshold:
+    elif any(listen for *_, listen in procs):
         assert v.state == IDLE
+    elif min(ps for _, _, ps, _ in procs) < threshold:
+        assert v.state == PROGRESSING
     else:
         assert v.state == STALLED
+    for p in v.processes:  # a process either works, is in a cycle, or takes the service's state
+        assert p.worked or p.state in (v.state, DEADLOCKED)
     assert v.reasons

@@ -223,3 +223,63 @@ def test_bpf_stats_is_off_unless_asked_for():
     assert load(None).bpf_stats is False
     assert load_text("targets: [{name: a, pids: [1]}]", "x").bpf_stats is False
     assert load_text("bpf_stats: true\ntargets: [{name: a, pids: [1]}]", "x").bpf_stats is True
+
+
+def test_front_doors_declared():
+    from agent.frontdoor import FrontDoorConfig
+
+    c = load_text(
+        "targets:\n"
+        "  - {name: api, cmdline: serve, front_door_ports: [8000, 8001, 8000]}\n"
+        "  - {name: train, cmdline: torchrun, front_door: false}\n"
+        "  - {name: other, cmdline: x}\n",
+        "x",
+    )
+    api, train, other = c.targets
+    assert api.front_doors == FrontDoorConfig(frozenset({8000, 8001}))
+    assert train.front_doors == FrontDoorConfig(frozenset())
+    assert other.front_doors is None  # found from its connections
+    assert all(t.front_doors is None for t in load(None).targets)
+
+
+@pytest.mark.parametrize(
+    ("target", "names"),
+    [
+        ("front_door_ports: []", "targets[0].front_door_ports: want a non-empty list of ports"),
+        ("front_door_ports: 8000", "targets[0].front_door_ports: want a non-empty list"),
+        ("front_door_ports: [0]", "targets[0].front_door_ports: 0 is not a port (1-65535)"),
+        ("front_door_ports: [65536]", "65536 is not a port"),
+        ("front_door_ports: [true]", "True is not a port"),
+        ("front_door_ports: ['8000']", "'8000' is not a port"),
+        ("front_door_ports: [80.5]", "80.5 is not a port"),
+        ("front_door: true", "targets[0].front_door: want false (it has no front door), got True"),
+        ("front_door: 'no'", "targets[0].front_door: want false"),
+        ("front_door: null", "targets[0].front_door: want false"),
+        (
+            "front_door: false, front_door_ports: [8000]",
+            "targets[0]: give front_door_ports or front_door: false, not both",
+        ),
+        ("front_doors: [8000]", "targets[0].front_doors: unknown key (did you mean 'front_door"),
+    ],
+)
+def test_bad_front_doors_name_the_key(target, names):
+    with pytest.raises(UsageError) as e:
+        load_text(f"targets: [{{name: a, pids: [1], {target}}}]", "bad.yaml")
+    msg = str(e.value)
+    assert msg.startswith("config bad.yaml: ") and names in msg, msg
+    assert "\n" not in msg
+
+
+_front_keys = st.sampled_from(["front_door_ports", "front_door"])
+
+
+@given(st.dictionaries(_front_keys, _yamlish | st.lists(st.integers(), max_size=3), max_size=2))
+def test_front_door_keys_raise_only_usage_errors(extra):
+    try:
+        c = validate({"targets": [{"name": "a", "pids": [1], **extra}]}, "fuzz")
+    except UsageError as e:
+        assert str(e).startswith("config fuzz: ") and "\n" not in str(e)
+    else:
+        fd = c.targets[0].front_doors
+        assert (fd is None) == (not extra)
+        assert fd is None or all(0 < p < 65536 for p in fd.ports)

@@ -189,7 +189,8 @@ class CountingProcFS(ProcFS):
         self.reads: dict[str, int] = {}
 
     def _read(self, *parts: object) -> str | None:
-        name = str(parts[-1])
+        # The sampler's own clock read (thread-self/sched, once a tick) is not a thread's.
+        name = "/".join(map(str, parts)) if parts[0] == "thread-self" else str(parts[-1])
         self.reads[name] = self.reads.get(name, 0) + 1
         return super()._read(*parts)
 
@@ -254,3 +255,15 @@ def test_threads_waiting_on_one_word_read_it_once(tmp_path):
     parked = [t for t in snap.processes[10].threads if t.lock is not None]
     assert len(parked) == 29 and all(t.lock.word == 2 for t in parked)
     assert reads == [0x2000]
+
+
+def test_last_ran_is_moved_from_the_scheduler_clock_to_monotonic(tmp_path):
+    """se.exec_start runs on the scheduler clock, which on a VM here lagged CLOCK_MONOTONIC by
+    123 s: the sampler's own thread (running: 'now' on that clock) gives the offset."""
+    root = make_proc(tmp_path)
+    write(root / "thread-self/sched", "se.exec_start : 100000.000000\n")  # 100 s, ours now
+    now = 223_000_000_000  # monotonic 223 s: the scheduler clock lags by 123 s
+    t = Sampler(ProcFS(str(root)), clock_ns=lambda: now).snapshot([10]).processes[10].thread(10)
+    raw = ProcFS(str(root)).thread_exec_start_ms(10, 10)
+    assert raw is not None and t is not None and t.last_ran_ns is not None
+    assert t.last_ran_ns == min(int(raw * 1e6) + 123_000_000_000, now)

@@ -1,0 +1,201 @@
+"""Which listeners of a service are front doors: pure, from the sampled processes alone.
+
+A listener is a front door when clients from outside the service connect to it; a
+distributed job's plumbing is not (DESIGN.md, "Idle needs a front door with nothing waiting
+at it"). Per listening port of the service, in this order:
+
+1. The target's config decides when it declares: ``front_door_ports`` are exactly the front
+   doors, ``front_door: false`` means none.
+2. A port that a process of the service names as plumbing is not: its ``MASTER_PORT`` (the
+   TCPStore of rank 0, or of the torchrun agent), torchrun's ``--master-port`` or
+   ``--rdzv-endpoint`` (the agent hosts the store there).
+3. A listener on an ephemeral port (at or above ip_local_port_range's start) held by a
+   process of a distributed job (a rank: it has MASTER_PORT; or the torchrun agent) is a
+   collective library's listener (gloo) or an auto-assigned store (``--standalone``), whatever
+   connects to it: across nodes its peers are ranks on other hosts, outside this host's view
+   of the service, so "from outside" cannot tell them from clients.
+4. Otherwise its accepted connections (the service's established sockets on that local
+   port) decide: every peer a socket of the service (the other end of the loopback pair is
+   held by a process of the service) makes it plumbing; one peer from outside makes it a front
+   door. A listener with no connection is a front door until shown otherwise: an idle server
+   has none.
+
+What the real thing looks like (torch 2.14.1, gloo on CPU, 2 ranks; checked by hand with
+tests/realsw/torch_jobs.py and the serving stack of tests/realsw/serving):
+
+* ``torchrun --master_port=29611``: the agent (comm ``pt_elastic``, no MASTER_PORT of its
+  own) listens on ``:::29611`` (rule 2, its flag); its own client and each rank connect to it
+  over ``::ffff:127.0.0.1``. Each rank has MASTER_PORT=29611 and one gloo listener on
+  ``127.0.0.1:<ephemeral>`` (35293, 38653); rank 1 connects to rank 0's, nothing to rank 1's
+  (rule 3; rule 4 would also call rank 0's plumbing, but rank 1's has no connection).
+* ``torchrun --standalone``: the agent listens on two ephemeral ports, the c10d rendezvous
+  store (localhost:0, named nowhere; only the agent connects to it) and the ranks'
+  MASTER_PORT (rule 2 through the ranks' environment); both also fall under rule 3.
+* ``--rdzv-backend=c10d --rdzv-endpoint 127.0.0.1:29633``: the agent listens on 29633 (its
+  flag) and on an ephemeral port that is the ranks' MASTER_PORT.
+* ``torchrun --nnodes=2`` with node 1 missing: the agent listens on its --master_port, only
+  its own client connected. A rank run directly with MASTER_PORT=29621 (rendezvous_peer_missing)
+  listens on :::29621, only itself connected.
+* The serving stack (uvicorn front-end, zmq over ipc:// to its spawned children): one listener,
+  the front-end's port (ephemeral with ``--port 0``; no process of it has MASTER_PORT), its
+  peers the client's sockets, outside the service: a front door; with no client, still one
+  (rule 4). Its children hold no TCP socket.
+
+Environment hints are what the process was exec'd with (/proc/PID/environ): a script that sets
+``os.environ["MASTER_PORT"]`` itself shows it only in the children it starts; declare the
+ports in the config when the rules guess wrong.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from .model import DEFAULT_EPHEMERAL_FROM, Connection, ProcessSample
+
+
+@dataclass(frozen=True)
+class FrontDoorConfig:
+    """What a target's config declares: ``ports`` are the front doors (empty: none)."""
+
+    ports: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True)
+class Door:
+    """One listening port of the service, and whether it is a front door."""
+
+    port: int
+    pids: tuple[int, ...]  # the processes that hold a listener on it
+    front: bool
+    reason: str
+    connections: int = 0  # accepted connections (established sockets on this local port)
+
+
+@dataclass(frozen=True)
+class FrontDoors:
+    doors: tuple[Door, ...] = ()  # by port
+    declared: bool = False  # the config decided
+
+    @property
+    def ports(self) -> frozenset[int]:
+        """The ports of the front doors (empty: the service has none listening)."""
+        return frozenset(d.port for d in self.doors if d.front)
+
+    def door(self, port: int) -> Door | None:
+        return next((d for d in self.doors if d.port == port), None)
+
+    def describe(self) -> str:
+        """'front door 8000 (...); not front doors: 29500 (MASTER_PORT of rank pid 11)'"""
+        if not self.doors:
+            return "no listener"
+        front = [f"{d.port} ({d.reason})" for d in self.doors if d.front]
+        back = [f"{d.port} ({d.reason})" for d in self.doors if not d.front]
+        parts = []
+        if front:
+            parts.append(f"front door{'s' if len(front) > 1 else ''} " + ", ".join(front))
+        if back:
+            parts.append("not front doors: " + ", ".join(back))
+        return "; ".join(parts)
+
+
+def _host(address: str) -> str:
+    """An IPv4-mapped IPv6 address as the IPv4 address: one connection, two tables."""
+    if address.startswith("::ffff:") and "." in address:
+        return address[len("::ffff:") :]
+    return address
+
+
+def _local(c: Connection) -> tuple[str, int]:
+    return _host(c.local_address), c.local_port
+
+
+def _remote(c: Connection) -> tuple[str, int]:
+    return _host(c.remote_address), c.remote_port
+
+
+def _pids(pids: Iterable[int]) -> str:
+    ps = sorted(set(pids))
+    return f"pid{'s' if len(ps) > 1 else ''} " + ", ".join(map(str, ps))
+
+
+def _holder(p: ProcessSample) -> str:
+    """'rank pid 123', 'torchrun pid 77', 'pid 9 (python3)'."""
+    if p.plumbing.launcher is not None:
+        return f"{p.plumbing.launcher} pid {p.pid}"
+    if p.plumbing.master_port is not None:
+        return f"rank pid {p.pid}"
+    return f"pid {p.pid} ({p.comm})"
+
+
+def _plumbing_reasons(processes: Sequence[ProcessSample]) -> dict[int, str]:
+    out: dict[int, str] = {}
+    for p in sorted(processes, key=lambda p: p.pid):
+        for port in sorted(p.plumbing.ports):
+            why = p.plumbing.why(port)
+            if port not in out and why is not None:
+                what = "rendezvous endpoint" if why == "--rdzv-endpoint" else why
+                out[port] = f"{what} of {_holder(p)}"
+    return out
+
+
+def front_doors(
+    processes: Sequence[ProcessSample],
+    declared: FrontDoorConfig | None = None,
+    ephemeral_from: int = DEFAULT_EPHEMERAL_FROM,
+) -> FrontDoors:
+    """Each listening port of the service (``processes``: all of its processes), decided by
+    the rules of the module docstring. ``ephemeral_from``: the snapshot's start of
+    ip_local_port_range."""
+    holders: dict[int, dict[int, ProcessSample]] = {}  # port -> pid -> process
+    for p in processes:
+        for lst in p.listeners:
+            holders.setdefault(lst.port, {})[p.pid] = p
+    # Every connection of the service, by port, and the endpoints it holds.
+    accepted: dict[int, list[Connection]] = {}
+    owner: dict[tuple[tuple[str, int], tuple[str, int]], int] = {}  # (local, remote) -> pid
+    for p in processes:
+        for c in p.connections:
+            owner[(_local(c), _remote(c))] = p.pid
+            if c.local_port in holders:
+                accepted.setdefault(c.local_port, []).append(c)
+    plumbing = _plumbing_reasons(processes)
+    doors = []
+    for port in sorted(holders):
+        hs = [holders[port][pid] for pid in sorted(holders[port])]
+        pids = tuple(p.pid for p in hs)
+        conns = accepted.get(port, [])
+        n = len(conns)
+        if declared is not None:
+            if port in declared.ports:
+                doors.append(Door(port, pids, True, "declared in the config", n))
+            elif declared.ports:
+                doors.append(Door(port, pids, False, "not among the config's front doors", n))
+            else:
+                doors.append(Door(port, pids, False, "the config says it has no front door", n))
+            continue
+        if port in plumbing:
+            doors.append(Door(port, pids, False, plumbing[port], n))
+            continue
+        dist = [p for p in hs if p.plumbing.distributed]
+        if port >= ephemeral_from and dist:
+            what = "an auto-assigned store" if dist[0].plumbing.launcher else "a collective library"
+            why = f"ephemeral port of {_holder(dist[0])}: {what}'s listener"
+            doors.append(Door(port, pids, False, why, n))
+            continue
+        if not conns:
+            doors.append(
+                Door(port, pids, True, "no connection yet: a front door until shown otherwise")
+            )
+            continue
+        peers = [owner.get((_remote(c), _local(c))) for c in conns]
+        outside = [c for c, peer in zip(conns, peers) if peer is None]
+        if outside:
+            host, rport = _remote(outside[0])
+            more = f" and {len(outside) - 1} more" if len(outside) > 1 else ""
+            why = f"clients from outside connect to it: from {host}:{rport}{more}"
+            doors.append(Door(port, pids, True, why, n))
+        else:
+            why = f"every peer is a process of the service ({_pids(p for p in peers if p)})"
+            doors.append(Door(port, pids, False, why, n))
+    return FrontDoors(tuple(doors), declared is not None)
