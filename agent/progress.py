@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .model import ProcessSample, Snapshot, plural
+from .model import ProcessSample, Snapshot, ThreadSample, plural
 
 NS = 1_000_000_000
 
@@ -20,8 +20,9 @@ class ParkSettings:
     # A thread "did work" in a tick when it used more CPU than this share of the tick.
     # An idle poll loop (Python's serve_forever wakes twice a second) uses ~0.01%.
     cpu_floor_ratio: float = 0.01
-    # ... and never less than this, so that a short tick does not count a wake-up as work.
-    cpu_floor_min_ns: int = 2_000_000
+    # ... and never less than this, so that a short tick does not count a wake-up as work:
+    # a thread asleep on a 10 ms timer was seen charged 3-14 ms at once now and then.
+    cpu_floor_min_ns: int = 20_000_000
 
 
 @dataclass(frozen=True)
@@ -78,8 +79,16 @@ def _bytes(n: int) -> str:
 class ParkTracker:
     """Remembers, per thread, when it last did work, across snapshots.
 
-    A thread first seen blocked is taken to have last worked when it last ran
-    (se.exec_start), a lower bound on how long it has been parked.
+    A thread did work in a tick when its CPU time grew by more than the floor since the
+    previous snapshot, and only then: its state letter never counts. A thread that wakes on
+    a timer (a 10 ms epoll loop, a heartbeat) is now and then caught in state R, and a
+    debugger or ``py-spy dump`` stopping the process makes every thread run for a moment
+    (R, or t while stopped); none of that is work, so none of it resets a park time. A
+    thread that wants a CPU and gets none (R on a starved CPU, t under ptrace) is parked.
+
+    A thread first seen has no CPU history. If it is blocked, it is taken to have last
+    worked when its current wait began (seen by the probe) or when it last ran
+    (se.exec_start), whichever is earlier: a lower bound on how long it has been parked.
     """
 
     def __init__(self, settings: ParkSettings | None = None) -> None:
@@ -90,7 +99,8 @@ class ParkTracker:
 
     def update(self, snap: Snapshot) -> None:
         prev = self._prev
-        tick_ns = snap.mono_ns - prev.mono_ns if prev else 0
+        now = snap.mono_ns
+        tick_ns = now - prev.mono_ns if prev else 0
         floor = max(self.settings.cpu_floor_min_ns, int(tick_ns * self.settings.cpu_floor_ratio))
         seen: dict[tuple[int, int, int], int] = {}
         self.parks = {}
@@ -99,22 +109,42 @@ class ParkTracker:
             if old is not None and old.start_ticks != p.start_ticks:
                 old = None  # the PID was reused
             old_cpu = {t.tid: t.cpu_ns for t in old.threads} if old else {}
+            # When the process last worked, as of the previous snapshot (None: new to us).
+            quiet_since = max(
+                (
+                    self._last_work[k]
+                    for tid in old_cpu
+                    if (k := (p.pid, p.start_ticks, tid)) in self._last_work
+                ),
+                default=None,
+            )
             parks = {}
             for t in p.threads:
                 key = (p.pid, p.start_ticks, t.tid)
                 last = self._last_work.get(key)
-                worked = (not t.blocked) or (t.tid in old_cpu and t.cpu_ns - old_cpu[t.tid] > floor)
-                if last is None:
-                    # First sight: blocked since it last ran, or working now.
-                    last = (
-                        snap.mono_ns
-                        if not t.blocked
-                        else min(snap.mono_ns, t.last_ran_ns or snap.mono_ns)
-                    )
-                elif worked:
-                    last = snap.mono_ns
+                if t.tid in old_cpu and last is not None:
+                    worked = t.cpu_ns - old_cpu[t.tid] > floor
+                elif old is not None:
+                    # Born since the previous snapshot: all its CPU time was used in this
+                    # tick. Starting a thread that then does nothing is no work (a
+                    # threading.Timer heartbeat starts one each time), so unless it worked
+                    # it has been quiet as long as the rest of its process.
+                    worked = t.cpu_ns > floor
+                    last = quiet_since if quiet_since is not None else _last_ran(t, now)
+                else:
+                    # First sight of its process: no CPU history, so it has not been seen
+                    # working, whatever its state. A blocked thread has been parked at
+                    # least since it last ran. One caught running (R) has no last-ran
+                    # time, and it is on or waiting for a CPU now, so now is the only
+                    # lower bound that holds: its park time starts at first sight, which
+                    # loses nothing (there is no earlier estimate to reset), and a busy
+                    # thread shows its CPU by the next tick.
+                    worked = False
+                    last = _last_ran(t, now)
+                if worked:
+                    last = now
                 seen[key] = last
-                parks[t.tid] = ThreadPark(t.tid, t.blocked and not worked, last)
+                parks[t.tid] = ThreadPark(t.tid, not worked, last)
             self.parks[p.pid] = parks
         self._last_work = seen  # forget exited threads: bounded by live threads
         self._prev = snap
@@ -125,6 +155,16 @@ class ParkTracker:
         if not parks or not all(x.parked for x in parks.values()):
             return 0.0
         return max(0.0, (now_ns - max(x.last_work_ns for x in parks.values())) / NS)
+
+
+def _last_ran(t: ThreadSample, now_ns: int) -> int:
+    """When a thread first seen last did anything: the start of the wait it is in (the
+    probe saw it begin) or when it last ran, whichever is earlier; ``now_ns`` for a
+    running thread, or when neither is known."""
+    if not t.blocked:
+        return now_ns
+    known = [ns for ns in (t.last_ran_ns, t.wait.since_ns if t.wait else None) if ns]
+    return min([now_ns, *known])
 
 
 def window_progress(

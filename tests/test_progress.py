@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from agent.model import Snapshot
+from dataclasses import replace
+
+from agent.model import FutexWait, Snapshot, ThreadSample
 from agent.progress import ParkSettings, ParkTracker, window_progress
 from tests.synth import S, parked, process, running
 
@@ -23,7 +25,7 @@ def test_timer_wakeups_keep_a_thread_parked_and_its_park_time_grows():
     assert 9 < tracker.parked_seconds(10, int(109 * S)) < 10
 
 
-def test_work_resets_park_time_and_a_running_thread_is_not_parked():
+def test_work_resets_park_time_and_a_thread_using_cpu_is_not_parked():
     tracker = ParkTracker()
     tracker.update(snap_at(100, process(10, parked(11, cpu=0, since=50 * S))))
     assert tracker.parked_seconds(10, 100 * S) == 50
@@ -32,8 +34,116 @@ def test_work_resets_park_time_and_a_running_thread_is_not_parked():
     assert tracker.parked_seconds(10, 101 * S) == 0
     tracker.update(snap_at(103, process(10, parked(11, cpu=500 * MS, since=101 * S))))
     assert tracker.parked_seconds(10, 103 * S) == 2
-    tracker.update(snap_at(104, process(10, parked(11), running(12))))
+    # A thread born in this tick that used CPU above the floor worked.
+    tracker.update(snap_at(104, process(10, parked(11, cpu=500 * MS), running(12, cpu=50 * MS))))
+    assert not tracker.parks[10][12].parked
     assert tracker.parked_seconds(10, 104 * S) == 0
+
+
+def timer_thread(tid: int, cpu: int, caught_running: bool, last_ran: int) -> ThreadSample:
+    """A thread that wakes on a 10 ms timer: now and then a read catches it in state R."""
+    if caught_running:
+        return running(tid, cpu=cpu, name="tcp_loop")
+    return ThreadSample(tid, "tcp_loop", "S", cpu, last_ran_ns=last_ran, syscall=232)
+
+
+def test_a_timer_thread_caught_running_stays_parked_and_its_park_time_grows():
+    tracker = ParkTracker()
+    seen = []
+    for i in range(60):
+        now = 100 + i
+        timer = timer_thread(12, i * MS, caught_running=i % 2 == 1, last_ran=int((now - 0.005) * S))
+        tracker.update(snap_at(now, process(10, parked(11, since=10 * S), timer)))
+        parks = tracker.parks[10]
+        assert parks[11].parked and parks[12].parked, f"tick {i}: {parks}"
+        seen.append(tracker.parked_seconds(10, int(now * S)))
+    assert all(b > a for a, b in zip(seen[1:], seen[2:])), seen
+    assert seen[-1] > 59  # from the timer thread's first sight (it last ran 5 ms before)
+
+
+def test_a_thread_using_50ms_per_tick_is_working_whether_seen_running_or_not():
+    tracker = ParkTracker()
+    for i in range(10):
+        busy = timer_thread(12, i * 50 * MS, caught_running=i % 3 == 0, last_ran=(100 + i) * S)
+        tracker.update(snap_at(100 + i, process(10, parked(11, since=10 * S), busy)))
+        if i:
+            assert not tracker.parks[10][12].parked
+            assert tracker.parked_seconds(10, (100 + i) * S) == 0
+    assert tracker.parks[10][11].parked
+
+
+def test_a_short_tick_keeps_its_floor():
+    # The daemon may tick every 0.1 s: 1 ms of CPU per tick is still a wake-up.
+    tracker = ParkTracker()
+    for i in range(20):
+        now = 100 + i / 10
+        timer = timer_thread(12, i * MS, caught_running=True, last_ran=0)
+        tracker.update(snap_at(now, process(10, timer)))
+        assert tracker.parks[10][12].parked
+    assert abs(tracker.parked_seconds(10, int(101.9 * S)) - 1.9) < 1e-6
+
+
+def test_a_ptrace_stopped_process_keeps_growing_its_park_time():
+    """A debugger or ``py-spy dump`` stops every thread (state t) and lets it go: they run
+    for a moment, show R or t, and use next to no CPU. None of that is work."""
+    tracker = ParkTracker()
+    seen = []
+    for i in range(20):
+        now = 100 + i
+        state = "t" if 5 <= i < 8 else ("R" if i == 8 else "S")
+        cpu = i * 100_000 if i < 9 else 900_000
+        threads = [
+            replace(parked(tid, cpu=cpu, since=int(70 * S)), state=state) for tid in (11, 12, 13)
+        ]
+        tracker.update(snap_at(now, process(10, *threads)))
+        assert all(x.parked for x in tracker.parks[10].values()), f"tick {i}"
+        seen.append(tracker.parked_seconds(10, now * S))
+    assert seen == [30 + i for i in range(20)]
+
+
+def test_a_thread_stopped_under_ptrace_at_first_sight_keeps_its_wait_age():
+    # Stopping it made it run (exec_start 10 ms ago), but the probe saw its wait begin.
+    t = ThreadSample(
+        11, "w", "t", 0, last_ran_ns=int(99.99 * S), wait=FutexWait(0x1000, 0, 0, since_ns=40 * S)
+    )
+    tracker = ParkTracker()
+    tracker.update(snap_at(100, process(10, t)))
+    assert tracker.parked_seconds(10, 100 * S) == 60
+
+
+def test_one_burst_resets_the_park_time_and_it_grows_again():
+    tracker = ParkTracker()
+    cpu = 0
+    seen = []
+    for i in range(10):
+        cpu += 80 * MS if i == 4 else 200_000
+        tracker.update(snap_at(100 + i, process(10, parked(11, cpu=cpu, since=90 * S))))
+        assert tracker.parks[10][11].parked == (i != 4)
+        seen.append(tracker.parked_seconds(10, (100 + i) * S))
+    assert seen == [10, 11, 12, 13, 0, 1, 2, 3, 4, 5]
+
+
+def test_a_thread_running_at_first_sight_is_not_working_until_it_uses_cpu():
+    tracker = ParkTracker()
+    tracker.update(snap_at(100, process(10, running(11, cpu=5 * S))))
+    assert tracker.parks[10][11].parked  # no CPU history yet: not seen working
+    assert tracker.parked_seconds(10, 100 * S) == 0  # parked since first sight, no earlier
+    tracker.update(snap_at(101, process(10, running(11, cpu=5 * S + MS))))
+    assert tracker.parked_seconds(10, 101 * S) == 1
+    tracker.update(snap_at(102, process(10, running(11, cpu=6 * S))))
+    assert not tracker.parks[10][11].parked
+    assert tracker.parked_seconds(10, 102 * S) == 0
+
+
+def test_a_thread_started_and_idle_does_not_reset_its_process():
+    # A threading.Timer heartbeat starts a thread each time; starting one is no work.
+    tracker = ParkTracker()
+    tracker.update(snap_at(100, process(10, parked(11, since=50 * S))))
+    for i, tid in enumerate((12, 13, 14), start=1):
+        heartbeat = timer_thread(tid, 300_000, caught_running=True, last_ran=0)
+        tracker.update(snap_at(100 + i, process(10, parked(11, since=50 * S), heartbeat)))
+        assert tracker.parks[10][tid].parked
+        assert tracker.parked_seconds(10, (100 + i) * S) == 50 + i
 
 
 def test_reused_pid_starts_afresh():
