@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .gpuverdict import ProcessGpu, describe_idle, describe_spin
-from .model import Listener, ProcessSample, plural
+from .model import Connection, Listener, ProcessSample, plural
 from .progress import ProcessProgress
 from .waitgraph import WaitEdge, WordGroup
 
@@ -113,6 +113,28 @@ def front_doors(sample: ProcessSample, ports: frozenset[int] | None) -> list[Lis
     return [lst for lst in sample.listeners if ports is None or lst.port in ports]
 
 
+def waiting_for_answer(c: Connection) -> bool:
+    """The connection holds a request the service has not answered: it received data more
+    recently than it sent any (tcp_info, both times known, some data received). An idle
+    keep-alive connection sent last (its answer), so it does not wait. A fresh connection
+    whose first request is unanswered has sent nothing since the handshake, which set both
+    times at once: equal times (jiffy granular) with nothing of its own acknowledged are the
+    same case, checked on this kernel with a request sent right after connect()."""
+    recv, sent = c.last_recv_ms, c.last_sent_ms
+    if recv is None or sent is None or not c.bytes_received:
+        return False
+    return recv < sent or (recv == sent and c.bytes_acked == 0)
+
+
+def unanswered_requests(sample: ProcessSample, ports: frozenset[int] | None) -> list[Connection]:
+    """The process's accepted connections on a front door (``ports``: the service's front-door
+    ports; None: its own listening ports) that wait for an answer, oldest first."""
+    if ports is None:
+        ports = frozenset(lst.port for lst in sample.listeners)
+    waiting = [c for c in sample.connections if c.local_port in ports and waiting_for_answer(c)]
+    return sorted(waiting, key=lambda c: -(c.last_recv_ms or 0))
+
+
 def classify_process(facts: ProcessFacts, threshold_s: float) -> ProcessVerdict:
     s, prog = facts.sample, facts.progress
     n = len(s.threads)
@@ -133,7 +155,7 @@ def classify_process(facts: ProcessFacts, threshold_s: float) -> ProcessVerdict:
         v.reasons.append(f"{plural(len(facts.cycles), 'lock cycle')} among its threads")
         return v
     gpu = facts.gpu
-    host_work = bool(prog.working_tids or prog.write_bytes or prog.accepts)
+    host_work = bool(prog.working_tids or prog.write_bytes)
     if (
         gpu is not None
         and not host_work
@@ -158,6 +180,7 @@ def classify_process(facts: ProcessFacts, threshold_s: float) -> ProcessVerdict:
         front_doors(s, facts.front_door_ports),
         s.unread_bytes,
         _all_threads(n),
+        unanswered_requests(s, facts.front_door_ports),
     )
     v.reasons.extend(why)
     idle_gpu = describe_idle({s.pid: gpu}) if gpu is not None else None
@@ -167,31 +190,50 @@ def classify_process(facts: ProcessFacts, threshold_s: float) -> ProcessVerdict:
 
 
 def _parked_state(
-    parked_s: float, threshold_s: float, doors: Iterable[Listener], unread: int, who: str
+    parked_s: float,
+    threshold_s: float,
+    doors: Iterable[Listener],
+    unread: int,
+    who: str,
+    unanswered: Sequence[Connection] = (),
 ) -> tuple[str, list[str]]:
     """Nothing progresses: idle when a front door has nothing waiting at it; otherwise
-    stalled once past the threshold, and still progressing under it."""
+    stalled once past the threshold, and still progressing under it. ``unanswered``: accepted
+    connections on its front doors that wait for an answer (see waiting_for_answer); they
+    carry their own age, so the oldest of them counts as time without progress even when
+    its threads ran more recently (DESIGN: evidence carries its own age)."""
     doors = list(doors)
     queued = sum(lst.queued for lst in doors)
     ports = ", ".join(str(p) for p in sorted({lst.port for lst in doors}))
+    oldest_s = max((c.last_recv_ms or 0 for c in unanswered), default=0) / 1000
+    stuck_s = max(parked_s, oldest_s)
     reasons = [f"{who} parked for {_fmt_s(parked_s)}, no progress in the window"]
-    under = f"no progress for {_fmt_s(parked_s)}, under the {_fmt_s(threshold_s)} threshold"
-    if doors and not (queued or unread):
+    under = f"no progress for {_fmt_s(stuck_s)}, under the {_fmt_s(threshold_s)} threshold"
+    if doors and not (queued or unread or unanswered):
         reasons.append(
             f"listening on port {ports} with an empty accept queue: waiting for requests"
         )
         return IDLE, reasons
+    pend = []
+    if queued:
+        pend.append(f"{plural(queued, 'connection')} waiting in the accept queue")
+    if unread:
+        pend.append(f"{plural(unread, 'byte')} of requests unread")
+    if unanswered:
+        pend.append(f"{plural(len(unanswered), 'request')} unanswered for {_fmt_s(oldest_s)}")
     if doors:
-        pend = []
-        if queued:
-            pend.append(f"{plural(queued, 'connection')} waiting in the accept queue")
-        if unread:
-            pend.append(f"{plural(unread, 'byte')} of requests unread")
         reasons.append(f"listening on port {ports}: " + " and ".join(pend))
+    elif unanswered:
+        # Accepted connections without the listener (another process of the service holds it).
+        on = ", ".join(str(p) for p in sorted({c.local_port for c in unanswered}))
+        reasons.append(f"connections accepted on port {on}: " + " and ".join(pend))
     else:
         reasons.append("no front door: nothing outside the service is waiting to be served")
-    if parked_s >= threshold_s:
-        reasons.append(f"past the {_fmt_s(threshold_s)} threshold")
+    if stuck_s >= threshold_s:
+        past = f"past the {_fmt_s(threshold_s)} threshold"
+        if oldest_s > parked_s:
+            past = f"no progress for {_fmt_s(oldest_s)} (the oldest unanswered request), {past}"
+        reasons.append(past)
         return STALLED, reasons
     reasons.append(under)
     return PROGRESSING, reasons
@@ -263,6 +305,10 @@ def _classify_service(
         [lst for f in procs for lst in front_doors(f.sample, f.front_door_ports)],
         sum(f.sample.unread_bytes for f in procs),
         who,
+        sorted(
+            (c for f in procs for c in unanswered_requests(f.sample, f.front_door_ports)),
+            key=lambda c: -(c.last_recv_ms or 0),
+        ),
     )
     idle_gpu = describe_idle({f.sample.pid: f.gpu for f in procs if f.gpu is not None})
     if idle_gpu:

@@ -41,6 +41,7 @@ config (YAML; unknown keys are errors):
   targets:
     - name: sglang
       cmdline: "sglang\\\\.launch_server"   # regex on the space-joined command line
+      front_door_ports: [30000]         # optional; front_door: false for none
     - name: workers
       comm: "python3?"                  # regex matched in full against the process name
     - name: any-gpu

@@ -106,12 +106,17 @@ def _host(address: str) -> str:
     return address
 
 
+def endpoint(address: str, port: int) -> tuple[str, int]:
+    """(address, port) of one end of a connection, IPv4-mapped addresses as IPv4."""
+    return _host(address), port
+
+
 def _local(c: Connection) -> tuple[str, int]:
-    return _host(c.local_address), c.local_port
+    return endpoint(c.local_address, c.local_port)
 
 
 def _remote(c: Connection) -> tuple[str, int]:
-    return _host(c.remote_address), c.remote_port
+    return endpoint(c.remote_address, c.remote_port)
 
 
 def _pids(pids: Iterable[int]) -> str:

@@ -8,7 +8,7 @@ they can be tested from synthetic snapshots without root or BPF.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .abi import HW
 
@@ -130,6 +130,32 @@ class Connection:
     inode: int
     rx_queue: int  # bytes received and not yet read
     tx_queue: int  # bytes sent and not yet acknowledged
+    # From the kernel's tcp_info (inet_diag netlink, see agent/tcpinfo.py); None when unknown:
+    # not read (no connection to judge, another network namespace unreachable, no netlink).
+    last_recv_ms: int | None = None  # since data was last received (at the snapshot)
+    last_sent_ms: int | None = None  # since data was last sent
+    bytes_received: int | None = None  # data bytes received in its life
+    bytes_acked: int | None = None  # data bytes it sent that the peer acknowledged
+
+    def with_tcp_info(self, info: TcpInfo) -> Connection:
+        return replace(
+            self,
+            last_recv_ms=info.last_data_recv_ms,
+            last_sent_ms=info.last_data_sent_ms,
+            bytes_received=info.bytes_received,
+            bytes_acked=info.bytes_acked,
+        )
+
+
+@dataclass(frozen=True)
+class TcpInfo:
+    """What the kernel's tcp_info says of one socket (times in ms before the read; jiffy
+    granular, 4 ms at HZ=250)."""
+
+    last_data_recv_ms: int  # tcpi_last_data_recv
+    last_data_sent_ms: int  # tcpi_last_data_sent
+    bytes_received: int  # tcpi_bytes_received
+    bytes_acked: int  # tcpi_bytes_acked
 
 
 # The kernel's default start of net.ipv4.ip_local_port_range.

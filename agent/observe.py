@@ -20,9 +20,10 @@ from .classify import (
     describe_cycle,
     describe_group,
 )
+from .egress import LEAVES, ServiceEnds
 from .frontdoor import FrontDoorConfig, FrontDoors, front_doors
 from .gpuverdict import GpuHistory, describe_active
-from .model import GpuReading, ProbeEvent, ProbeReading, Snapshot, SocketEvent
+from .model import GpuReading, ProbeEvent, ProbeReading, ProcessSample, Snapshot, SocketEvent
 from .procfs import ProcFS
 from .progress import ParkSettings, ParkTracker, window_progress
 from .sampler import Sampler, descendants
@@ -212,6 +213,9 @@ class Observer:
         for root, members in self.members.items():
             samples = [snap.processes[p] for p in members if p in snap.processes]
             doors = front_doors(samples, self.scope.declared_doors(root), snap.ephemeral_from)
+            ends = ServiceEnds(
+                (c for p in samples for c in p.connections), self._pipes_read_by(samples)
+            )
             facts = []
             for pid in members:
                 sample = snap.processes.get(pid)
@@ -230,6 +234,7 @@ class Observer:
                     self.park,
                     accepts=accepts,
                     gpu_detail=describe_active(gpu) if gpu is not None and gpu.active else None,
+                    written_out=self._written_out(pid, latest.reading, old_tick.reading, ends),
                 )
                 facts.append(
                     ProcessFacts(
@@ -274,6 +279,35 @@ class Observer:
         out.extend(self.sockets.describe(pids, tick.snapshot))
         out.extend(self._last_writes(pids, tick.reading, now))
         return out
+
+    def _pipes_read_by(self, samples: Sequence[ProcessSample]) -> Callable[[int], bool]:
+        """Whether a pipe's reading end is held in the service: the fds of its processes are
+        listed only if a pipe was written in the window, and then once."""
+        held: set[int] | None = None
+
+        def read_inside(inode: int) -> bool:
+            nonlocal held
+            if held is None:
+                held = set().union(*(self.sampler.proc.pipes_read(p.pid) for p in samples))
+            return inode in held
+
+        return read_inside
+
+    def _written_out(
+        self, pid: int, latest: ProbeReading, old: ProbeReading, ends: ServiceEnds
+    ) -> int | None:
+        """Bytes the process wrote in the window that left the service (agent.egress), by the
+        probe's count per fd; None without a probe."""
+        if self.probe is None:
+            return None
+        before = old.writes.get(pid, {})
+        total = 0
+        for fd, w in latest.writes.get(pid, {}).items():
+            prev = before.get(fd)
+            delta = w.bytes - (prev.bytes if prev is not None else 0)
+            if delta > 0 and ends.destination(self._fd_names.get((pid, fd))) in LEAVES:
+                total += delta
+        return total
 
     def _name_written_fds(self, reading: ProbeReading) -> None:
         """Name each fd when it is written (a log closed later is still named), and only

@@ -12,10 +12,11 @@ import os
 import re
 import socket
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from .model import DEFAULT_EPHEMERAL_FROM, TORCHRUN_DEFAULT_MASTER_PORT, Plumbing
+from .model import DEFAULT_EPHEMERAL_FROM, TORCHRUN_DEFAULT_MASTER_PORT, Plumbing, TcpInfo
+from .tcpinfo import read_tcp_info
 
 SYS_FUTEX = 202  # x86-64 syscall numbers: /proc/.../syscall reports them raw
 SYS_FUTEX_WAITV = 449
@@ -411,6 +412,30 @@ class ProcFS:
                 out.add(inode)
         return out
 
+    def pipes_read(self, pid: int) -> set[int]:
+        """Inodes of the pipes the process holds open for reading (an fd and its fdinfo
+        flags per pipe): whose writes stay in the service when a process of it reads them."""
+        fd_dir = os.path.join(self.root, str(pid), "fd")
+        out: set[int] = set()
+        try:
+            names = os.listdir(fd_dir)
+        except OSError:
+            return out
+        for name in names:
+            try:
+                link = os.readlink(os.path.join(fd_dir, name))
+            except OSError:
+                continue
+            inode = _uint(link[6:-1]) if link.startswith("pipe:[") else None
+            if inode is None:
+                continue
+            info = self._read(pid, "fdinfo", name) or ""
+            flags = next((ln.split()[1] for ln in info.splitlines() if ln.startswith("flags:")), "")
+            mode = _uint(flags, 8)
+            if mode is not None and mode & 3 in (os.O_RDONLY, os.O_RDWR):
+                out.add(inode)
+        return out
+
     def fd_target(self, pid: int, fd: int) -> str | None:
         """What an fd points to: a path, 'socket:[inode]', 'pipe:[inode]', ..."""
         try:
@@ -418,11 +443,24 @@ class ProcFS:
         except OSError:
             return None
 
-    def net_namespace(self, pid: int) -> str | None:
+    def net_namespace(self, pid: int | str) -> str | None:
         try:
             return os.readlink(os.path.join(self.root, str(pid), "ns", "net"))
         except OSError:
             return None
+
+    def tcp_info(self, pid: int, ports: Iterable[tuple[str, int]] | None) -> dict[int, TcpInfo]:
+        """Socket inode -> the kernel's tcp_info, for the established sockets on ``ports``
+        ((family, local port); None: all) of the process's network namespace, over netlink
+        (agent/tcpinfo.py). Empty when it cannot be read, and for a tree other than the real
+        /proc: a fixture has no kernel behind it."""
+        if self.root != "/proc":
+            return {}
+        theirs = self.net_namespace(pid)
+        if theirs is None:
+            return {}
+        netns = None if theirs == self.net_namespace("self") else f"/proc/{pid}/ns/net"
+        return read_tcp_info(ports, netns)
 
     def tcp_sockets(self, pid: int) -> list[TcpSocket]:
         """TCP sockets of the process's network namespace (containers have their own)."""

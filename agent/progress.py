@@ -18,8 +18,9 @@ NS = 1_000_000_000
 @dataclass(frozen=True)
 class ParkSettings:
     # A thread "did work" in a tick when it used more CPU than this share of the tick.
-    # An idle poll loop (Python's serve_forever wakes twice a second) uses ~0.01%.
-    cpu_floor_ratio: float = 0.01
+    # An idle poll loop (Python's serve_forever wakes twice a second) uses ~0.01%; a torch
+    # rank polling its own store every 10 ms while it waits for a peer, 1-2.5%.
+    cpu_floor_ratio: float = 0.05
     # ... and never less than this, so that a short tick does not count a wake-up as work:
     # a thread asleep on a 10 ms timer was seen charged 3-14 ms at once now and then.
     cpu_floor_min_ns: int = 20_000_000
@@ -40,15 +41,19 @@ class ProcessProgress:
     window_ns: int
     cpu_ns: int = 0
     working_tids: tuple[int, ...] = ()  # threads above the CPU floor
-    write_bytes: int | None = None  # None: not measurable (no /proc/PID/io access)
-    accepts: int | None = None  # counted by the probe's accept programs
+    # Bytes written to files, terminals and clients outside the service (agent.egress);
+    # None: not measurable.
+    write_bytes: int | None = None
+    # Connections accepted: context, not progress (a connection accepted and never
+    # answered serves nobody; an answer is a write to a client).
+    accepts: int | None = None
     gpu_active: bool | None = None  # from the GPU source
     gpu_detail: str | None = None  # what the GPU did, in words
     notes: tuple[str, ...] = ()
 
     @property
     def did_work(self) -> bool:
-        return bool(self.working_tids or self.write_bytes or self.accepts or self.gpu_active)
+        return bool(self.working_tids or self.write_bytes or self.gpu_active)
 
     def signals(self) -> list[str]:
         """Plain words for each progress signal seen."""
@@ -60,7 +65,7 @@ class ProcessProgress:
                 f"({self.cpu_ns / NS:.2f} CPU-s in {secs:.1f} s)"
             )
         if self.write_bytes:
-            out.append(f"wrote {_bytes(self.write_bytes)} in {secs:.1f} s")
+            out.append(f"wrote {_bytes(self.write_bytes)} to files or clients in {secs:.1f} s")
         if self.accepts:
             out.append(f"accepted {plural(self.accepts, 'connection')}")
         if self.gpu_active:
@@ -174,10 +179,12 @@ def window_progress(
     settings: ParkSettings,
     accepts: int | None = None,
     gpu_detail: str | None = None,
+    written_out: int | None = None,
 ) -> ProcessProgress:
     """Progress of one process between two snapshots ``window_ns`` apart. ``accepts`` is
     what the probe counted in the window; ``gpu_detail`` says what the GPU did, if it was
-    active."""
+    active; ``written_out`` is what it wrote outside the service in the window, by the
+    probe's writes per fd (without a probe: /proc/PID/io, which counts every write)."""
     notes: tuple[str, ...] = ()
     if old is not None and old.start_ticks != new.start_ticks:
         old = None  # the PID was reused: all of the new process is new
@@ -194,8 +201,8 @@ def window_progress(
         cpu_ns += max(0, delta)
         if delta > floor:
             working.append(t.tid)
-    written = None
-    if old.write_bytes is not None and new.write_bytes is not None:
+    written = written_out
+    if written is None and old.write_bytes is not None and new.write_bytes is not None:
         written = max(0, new.write_bytes - old.write_bytes)
     return ProcessProgress(
         pid=new.pid,

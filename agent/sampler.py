@@ -33,6 +33,7 @@ from .procfs import (
     ProcessMemory,
     ProcFS,
     SyscallLine,
+    TcpSocket,
 )
 from .waitgraph import owner_candidates
 
@@ -139,15 +140,17 @@ class Sampler:
         self._sched_offset_ns = now - int(own * 1e6) if own is not None else 0
         processes: dict[int, ProcessSample] = {}
         gone = set()
-        net_cache: dict[str, list] = {}
+        net_cache: dict[str, list[TcpSocket]] = {}
+        net_of: dict[int, str] = {}  # pid -> its network namespace (processes with sockets)
         self._next_reads = {}
         self._next_plumbing = {}
         for pid in pids:
-            p = self._process(pid, probe, net_cache)
+            p = self._process(pid, probe, net_cache, net_of)
             if p is None:
                 gone.add(pid)
             else:
                 processes[pid] = p
+        self._add_tcp_info(processes, net_cache, net_of)
         self._reads = self._next_reads  # threads not seen this tick are forgotten
         self._plumbing = self._next_plumbing
         known = {t.tid for p in processes.values() for t in p.threads}
@@ -158,7 +161,13 @@ class Sampler:
                 foreign[tid] = tgid
         return Snapshot(now, wall, processes, frozenset(gone), foreign, self.proc.ephemeral_from())
 
-    def _process(self, pid: int, probe: ProbeReading, net_cache: dict) -> ProcessSample | None:
+    def _process(
+        self,
+        pid: int,
+        probe: ProbeReading,
+        net_cache: dict[str, list[TcpSocket]],
+        net_of: dict[int, str],
+    ) -> ProcessSample | None:
         proc = self.proc
         st = proc.stat(pid)
         if st is None or st.state in ("Z", "X"):
@@ -180,7 +189,7 @@ class Sampler:
                 mem.close()
         if not threads:
             return None
-        listeners, unread, connections = self._sockets(pid, net_cache)
+        listeners, unread, connections = self._sockets(pid, net_cache, net_of)
         return ProcessSample(
             pid=pid,
             ppid=st.ppid,
@@ -302,7 +311,7 @@ class Sampler:
         return placed, word_ids
 
     def _sockets(
-        self, pid: int, net_cache: dict
+        self, pid: int, net_cache: dict[str, list[TcpSocket]], net_of: dict[int, str]
     ) -> tuple[tuple[Listener, ...], int, tuple[Connection, ...]]:
         """Its listeners, the bytes unread on its connections, and its established connections:
         /proc/PID/net/tcp{,6} filtered by the socket inodes of its fds (one read of the
@@ -311,6 +320,7 @@ class Sampler:
         if not inodes:
             return (), 0, ()
         ns = self.proc.net_namespace(pid) or f"pid:{pid}"
+        net_of[pid] = ns
         if ns not in net_cache:
             net_cache[ns] = self.proc.tcp_sockets(pid)
         listeners, unread, connections = [], 0, []
@@ -333,3 +343,43 @@ class Sampler:
                     )
                 )
         return tuple(listeners), unread, tuple(connections)
+
+    def _add_tcp_info(
+        self,
+        processes: dict[int, ProcessSample],
+        net_cache: dict[str, list[TcpSocket]],
+        net_of: dict[int, str],
+    ) -> None:
+        """Fill in the kernel's tcp_info (last data received and sent, bytes) of the
+        connections a process accepted on a listening port of the snapshot's processes (the
+        candidates for a front door; which are is decided later, per service): a request
+        that was received and not answered is work waiting. One netlink read per network
+        namespace, filtered by those ports, and none where no such connection exists (the
+        daemon ticks every second: cost matters)."""
+        by_ns: dict[str, list[int]] = {}
+        for pid in processes:
+            if pid in net_of:
+                by_ns.setdefault(net_of[pid], []).append(pid)
+        for ns, pids in by_ns.items():
+            listening = {lst.port for pid in pids for lst in processes[pid].listeners}
+            family = {s.inode: s.family for s in net_cache.get(ns, ())}
+            accepted = {
+                c.inode: (family[c.inode], c.local_port)
+                for pid in pids
+                for c in processes[pid].connections
+                if c.local_port in listening and c.inode in family
+            }
+            if not accepted:
+                continue
+            got = self.proc.tcp_info(pids[0], sorted(set(accepted.values())))
+            infos = {inode: info for inode, info in got.items() if inode in accepted}
+            if not infos:
+                continue
+            for pid in pids:
+                p = processes[pid]
+                if any(c.inode in infos for c in p.connections):
+                    conns = tuple(
+                        c.with_tcp_info(infos[c.inode]) if c.inode in infos else c
+                        for c in p.connections
+                    )
+                    processes[pid] = replace(p, connections=conns)

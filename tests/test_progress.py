@@ -35,7 +35,7 @@ def test_work_resets_park_time_and_a_thread_using_cpu_is_not_parked():
     tracker.update(snap_at(103, process(10, parked(11, cpu=500 * MS, since=101 * S))))
     assert tracker.parked_seconds(10, 103 * S) == 2
     # A thread born in this tick that used CPU above the floor worked.
-    tracker.update(snap_at(104, process(10, parked(11, cpu=500 * MS), running(12, cpu=50 * MS))))
+    tracker.update(snap_at(104, process(10, parked(11, cpu=500 * MS), running(12, cpu=80 * MS))))
     assert not tracker.parks[10][12].parked
     assert tracker.parked_seconds(10, 104 * S) == 0
 
@@ -61,10 +61,11 @@ def test_a_timer_thread_caught_running_stays_parked_and_its_park_time_grows():
     assert seen[-1] > 59  # from the timer thread's first sight (it last ran 5 ms before)
 
 
-def test_a_thread_using_50ms_per_tick_is_working_whether_seen_running_or_not():
+def test_a_thread_using_80ms_per_tick_is_working_whether_seen_running_or_not():
+    """8% of a CPU: above the floor (5% of the tick), whatever state a read catches."""
     tracker = ParkTracker()
     for i in range(10):
-        busy = timer_thread(12, i * 50 * MS, caught_running=i % 3 == 0, last_ran=(100 + i) * S)
+        busy = timer_thread(12, i * 80 * MS, caught_running=i % 3 == 0, last_ran=(100 + i) * S)
         tracker.update(snap_at(100 + i, process(10, parked(11, since=10 * S), busy)))
         if i:
             assert not tracker.parks[10][12].parked

@@ -1,0 +1,70 @@
+"""Which writes leave the service: the only writes that count as progress.
+
+Progress is work for someone outside the service. A write reaches outside when it goes to a
+file (a log, a checkpoint), a terminal, or a TCP peer that is not one of the service's own
+sockets. Chatter between the service's own processes and threads is not progress: eventfd
+signals (zmq wakes its I/O threads with them), pipes whose reading end the service holds
+(asyncio's and multiprocessing's), unix sockets (zmq ipc://), and loopback TCP between its
+processes (torch's store client polling its own server every 10 ms). Writes to /dev/null
+reach nobody.
+
+A pipe whose reading end is outside the service (a server's stdout going to journald or a
+container runtime) is a log: it leaves. A unix socket is taken as internal: inference
+services talk to clients over TCP, and peers of unix sockets are not in /proc/net/tcp (a
+front-end serving over a unix socket would go unseen).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from .frontdoor import endpoint
+from .model import Connection
+
+FILE = "file"
+TERMINAL = "terminal"
+CLIENT = "client"  # a TCP peer outside the service
+UNKNOWN = "unknown"  # closed before it could be named: counted, so a real write is never lost
+LEAVES = frozenset({FILE, TERMINAL, CLIENT, UNKNOWN})
+SERVICE = "service"  # eventfd, a pipe read inside, a unix socket, TCP to a service socket
+NOWHERE = "nowhere"  # /dev/null
+
+
+class ServiceEnds:
+    """The service's own ends of its connections and pipes, to tell where a write goes."""
+
+    def __init__(
+        self,
+        connections: Iterable[Connection],
+        pipe_read_inside: Callable[[int], bool],
+    ) -> None:
+        conns = list(connections)
+        self.by_inode = {c.inode: c for c in conns}
+        self.locals = {endpoint(c.local_address, c.local_port) for c in conns}
+        self.pipe_read_inside = pipe_read_inside  # pipe inode -> its reading end is ours
+
+    def destination(self, target: str | None) -> str:
+        """Where a write to an fd pointing at ``target`` (its /proc/PID/fd link) goes."""
+        if target is None:
+            return UNKNOWN
+        if target == "/dev/null":
+            return NOWHERE
+        if target.startswith(("/dev/pts/", "/dev/tty")):
+            return TERMINAL
+        if target.startswith("/"):
+            return FILE
+        if target.startswith("socket:["):
+            c = self.by_inode.get(_inode(target))
+            if c is None:
+                return SERVICE  # unix, netlink, or a TCP socket already closed
+            peer = endpoint(c.remote_address, c.remote_port)
+            return SERVICE if peer in self.locals else CLIENT
+        if target.startswith("pipe:["):
+            return SERVICE if self.pipe_read_inside(_inode(target)) else FILE
+        return SERVICE  # anon_inode:[eventfd], [eventpoll], [timerfd], ...
+
+
+def _inode(target: str) -> int:
+    """'socket:[1234]' -> 1234 (0 if it does not parse)."""
+    inner = target[target.find("[") + 1 : -1]
+    return int(inner) if inner.isdigit() else 0

@@ -1,0 +1,317 @@
+"""Unanswered requests as evidence: tcp_info over inet_diag netlink, and what it decides.
+
+Pure tests of the decision (classify.waiting_for_answer and the verdicts it feeds), then the
+reader against real loopback connections of this test process (no root needed: the
+kernel's sock_diag dump of one's own network namespace is open to every user), the
+sampler's use of it, and the hung_http fixture from another process. The one test that
+reads another network namespace needs root and unshare(1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from agent import tcpinfo
+from agent.classify import (
+    IDLE,
+    PROGRESSING,
+    STALLED,
+    ProcessFacts,
+    classify_process,
+    classify_service,
+    unanswered_requests,
+    waiting_for_answer,
+)
+from agent.model import Connection, Listener, TcpInfo
+from agent.procfs import ProcFS
+from agent.progress import ProcessProgress
+from agent.sampler import Sampler
+from agent.tcpinfo import read_tcp_info
+from scripts.fixturelib import Fixture
+from tests.synth import parked, process
+from tests.test_procfs_sockets import CountingProcFS, make_job
+
+LISTEN = Listener("tcp", "127.0.0.1", 8000, queued=0, backlog=128)
+# Longer than a jiffy at any HZ (10 ms at HZ=100): two events this far apart get two times.
+JIFFY_S = 0.025
+
+
+def conn(
+    recv: int | None = 95_000,
+    sent: int | None = 300_000,
+    got: int | None = 120,
+    acked: int | None = 0,
+    port: int = 8000,
+    inode: int = 7,
+) -> Connection:
+    return Connection("127.0.0.1", port, "127.0.0.1", 51000, inode, 0, 0, recv, sent, got, acked)
+
+
+# --- the decision ------------------------------------------------------------------------
+
+
+def test_a_request_received_after_the_last_send_waits_for_an_answer():
+    assert waiting_for_answer(conn(recv=95_000, sent=300_000, acked=4096))
+
+
+def test_an_answered_keep_alive_connection_does_not_wait():
+    """Answered, then quiet: it sent last."""
+    assert not waiting_for_answer(conn(recv=300_000, sent=299_990, acked=4096))
+
+
+def test_a_fresh_connection_with_its_first_request_unanswered_waits():
+    """The handshake sets both times; a request right after it lands in the same jiffy, and
+    nothing was sent: equal times with nothing acknowledged (seen on this kernel)."""
+    assert waiting_for_answer(conn(recv=4000, sent=4000, acked=0))
+    assert not waiting_for_answer(conn(recv=4000, sent=4000, acked=19))  # answered at once
+
+
+def test_no_data_or_unknown_times_is_no_evidence():
+    assert not waiting_for_answer(conn(recv=100, sent=100, got=0))  # connected, said nothing
+    assert not waiting_for_answer(conn(recv=None))
+    assert not waiting_for_answer(conn(sent=None))
+    assert not waiting_for_answer(conn(got=None))
+    assert not waiting_for_answer(Connection("127.0.0.1", 8000, "127.0.0.1", 51000, 7, 0, 0))
+
+
+def test_only_connections_on_front_doors_count_oldest_first():
+    plumbing = conn(port=29500, inode=1)
+    young, old = conn(recv=2000, inode=2), conn(recv=95_000, inode=3)
+    answered = conn(recv=300_000, sent=1000, inode=4)
+    sample = _sample(listeners=(LISTEN,), connections=(plumbing, young, answered, old))
+    assert unanswered_requests(sample, frozenset({8000})) == [old, young]
+    assert unanswered_requests(sample, frozenset()) == []  # the service has no front door
+    assert unanswered_requests(sample, None) == [old, young]  # None: its own listeners
+
+
+def _sample(listeners=(), connections=(), pid=10, n=2):
+    p = process(pid, *(parked(pid * 100 + i) for i in range(n)), listeners=listeners)
+    return p.__class__(**{**p.__dict__, "connections": tuple(connections)})
+
+
+def _facts(sample, parked_s=5.0, doors=frozenset({8000})) -> ProcessFacts:
+    prog = ProcessProgress(pid=sample.pid, window_ns=3 * 10**9)
+    return ProcessFacts(sample, prog, len(sample.threads), parked_s, front_door_ports=doors)
+
+
+def test_unanswered_requests_make_a_quiet_server_stalled_not_idle():
+    waiting = [conn(recv=95_000, inode=i) for i in (1, 2)] + [conn(recv=40_000, inode=3)]
+    f = _facts(_sample((LISTEN,), waiting), parked_s=5.0)
+    v = classify_process(f, 60)
+    # Its threads last ran 5 s ago, but the oldest request has waited 95 s: past 60 s.
+    assert v.state == STALLED, v.reasons
+    assert "listening on port 8000: 3 requests unanswered for 95 s" in v.reasons
+    assert any("no progress for 95 s" in r and "past the 60 s threshold" in r for r in v.reasons)
+    s = classify_service(10, [f], 60)
+    assert s.state == STALLED and "3 requests unanswered for 95 s" in " ".join(s.reasons)
+
+
+def test_a_young_unanswered_request_is_under_the_threshold_not_idle():
+    v = classify_process(_facts(_sample((LISTEN,), [conn(recv=2500)]), parked_s=1.0), 60)
+    assert v.state == PROGRESSING
+    assert "no progress for 2.5 s, under the 60 s threshold" in v.reasons
+
+
+def test_answered_keep_alive_connections_leave_the_server_idle():
+    idle = [conn(recv=300_000, sent=299_000, acked=100, inode=i) for i in range(5)]
+    f = _facts(_sample((LISTEN,), idle), parked_s=300.0)
+    assert classify_process(f, 60).state == IDLE
+    assert classify_service(10, [f], 60).state == IDLE
+
+
+def test_a_request_on_a_plumbing_port_is_not_work_waiting():
+    store = Listener("tcp", "0.0.0.0", 29500, queued=0, backlog=128)
+    chatter = conn(port=29500, recv=95_000)
+    f = _facts(_sample((LISTEN, store), [chatter]), parked_s=300.0, doors=frozenset({8000}))
+    assert classify_process(f, 60).state == IDLE
+
+
+def test_the_service_sees_requests_held_by_a_process_without_the_listener():
+    """A front-end listens; a worker holds the accepted connection (fd passing)."""
+    front = _facts(_sample((LISTEN,), pid=10), parked_s=300.0)
+    worker = _facts(_sample((), [conn(recv=70_000)], pid=11), parked_s=300.0)
+    v = classify_service(10, [front, worker], 60)
+    assert v.state == STALLED
+    assert "1 request unanswered for 70 s" in " ".join(v.reasons)
+    w = classify_process(worker, 60)
+    assert w.state == STALLED
+    assert "connections accepted on port 8000: 1 request unanswered for 70 s" in w.reasons
+
+
+def test_dumps_asked_for_per_family_and_port():
+    assert tcpinfo._requests(None) == [(socket.AF_INET, 0), (socket.AF_INET6, 0)]
+    got = tcpinfo._requests([("tcp6", 8000), ("tcp", 9000), ("tcp", 8000), ("udp", 53)])
+    assert got == [(socket.AF_INET, 8000), (socket.AF_INET, 9000), (socket.AF_INET6, 8000)]
+    many = [("tcp", p) for p in range(1000, 1000 + tcpinfo.MAX_FILTERED_PORTS + 1)]
+    assert tcpinfo._requests(many) == [(socket.AF_INET, 0)]
+    assert tcpinfo._requests([("tcp", 0), ("tcp", 70000)]) == []
+
+
+# --- the reader, against the kernel -------------------------------------------------------
+
+
+def inode(s: socket.socket) -> int:
+    return os.fstat(s.fileno()).st_ino
+
+
+@contextlib.contextmanager
+def pair(family: int = socket.AF_INET) -> Iterator[tuple[socket.socket, socket.socket, int]]:
+    """(the server's accepted socket, the client's socket, the listening port)."""
+    host = "127.0.0.1" if family == socket.AF_INET else "::1"
+    with socket.socket(family) as srv:
+        srv.bind((host, 0))
+        srv.listen()
+        port = srv.getsockname()[1]
+        with socket.socket(family) as client:
+            client.connect((host, port))
+            accepted, _ = srv.accept()
+            with accepted:
+                yield accepted, client, port
+
+
+def judged(s: socket.socket, port: int, fam: str = "tcp") -> Connection:
+    infos = read_tcp_info([(fam, port)])
+    assert inode(s) in infos, f"socket {inode(s)} not in the dump: {infos}"
+    return conn(port=port, inode=inode(s)).with_tcp_info(infos[inode(s)])
+
+
+@pytest.mark.parametrize("family", [socket.AF_INET, socket.AF_INET6], ids=["v4", "v6"])
+def test_reader_sees_a_request_wait_and_its_answer_end_the_wait(family):
+    fam = "tcp" if family == socket.AF_INET else "tcp6"
+    with pair(family) as (server, client, port):
+        c = judged(server, port, fam)
+        assert c.bytes_received == 0 and not waiting_for_answer(c)  # connected, said nothing
+        client.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert server.recv(4096)  # read: nothing unread, yet unanswered
+        time.sleep(JIFFY_S)
+        c = judged(server, port, fam)
+        assert c.bytes_received == 27 and c.bytes_acked == 0
+        assert c.last_recv_ms is not None and c.last_recv_ms >= 20
+        assert waiting_for_answer(c), c
+        server.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+        assert client.recv(4096)
+        time.sleep(JIFFY_S)
+        c = judged(server, port, fam)
+        assert c.bytes_acked == 38 and not waiting_for_answer(c), c  # keep-alive, answered
+        client.sendall(b"GET /2 HTTP/1.1\r\n\r\n")  # the next request on the connection
+        time.sleep(JIFFY_S)
+        assert waiting_for_answer(judged(server, port, fam))
+    # The client side of a connection is no server's: a port filter leaves it out.
+    with pair(family) as (server, client, port):
+        assert inode(client) not in read_tcp_info([(fam, port)])
+        assert inode(client) in read_tcp_info(None)
+
+
+def test_reader_failures_give_nothing(monkeypatch):
+    assert read_tcp_info(None, netns="/proc/does-not-exist/ns/net") == {}
+    assert read_tcp_info([("sctp", 80)]) == {}
+    monkeypatch.setitem(sys.modules, "pyroute2.netlink.diag", None)  # import fails
+    with pair() as (_, _, port):
+        assert read_tcp_info([("tcp", port)]) == {}
+
+
+def test_procfs_reads_only_the_real_kernel(tmp_path):
+    """A fixture tree of /proc has no kernel behind it; the real one does."""
+    with pair() as (server, client, port):
+        client.sendall(b"x")
+        assert ProcFS(str(tmp_path)).tcp_info(os.getpid(), [("tcp", port)]) == {}
+        assert inode(server) in ProcFS().tcp_info(os.getpid(), [("tcp", port)])
+        assert ProcFS().tcp_info(2**22 + 1, [("tcp", port)]) == {}  # no such process
+
+
+def test_sampler_fills_tcp_info_of_accepted_connections_only():
+    with pair() as (server, client, port):
+        client.sendall(b"GET / HTTP/1.1\r\n\r\n")
+        time.sleep(JIFFY_S)
+        p = Sampler().snapshot([os.getpid()]).processes[os.getpid()]
+        by_inode = {c.inode: c for c in p.connections}
+        assert waiting_for_answer(by_inode[inode(server)]), by_inode[inode(server)]
+        # The client end is on an ephemeral port nobody listens on: not read (cost).
+        assert by_inode[inode(client)].last_recv_ms is None
+        assert unanswered_requests(p, frozenset({port})) == [by_inode[inode(server)]]
+
+
+class TcpInfoProcFS(CountingProcFS):
+    def __init__(self, root: str, answer: dict[int, TcpInfo]) -> None:
+        super().__init__(root)
+        self.answer = answer
+        self.asked: list[tuple[int, list]] = []
+
+    def tcp_info(self, pid, ports):
+        self.asked.append((pid, list(ports) if ports is not None else None))
+        return self.answer
+
+
+def test_sampler_asks_once_per_namespace_for_listening_ports_only(tmp_path):
+    """The torchrun job of test_procfs_sockets: the agent (pid 10) listens on 29611 and
+    accepted the rank's connection (inode 402); the rank's end (403) is on no listening port."""
+    info = TcpInfo(1200, 5000, 40, 0)
+    proc = TcpInfoProcFS(str(make_job(tmp_path)), {402: info, 403: info})
+    snap = Sampler(proc, clock_ns=lambda: 6_000_000_000).snapshot([10, 11])
+    assert proc.asked == [(10, [("tcp6", 29611)])]
+    (accepted,) = snap.processes[10].connections
+    assert (accepted.last_recv_ms, accepted.last_sent_ms) == (1200, 5000)
+    assert (accepted.bytes_received, accepted.bytes_acked) == (40, 0)
+    (rank_end,) = snap.processes[11].connections
+    assert rank_end.last_recv_ms is None  # answered for 403, but not asked for: left alone
+
+
+def test_sampler_asks_nothing_without_accepted_connections(tmp_path):
+    proc = TcpInfoProcFS(str(make_job(tmp_path)), {})
+    Sampler(proc, clock_ns=lambda: 6_000_000_000).snapshot([11])  # the rank alone
+    assert proc.asked == []
+
+
+def test_hung_http_fixture_waits_and_keep_alive_does_not():
+    """The fixture of the privileged diagnose test, judged from outside it."""
+    with Fixture.py("hung_http") as fx:
+        port = fx.info.get_int("port")
+        with socket.create_connection(("127.0.0.1", port)) as kept:
+            kept.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert b"200" in kept.recv(4096)
+            with socket.create_connection(("127.0.0.1", port)) as hung:
+                hung.sendall(b"GET /hang HTTP/1.1\r\nHost: x\r\n\r\n")
+                fx.wait_for("HANGING")
+                time.sleep(JIFFY_S)
+                p = Sampler().snapshot([fx.pid]).processes[fx.pid]
+                waiting = unanswered_requests(p, frozenset({port}))
+                assert [c.remote_port for c in waiting] == [hung.getsockname()[1]]
+                assert len(p.connections) == 2
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root")
+def test_reader_enters_another_network_namespace():
+    """A server in its own network namespace (a container's view): read through setns in a
+    helper thread; this process's namespace does not have the socket."""
+    script = (
+        "import os, socket, time\n"
+        "s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen()\n"
+        "c = socket.create_connection(s.getsockname()); c.sendall(b'hello')\n"
+        "a, _ = s.accept()\n"
+        "print(s.getsockname()[1], os.fstat(a.fileno()).st_ino, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    cmd = ["unshare", "--net", "sh", "-c", 'ip link set lo up && exec "$0" -c "$1"']
+    child = subprocess.Popen([*cmd, sys.executable, script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None
+        line = child.stdout.readline().split()
+        if len(line) != 2:
+            pytest.skip("no network namespace here (unshare --net or ip failed)")
+        port, ino = int(line[0]), int(line[1])
+        assert ProcFS().net_namespace(child.pid) != ProcFS().net_namespace("self")
+        got = ProcFS().tcp_info(child.pid, [("tcp", port)])
+        assert ino in got and got[ino].bytes_received == 5
+        assert ino not in read_tcp_info([("tcp", port)])
+    finally:
+        child.kill()
+        child.wait()
