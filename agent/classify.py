@@ -323,5 +323,8 @@ def _waiters_take(v: ServiceVerdict) -> ServiceVerdict:
     lock cycle is deadlocked with it."""
     for p in v.processes:
         if not (p.worked or p.gone or p.state == DEADLOCKED or p.gpu_spin):
+            # Its own reasons judged it alone ("no front door", "under the threshold"):
+            # keep what it did (parked since when), and say whose state it takes.
             p.state = v.state
+            p.reasons = [*p.reasons[:1], f"waits with its service, which is {v.state}"]
     return v

@@ -85,6 +85,9 @@ def test_waiting_processes_take_the_services_state():
     server = [facts(pid=11, listeners=(LISTEN,)), facts(pid=12)]
     v = classify_service(10, server, 60)
     assert v.state == IDLE and {p.state for p in v.processes} == {IDLE}
+    scheduler = v.processes[1]  # its own reasons ("no front door") no longer apply
+    assert scheduler.reasons[-1] == "waits with its service, which is idle"
+    assert not any("front door" in r for r in scheduler.reasons)
     ranks = [facts(pid=11, work="cpu", parked_n=2), facts(pid=12)]
     v = classify_service(10, ranks, 60)
     assert {p.pid: p.state for p in v.processes} == {11: PROGRESSING, 12: PROGRESSING}

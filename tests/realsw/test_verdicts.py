@@ -1,0 +1,344 @@
+"""hangwatch's real verdicts on real software: ``diagnose`` (and the daemon) against the PyTorch
+jobs and the SGLang-shaped serving stack of this directory, in their hang and healthy shapes.
+
+``test_torch_shapes.py`` and ``test_serving_shapes.py`` check from /proc that each shape is what
+it claims (README.md and serving/README.md have the truth of each); here hangwatch must say the
+same. Every test waits for the shape's READY line (and, where READY comes just before the wait,
+for the wait itself), then runs ``python -m agent diagnose --json`` on the service's root
+process. Failures print the verdict, its reasons and the whole JSON report.
+
+The window is ``--threshold 2 --duration 5``: hangwatch cannot yet date a hang older than its
+observation, so the park time must pass the threshold while it watches. The same threshold for
+the healthy shapes keeps "under the threshold" from passing them: a healthy shape that hangwatch
+thinks parked would be called stalled, not progressing.
+
+Needs root and bcc (as ``tests/privileged``) besides the real-software venv: skipped locally
+without them, failed under ``CI=true``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from scripts import realsw
+from scripts.fixturelib import wait_until
+from tests.privileged import daemonlib
+from tests.privileged.conftest import missing_precondition
+from tests.privileged.daemonlib import (
+    INTERVAL,
+    Daemon,
+    Samples,
+    free_port,
+    running_daemon,
+    value,
+)
+from tests.privileged.harness import Diagnosis, RunningDiagnose, diagnose_argv
+from tests.realsw.servinglib import build_abba, serving_stack, weight_server
+
+pytestmark = pytest.mark.privileged
+
+THRESHOLD = 2.0
+DURATION = 5.0
+DIAGNOSE_TIMEOUT = 90.0  # BPF compile and load included
+STATES = ("deadlocked", "stalled", "idle", "progressing")
+SYS_FUTEX, SYS_CLOCK_NANOSLEEP = 202, 230
+HOLD_S = 10.0  # how long the daemon's verdict must hold, scraped every INTERVAL
+
+
+@pytest.fixture(autouse=True)
+def _privileges() -> None:
+    """Root and bcc, as tests/privileged: skip locally without them, fail under CI=true."""
+    reason = missing_precondition()
+    if reason is None:
+        return
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(f"CI=true and hangwatch cannot attach: {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+# --- diagnose and its verdict -------------------------------------------------------------
+
+
+def diagnose(pid: int, threshold: float = THRESHOLD, duration: float = DURATION) -> Diagnosis:
+    """``python -m agent diagnose --pid PID --json --threshold T --duration D``, to the end."""
+    run = RunningDiagnose(diagnose_argv([pid], threshold=threshold, duration=duration))
+    try:
+        return run.finish(timeout=DIAGNOSE_TIMEOUT)
+    finally:
+        run.kill()
+
+
+def summary(svc: dict[str, Any]) -> str:
+    """The service's state and reasons, and each process's, one per line."""
+    rows = [f"service {svc.get('pid')}: {svc.get('state')}"]
+    rows += [f"  - {r}" for r in svc.get("reasons", [])]
+    for p in svc.get("processes", []):
+        rows.append(f"  process {p.get('pid')} ({p.get('comm')}): {p.get('state')}")
+        rows += [f"    - {r}" for r in p.get("reasons", [])]
+    return "\n".join(rows)
+
+
+def expect(d: Diagnosis, pid: int, shape: str, *states: str) -> dict[str, Any]:
+    """The service rooted at ``pid``, asserted to be in one of ``states``."""
+    svc = d.service(pid)
+    print(f"{shape}: {summary(svc)}")  # shown with -rA: what hangwatch said, pass or fail
+    want = " or ".join(states)
+    assert svc.get("state") in states, d.explain(
+        f"{shape}: want {want}, hangwatch says {svc.get('state')}\n{summary(svc)}"
+    )
+    return svc
+
+
+def main_thread_in(pid: int, nr: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/syscall") as f:
+            words = f.read().split()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return bool(words) and words[0] == str(nr)
+
+
+# --- PyTorch: hangs ----------------------------------------------------------------------
+
+
+def test_allreduce_peer_gone_is_stalled() -> None:
+    """Rank 1 stopped taking part; rank 0 waits in all_reduce forever; torchrun monitors."""
+    with realsw.torchrun_job("allreduce_peer_gone") as job:
+        waiter = job.ranks(2)[0].get_int("pid")
+        wait_until(lambda: main_thread_in(waiter, SYS_FUTEX), 10, "rank 0 parked in all_reduce")
+        d = diagnose(job.pid)
+    expect(d, job.pid, job.shape, "stalled")
+
+
+def test_rendezvous_peer_missing_is_stalled() -> None:
+    """Rank 0 of 2 waits in the TCPStore rendezvous for a rank 1 that never comes (it polls)."""
+    with realsw.direct_job("rendezvous_peer_missing") as job:
+        (line,) = job.ready_lines(1)
+        pid = line.get_int("pid")
+        wait_until(lambda: realsw.listening(job.port), 30, f"the TCPStore on port {job.port}")
+        wait_until(lambda: main_thread_in(pid, SYS_CLOCK_NANOSLEEP), 10, "the rendezvous poll")
+        d = diagnose(pid)
+    expect(d, pid, job.shape, "stalled")
+
+
+def test_dataloader_worker_stuck_is_stalled() -> None:
+    """The DataLoader's worker blocks forever in __getitem__; the main process polls for it."""
+    with realsw.direct_job("dataloader_worker_stuck") as job:
+        lines = {line["role"]: line.get_int("pid") for line in job.ready_lines(2)}
+        main, worker = lines["main"], lines["worker"]
+        assert worker in realsw.descendants(main), job.describe("the worker is not main's child")
+        wait_until(lambda: main_thread_in(worker, SYS_FUTEX), 10, "the worker parked")
+        d = diagnose(main)
+    expect(d, main, job.shape, "stalled")
+
+
+# --- PyTorch: healthy --------------------------------------------------------------------
+
+
+def test_compute_before_collective_is_progressing() -> None:
+    with realsw.torchrun_job("compute_before_collective") as job:
+        job.ranks(2)
+        d = diagnose(job.pid)
+    expect(d, job.pid, job.shape, "progressing")
+
+
+def test_barrier_behind_compute_is_progressing() -> None:
+    """Rank 0 waits in a barrier 2 s at a time while rank 1 computes."""
+    with realsw.torchrun_job("barrier_behind_compute", "--compute-seconds", "2") as job:
+        job.ranks(2)
+        job.wait_for("STEP", timeout=30)  # the loop goes round: both passed a barrier
+        d = diagnose(job.pid)
+    expect(d, job.pid, job.shape, "progressing")
+
+
+def test_training_loop_is_progressing() -> None:
+    with realsw.torchrun_job("training_loop") as job:
+        job.ranks(2)
+        job.wait_for("STEP", timeout=30)
+        d = diagnose(job.pid)
+    expect(d, job.pid, job.shape, "progressing")
+
+
+# --- the serving stack ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def abba_lib() -> Path:
+    """Compile abba.c once, up front, so no READY timeout includes gcc."""
+    return build_abba()
+
+
+def test_serving_idle_is_idle(tmp_path: Path) -> None:
+    """Everything up, nothing asked."""
+    with serving_stack("idle", tmp_path) as st:
+        d = diagnose(st.pid)
+    expect(d, st.pid, "idle", "idle")
+
+
+def test_serving_serving_is_progressing(tmp_path: Path) -> None:
+    """~17 requests a second answered through front-end, scheduler and detokenizer."""
+    with serving_stack("serving", tmp_path, client=["--mode", "continuous"]) as st:
+        assert st.client is not None
+        st.client.wait_for("READY")
+        st.client.wait_for("STATS")
+        d = diagnose(st.pid)
+    expect(d, st.pid, "serving", "progressing")
+
+
+def test_serving_loading_is_progressing(tmp_path: Path) -> None:
+    """The scheduler receives 64 MiB of weights at 2 MiB/s over TCP (32 s), logging each MiB."""
+    with weight_server(rate_mib=2, mib=64) as ws:
+        weights = f"tcp:127.0.0.1:{ws.info.get_int('port')}"
+        with serving_stack("loading", tmp_path, server_args=["--weights", weights]) as st:
+            d = diagnose(st.pid)
+            done = "Load weight end" in st.log.read_text()
+    assert not done, "the load ended during the diagnosis: the window is not a loading one"
+    expect(d, st.pid, "loading", "progressing")
+
+
+def test_serving_blocked_loop_is_stalled(tmp_path: Path) -> None:
+    """uvicorn's event loop blocked on a lock held forever; clients fill the accept queue."""
+    args, client = ["--backlog", "4"], ["--mode", "queue", "--connections", "8"]
+    with serving_stack("blocked-loop", tmp_path, client=client, server_args=args) as st:
+        d = diagnose(st.pid)
+    expect(d, st.pid, "blocked-loop", "stalled")
+
+
+def test_serving_native_abba_is_deadlocked(tmp_path: Path, abba_lib: Path) -> None:
+    """Two scheduler threads in C, each holding one pthread mutex and waiting for the other."""
+    args = ["--native-lib", str(abba_lib)]
+    with serving_stack("native-abba", tmp_path, client=["--mode", "once"], server_args=args) as st:
+        d = diagnose(st.pid)
+    svc = expect(d, st.pid, "native-abba", "deadlocked")
+    tids = set(st.info.get_ints("tids"))
+    cycles = [set(c) for c in svc.get("cycles", [])]
+    assert tids in cycles, d.explain(f"native-abba: want a cycle of the two kernels {tids}")
+
+
+def test_serving_abba_is_stalled_not_idle(tmp_path: Path) -> None:
+    """Two scheduler threads hold one threading.Lock each and wait for the other's; a request
+    waits for its answer while the front-end answers /health. No owner is readable: stalled
+    (deadlocked once a rule can prove it), never idle."""
+    with serving_stack("abba", tmp_path, client=["--mode", "once"]) as st:
+        d = diagnose(st.pid)
+    expect(d, st.pid, "abba", "stalled", "deadlocked")
+
+
+def test_serving_abba_retry_is_stalled(tmp_path: Path) -> None:
+    """The same, and a client retrying on a new connection every second (each times out)."""
+    client = ["--mode", "retry", "--timeout", "1"]
+    with serving_stack("abba-retry", tmp_path, client=client) as st:
+        d = diagnose(st.pid)
+    expect(d, st.pid, "abba-retry", "stalled", "deadlocked")
+
+
+def test_serving_fork_lock_is_stalled(tmp_path: Path) -> None:
+    """A forked helper waits forever for a lock copied locked; the scheduler joins it 5 s at
+    a time; the request waits."""
+    with serving_stack("fork-lock", tmp_path, client=["--mode", "once"]) as st:
+        d = diagnose(st.pid)
+    expect(d, st.pid, "fork-lock", "stalled", "deadlocked")
+
+
+# --- the daemon ----------------------------------------------------------------------------
+
+
+def daemon_config(tmp_path: Path, name: str, cmdline: str) -> tuple[Path, int]:
+    """A config watching one target by a cmdline regex; JSON is YAML (no escaping to get
+    wrong)."""
+    port = free_port()
+    cfg = tmp_path / "hangwatch.yaml"
+    cfg.write_text(
+        json.dumps(
+            {
+                "listen": f"127.0.0.1:{port}",
+                "interval_seconds": INTERVAL,
+                "park_threshold_seconds": THRESHOLD,
+                "targets": [{"name": name, "cmdline": cmdline}],
+            }
+        )
+    )
+    return cfg, port
+
+
+@pytest.fixture
+def daemon_for(tmp_path: Path) -> Iterator[Callable[[str, str], Daemon]]:
+    """Start a daemon (past its first tick) watching one target; stopped at teardown, where
+    it must exit 0 and leave no BPF program behind (``running_daemon``)."""
+    with contextlib.ExitStack() as stack:
+
+        def start(name: str, cmdline: str) -> Daemon:
+            cfg, port = daemon_config(tmp_path, name, cmdline)
+            return stack.enter_context(running_daemon(cfg, port))
+
+        yield start
+
+
+def states_of(s: Samples, service: str, pid: int) -> list[str]:
+    return [
+        st
+        for st in STATES
+        if value(s, "hangwatch_service_state", service=service, pid=str(pid), state=st) == 1
+    ]
+
+
+def hold(daemon: Daemon, service: str, pid: int, state: str, seconds: float) -> None:
+    """Scrape every INTERVAL for ``seconds``; every scrape must say ``state`` and only it."""
+    seen: list[tuple[float, list[str]]] = []
+    start = time.monotonic()
+    while time.monotonic() - start < seconds:
+        s = daemon.scrape()
+        if s is not None:
+            seen.append((time.monotonic() - start, states_of(s, service, pid)))
+        time.sleep(INTERVAL)
+    changes = [ln for ln in daemon.output().splitlines() if f"service {service} pid" in ln]
+    print("\n".join(changes))  # shown with -rA: the state changes and their reasons
+    wrong = [(round(t, 1), st) for t, st in seen if st != [state]]
+    assert len(seen) >= seconds / INTERVAL / 2, f"only {len(seen)} scrapes answered"
+    assert not wrong, (
+        f"service {service} pid {pid}: want {state} in every scrape for {seconds} s; "
+        f"{len(wrong)} of {len(seen)} scrapes said otherwise: {wrong}\n"
+        f"daemon log (state changes with their reasons):\n{daemon.output()}"
+    )
+
+
+def test_daemon_allreduce_peer_gone_stays_stalled(daemon_for: Callable[[str, str], Daemon]) -> None:
+    with realsw.torchrun_job("allreduce_peer_gone") as job:
+        waiter = job.ranks(2)[0].get_int("pid")
+        wait_until(lambda: main_thread_in(waiter, SYS_FUTEX), 10, "rank 0 parked in all_reduce")
+        # torchrun's own command line (the ranks' lacks "torchrun" and the port).
+        d = daemon_for("torch", rf"bin/torchrun .*--master_port={job.port}\b")
+        daemonlib.wait_until(
+            d,
+            lambda s: states_of(s, "torch", job.pid) == ["stalled"],
+            f"the torchrun service {job.pid} to be stalled",
+            timeout=20,
+        )
+        hold(d, "torch", job.pid, "stalled", HOLD_S)
+        assert job.proc is not None and job.proc.poll() is None, job.describe("torchrun exited")
+
+
+def test_daemon_serving_idle_stays_idle(
+    tmp_path: Path, daemon_for: Callable[[str, str], Daemon]
+) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    with serving_stack("idle", run_dir) as st:
+        # The root's command line only: the spawned children run multiprocessing's.
+        d = daemon_for("serving", rf"serving\.server --shape idle .*{re.escape(str(run_dir))}")
+        daemonlib.wait_until(
+            d,
+            lambda s: states_of(s, "serving", st.pid) == ["idle"],
+            f"the serving stack {st.pid} to be idle",
+            timeout=20,
+        )
+        hold(d, "serving", st.pid, "idle", HOLD_S)
