@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TextIO
 
 from . import session as session_mod
 from .classify import ServiceVerdict, describe_group
+from .discovery import env_labels
 from .errors import UsageError
 from .model import ProbeEvent, plural
 from .observe import Scope, Tick
@@ -81,6 +82,13 @@ def observe(session: Session, opts: DiagnoseOptions, log: TextIO) -> None:
             break
         time.sleep(max(0.0, min(interval, opts.duration_s - elapsed)) or interval)
     print(f"hangwatch: observed for {time.monotonic() - start:.1f} s ({n} reads)", file=log)
+
+
+def _labels_text(labels: Mapping[str, str] | None) -> str:
+    """' [rank=1 world_size=2]' for a rank; '' for a process without job labels."""
+    if not labels:
+        return ""
+    return " [" + " ".join(f"{k}={v}" for k, v in sorted(labels.items())) + "]"
 
 
 def _since(tick: Tick, ns: int | None, fmt: str = "%H:%M:%S") -> str:
@@ -161,7 +169,11 @@ def gpu_lines(tick: Tick) -> list[str]:
 
 
 def to_json(
-    verdicts: list[ServiceVerdict], tick: Tick, opts: DiagnoseOptions, events: Sequence[ProbeEvent]
+    verdicts: list[ServiceVerdict],
+    tick: Tick,
+    opts: DiagnoseOptions,
+    events: Sequence[ProbeEvent],
+    labels: Mapping[int, Mapping[str, str]] | None = None,
 ) -> dict:
     snap, graph = tick.snapshot, tick.graph
     groups = graph.groups()
@@ -185,6 +197,8 @@ def to_json(
                         "state": p.state,
                         "reasons": p.reasons,
                         "listening_ports": list(p.listening_ports),
+                        # RANK, LOCAL_RANK, WORLD_SIZE, ...: the daemon's allow-listed labels
+                        "labels": dict((labels or {}).get(p.pid, {})),
                         "gone": p.gone,
                     }
                     for p in v.processes
@@ -226,7 +240,11 @@ def to_json(
 
 
 def render_text(
-    verdicts: list[ServiceVerdict], tick: Tick, opts: DiagnoseOptions, events: Sequence[ProbeEvent]
+    verdicts: list[ServiceVerdict],
+    tick: Tick,
+    opts: DiagnoseOptions,
+    events: Sequence[ProbeEvent],
+    labels: Mapping[int, Mapping[str, str]] | None = None,
 ) -> str:
     snap, graph = tick.snapshot, tick.graph
     names = {t.tid: t.name for p in snap.processes.values() for t in p.threads}
@@ -253,7 +271,8 @@ def render_text(
                 else ""
             )
             lines.append(
-                f"  process {p.pid} {p.comm}: {p.state}, {plural(p.threads, 'thread')}, "
+                f"  process {p.pid} {p.comm}{_labels_text((labels or {}).get(p.pid))}: "
+                f"{p.state}, {plural(p.threads, 'thread')}, "
                 f"{p.parked_threads} parked{park}{ports}"
             )
             if p.state != v.state:  # otherwise the service's reasons already say it
@@ -332,9 +351,10 @@ def run(opts: DiagnoseOptions, out: TextIO = sys.stdout, log: TextIO = sys.stder
     # The probe reports EDEADLK for every process; show those of the services asked about.
     ours = {p for pids in observer.members.values() for p in pids}
     events = [e for e in observer.events if e.tgid in ours]
+    labels = {pid: env_labels(proc.environ(pid) or b"") for pid in tick.snapshot.processes}
     if opts.as_json:
-        json.dump(to_json(verdicts, tick, opts, events), out, indent=2)
+        json.dump(to_json(verdicts, tick, opts, events, labels), out, indent=2)
         out.write("\n")
     else:
-        out.write(render_text(verdicts, tick, opts, events))
+        out.write(render_text(verdicts, tick, opts, events, labels))
     return 0

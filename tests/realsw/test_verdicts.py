@@ -116,7 +116,12 @@ def test_allreduce_peer_gone_is_stalled() -> None:
         waiter = job.ranks(2)[0].get_int("pid")
         wait_until(lambda: main_thread_in(waiter, SYS_FUTEX), 10, "rank 0 parked in all_reduce")
         d = diagnose(job.pid)
-    expect(d, job.pid, job.shape, "stalled")
+    svc = expect(d, job.pid, job.shape, "stalled")
+    # Each rank is named by its job labels (RANK, WORLD_SIZE, ...), torchrun by none.
+    ranks = {p["pid"]: p["labels"] for p in svc["processes"] if p["labels"]}
+    assert ranks.get(waiter, {}).get("rank") == "0", d.explain(f"rank labels: {ranks}")
+    assert {r.get("world_size") for r in ranks.values()} == {"2"}, d.explain(f"{ranks}")
+    assert len(ranks) == 2 and not svc["processes"][0]["labels"], d.explain(f"{ranks}")
 
 
 def test_rendezvous_peer_missing_is_stalled() -> None:
