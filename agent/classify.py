@@ -48,6 +48,11 @@ class ServiceVerdict:
     processes: list[ProcessVerdict]
     gone: bool = False
     gpu_spin: bool = False
+    # The parked evidence its verdict used (0 when it works): requests on its front doors
+    # waiting for an answer, and its time without progress (the longer of its parked time
+    # and its oldest unanswered request's age).
+    unanswered_requests: int = 0
+    seconds_since_progress: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -174,7 +179,7 @@ def classify_process(facts: ProcessFacts, threshold_s: float) -> ProcessVerdict:
         v.worked = True
         v.reasons.append(f"{n - facts.parked_threads} of {plural(n, 'thread')} not parked")
         return v
-    v.state, why = _parked_state(
+    v.state, why, _ = _parked_state(
         facts.parked_seconds,
         threshold_s,
         front_doors(s, facts.front_door_ports),
@@ -196,12 +201,13 @@ def _parked_state(
     unread: int,
     who: str,
     unanswered: Sequence[Connection] = (),
-) -> tuple[str, list[str]]:
+) -> tuple[str, list[str], float]:
     """Nothing progresses: idle when a front door has nothing waiting at it; otherwise
     stalled once past the threshold, and still progressing under it. ``unanswered``: accepted
     connections on its front doors that wait for an answer (see waiting_for_answer); they
     carry their own age, so the oldest of them counts as time without progress even when
-    its threads ran more recently (DESIGN: evidence carries its own age)."""
+    its threads ran more recently (DESIGN: evidence carries its own age). Returns the state,
+    its reasons, and that time without progress (seconds)."""
     doors = list(doors)
     queued = sum(lst.queued for lst in doors)
     ports = ", ".join(str(p) for p in sorted({lst.port for lst in doors}))
@@ -213,7 +219,7 @@ def _parked_state(
         reasons.append(
             f"listening on port {ports} with an empty accept queue: waiting for requests"
         )
-        return IDLE, reasons
+        return IDLE, reasons, stuck_s
     pend = []
     if queued:
         pend.append(f"{plural(queued, 'connection')} waiting in the accept queue")
@@ -234,9 +240,9 @@ def _parked_state(
         if oldest_s > parked_s:
             past = f"no progress for {_fmt_s(oldest_s)} (the oldest unanswered request), {past}"
         reasons.append(past)
-        return STALLED, reasons
+        return STALLED, reasons, stuck_s
     reasons.append(under)
-    return PROGRESSING, reasons
+    return PROGRESSING, reasons, stuck_s
 
 
 def classify_service(
@@ -280,8 +286,18 @@ def _classify_service(
     working = [v for v in verdicts if v.worked and not v.gone]
     if spinning and not working:
         reasons = [describe_spin(f.gpu for f in spinning if f.gpu is not None)]
+        # Its host threads' parked time is its time without progress (the GPUs only spin).
+        stuck_s = min(f.parked_seconds for f in spinning)
         return _waiters_take(
-            ServiceVerdict(root, STALLED, reasons, cycles, verdicts, gpu_spin=True)
+            ServiceVerdict(
+                root,
+                STALLED,
+                reasons,
+                cycles,
+                verdicts,
+                gpu_spin=True,
+                seconds_since_progress=stuck_s,
+            )
         )
     if working:
         reasons = [f"process {v.pid} ({v.comm}): {'; '.join(v.reasons)}" for v in working]
@@ -299,21 +315,24 @@ def _classify_service(
     who = _all_threads(threads)
     if len(procs) > 1:
         who += f" of {len(procs)} processes"
-    state, reasons = _parked_state(
+    unanswered = sorted(
+        (c for f in procs for c in unanswered_requests(f.sample, f.front_door_ports)),
+        key=lambda c: -(c.last_recv_ms or 0),
+    )
+    state, reasons, stuck_s = _parked_state(
         parked_s,
         threshold_s,
         [lst for f in procs for lst in front_doors(f.sample, f.front_door_ports)],
         sum(f.sample.unread_bytes for f in procs),
         who,
-        sorted(
-            (c for f in procs for c in unanswered_requests(f.sample, f.front_door_ports)),
-            key=lambda c: -(c.last_recv_ms or 0),
-        ),
+        unanswered,
     )
     idle_gpu = describe_idle({f.sample.pid: f.gpu for f in procs if f.gpu is not None})
     if idle_gpu:
         reasons.append(idle_gpu)
-    return _waiters_take(ServiceVerdict(root, state, reasons, cycles, verdicts))
+    v = ServiceVerdict(root, state, reasons, cycles, verdicts)
+    v.unanswered_requests, v.seconds_since_progress = len(unanswered), stuck_s
+    return _waiters_take(v)
 
 
 def _waiters_take(v: ServiceVerdict) -> ServiceVerdict:

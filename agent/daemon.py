@@ -88,7 +88,17 @@ def build_exposition(
                     gpu_utilization={str(u.gpu): u.sm_utilization for u in uses},
                 )
             )
-        out.append(ServiceStatus(name, v.pid, v.state, tuple(procs), gpu_spin=v.gpu_spin))
+        out.append(
+            ServiceStatus(
+                name,
+                v.pid,
+                v.state,
+                tuple(procs),
+                gpu_spin=v.gpu_spin,
+                unanswered_requests=v.unanswered_requests,
+                seconds_since_progress=v.seconds_since_progress,
+            )
+        )
     return Exposition(tuple(out), agent)
 
 

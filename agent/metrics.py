@@ -217,6 +217,18 @@ class _Families:
             "thread is parked past the threshold (a collective spinning on the GPU), else 0.",
             ["service", "pid"],
         )
+        self.unanswered_requests = gauge(
+            "hangwatch_service_unanswered_requests",
+            "Requests on the service's front doors (accepted connections) waiting for an "
+            "answer, as its verdict saw them while every thread was parked; 0 while it works.",
+            ["service", "pid"],
+        )
+        self.seconds_since_progress = gauge(
+            "hangwatch_service_seconds_since_progress",
+            "Seconds without progress its verdict used: how long every thread has been parked, "
+            "or the age of its oldest unanswered request if longer; 0 while it works.",
+            ["service", "pid"],
+        )
         self.events_dropped = counter(
             "hangwatch_bpf_events_dropped",
             "Events the BPF programs could not send to the agent because the ring buffer was "
@@ -282,6 +294,10 @@ class _Families:
                 [svc.service, str(svc.pid), state], 1.0 if svc.state == state else 0.0
             )
         self.gpu_spin.add_metric([svc.service, str(svc.pid)], 1.0 if svc.gpu_spin else 0.0)
+        self.unanswered_requests.add_metric([svc.service, str(svc.pid)], svc.unanswered_requests)
+        self.seconds_since_progress.add_metric(
+            [svc.service, str(svc.pid)], svc.seconds_since_progress
+        )
 
     def add_process(
         self, svc: ServiceStatus, p: ProcessStatus, unknown_state: Callable[[str], None]

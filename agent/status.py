@@ -44,6 +44,10 @@ class ServiceStatus:
     state: str
     processes: tuple[ProcessStatus, ...] = ()
     gpu_spin: bool = False  # stalled with its GPUs pegged while every host thread is parked
+    unanswered_requests: int = 0  # requests on its front doors waiting for an answer
+    # Time without progress its verdict used (parked time, or its oldest unanswered request's
+    # age if longer); 0 while it works.
+    seconds_since_progress: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -116,6 +116,7 @@ def test_service_parked_rank_with_a_working_peer_is_progressing():
     v = classify_service(10, ranks, 60)
     assert v.state == PROGRESSING
     assert any("parked while a peer works" in r for r in v.reasons)
+    assert (v.unanswered_requests, v.seconds_since_progress) == (0, 0.0)  # it progresses
 
 
 def test_service_all_ranks_parked_is_stalled_and_a_cycle_anywhere_is_deadlocked():

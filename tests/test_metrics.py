@@ -67,6 +67,8 @@ CONTRACT = {
     "hangwatch_gpu_info",
     "hangwatch_gpu_errors_total",
     "hangwatch_service_gpu_spin",
+    "hangwatch_service_unanswered_requests",
+    "hangwatch_service_seconds_since_progress",
     "hangwatch_bpf_events_dropped_total",
     "hangwatch_bpf_map_full_total",
     "hangwatch_bpf_program_run_seconds_total",
@@ -108,6 +110,8 @@ SGLANG = ServiceStatus(
             gpu_memory_bytes={"1": 70 * GiB, "10": 512 << 20},
         ),
     ),
+    unanswered_requests=3,
+    seconds_since_progress=400.0,  # its oldest unanswered request is older than its park
 )  # fmt: skip
 PINNED = ServiceStatus(
     "pinned",
@@ -131,6 +135,7 @@ HTTP = ServiceStatus(
             accepts_total=0, listening_ports=1,
         ),
     ),
+    seconds_since_progress=3.4,
 )  # fmt: skip
 AGENT = AgentStatus(
     version="0.1.0",  # what the daemon says; build info uses the collector's own version
@@ -347,6 +352,22 @@ def test_gpu_spin_is_one_per_service():
     assert reg.get_sample_value("hangwatch_service_gpu_spin", {"service": "ok", "pid": "8"}) == 0
     # No GPU reading at all: no device series and no error counter.
     assert reg.get_sample_value("hangwatch_gpu_errors_total") is None
+
+
+def test_unanswered_requests_and_seconds_since_progress_per_service():
+    exp = Exposition((SGLANG, PINNED, HTTP), AGENT)
+    reg = registry_for(lambda: exp)
+
+    def get(name: str, service: str, pid: int) -> float | None:
+        return reg.get_sample_value(name, {"service": service, "pid": str(pid)})
+
+    assert get("hangwatch_service_unanswered_requests", "sglang", 100) == 3
+    assert get("hangwatch_service_seconds_since_progress", "sglang", 100) == 400.0
+    assert get("hangwatch_service_unanswered_requests", "http", 300) == 0
+    assert get("hangwatch_service_seconds_since_progress", "http", 300) == 3.4
+    # A deadlock's verdict does not use them: 0, but still one series per service.
+    assert get("hangwatch_service_unanswered_requests", "pinned", 200) == 0
+    assert get("hangwatch_service_seconds_since_progress", "pinned", 200) == 0
 
 
 def test_self_metrics():

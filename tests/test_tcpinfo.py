@@ -113,6 +113,8 @@ def test_unanswered_requests_make_a_quiet_server_stalled_not_idle():
     assert any("no progress for 95 s" in r and "past the 60 s threshold" in r for r in v.reasons)
     s = classify_service(10, [f], 60)
     assert s.state == STALLED and "3 requests unanswered for 95 s" in " ".join(s.reasons)
+    # The evidence /metrics exports: 3 requests waiting, 95 s without progress (not 5 s).
+    assert (s.unanswered_requests, s.seconds_since_progress) == (3, 95.0)
 
 
 def test_a_young_unanswered_request_is_under_the_threshold_not_idle():
@@ -125,7 +127,9 @@ def test_answered_keep_alive_connections_leave_the_server_idle():
     idle = [conn(recv=300_000, sent=299_000, acked=100, inode=i) for i in range(5)]
     f = _facts(_sample((LISTEN,), idle), parked_s=300.0)
     assert classify_process(f, 60).state == IDLE
-    assert classify_service(10, [f], 60).state == IDLE
+    s = classify_service(10, [f], 60)
+    assert s.state == IDLE
+    assert (s.unanswered_requests, s.seconds_since_progress) == (0, 300.0)
 
 
 def test_a_request_on_a_plumbing_port_is_not_work_waiting():
@@ -142,6 +146,7 @@ def test_the_service_sees_requests_held_by_a_process_without_the_listener():
     v = classify_service(10, [front, worker], 60)
     assert v.state == STALLED
     assert "1 request unanswered for 70 s" in " ".join(v.reasons)
+    assert (v.unanswered_requests, v.seconds_since_progress) == (1, 300.0)  # parked longer
     w = classify_process(worker, 60)
     assert w.state == STALLED
     assert "connections accepted on port 8000: 1 request unanswered for 70 s" in w.reasons
