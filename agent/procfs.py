@@ -12,7 +12,7 @@ import os
 import re
 import socket
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from .model import DEFAULT_EPHEMERAL_FROM, TORCHRUN_DEFAULT_MASTER_PORT, Plumbing, TcpInfo
@@ -395,41 +395,32 @@ class ProcFS:
         text = self._read(pid, "io")
         return parse_io_wchar(text) if text else None
 
-    def socket_inodes(self, pid: int) -> set[int]:
+    def _fd_inodes(self, pid: int, kind: str) -> Iterator[tuple[str, int]]:
+        """(fd, inode) of each fd of the process whose link reads 'KIND:[inode]'."""
         fd_dir = os.path.join(self.root, str(pid), "fd")
-        out: set[int] = set()
         try:
             names = os.listdir(fd_dir)
         except OSError:
-            return out
+            return
+        prefix = f"{kind}:["
         for name in names:
             try:
                 link = os.readlink(os.path.join(fd_dir, name))
             except OSError:
                 continue
-            inode = _uint(link[8:-1]) if link.startswith("socket:[") else None
+            inode = _uint(link[len(prefix) : -1]) if link.startswith(prefix) else None
             if inode is not None:
-                out.add(inode)
-        return out
+                yield name, inode
+
+    def socket_inodes(self, pid: int) -> set[int]:
+        return {inode for _, inode in self._fd_inodes(pid, "socket")}
 
     def pipes_read(self, pid: int) -> set[int]:
         """Inodes of the pipes the process holds open for reading (an fd and its fdinfo
         flags per pipe): whose writes stay in the service when a process of it reads them."""
-        fd_dir = os.path.join(self.root, str(pid), "fd")
         out: set[int] = set()
-        try:
-            names = os.listdir(fd_dir)
-        except OSError:
-            return out
-        for name in names:
-            try:
-                link = os.readlink(os.path.join(fd_dir, name))
-            except OSError:
-                continue
-            inode = _uint(link[6:-1]) if link.startswith("pipe:[") else None
-            if inode is None:
-                continue
-            info = self._read(pid, "fdinfo", name) or ""
+        for fd, inode in self._fd_inodes(pid, "pipe"):
+            info = self._read(pid, "fdinfo", fd) or ""
             flags = next((ln.split()[1] for ln in info.splitlines() if ln.startswith("flags:")), "")
             mode = _uint(flags, 8)
             if mode is not None and mode & 3 in (os.O_RDONLY, os.O_RDWR):
