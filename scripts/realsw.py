@@ -246,3 +246,13 @@ def missing_node_job(**kwargs: Any) -> Job:
         "training_loop",
     ]
     return Job(argv, shape="rendezvous_node_missing", port=port, ready=None, **kwargs)
+
+
+def main_thread_in(pid: int, nr: int) -> bool:
+    """Whether the process's main thread is blocked in syscall ``nr`` now (/proc)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/syscall") as f:
+            words = f.read().split()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return bool(words) and words[0] == str(nr)

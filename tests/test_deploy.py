@@ -12,7 +12,6 @@ from __future__ import annotations
 import configparser
 import fnmatch
 import json
-import os
 import re
 import shlex
 import shutil
@@ -25,6 +24,7 @@ import pytest
 import yaml
 
 from agent import config as config_mod
+from tests.gate import under_ci
 
 REPO = Path(__file__).resolve().parent.parent
 DEPLOY = REPO / "deploy"
@@ -54,16 +54,12 @@ HOST_MOUNTS = {
 }
 
 
-def _under_ci() -> bool:
-    return os.environ.get("CI", "").lower() == "true"
-
-
 def _tool(name: str, why: str) -> str:
     """A tool that `make setup` installs: fail without it under CI, skip otherwise."""
     found = shutil.which(name)
     if found is None:
         msg = f"{name} is not installed ({why})"
-        if _under_ci():
+        if under_ci():
             pytest.fail(msg)
         pytest.skip(msg)
     return found

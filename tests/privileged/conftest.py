@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.gate import Gate
 from tests.privileged.harness import Diagnosis, RunningDiagnose, diagnose_argv
 
 HERE = Path(__file__).resolve().parent
-_missing: list[str] = []  # the precondition that fails, filled at collection
 
 
 def missing_precondition() -> str | None:
@@ -40,34 +40,23 @@ def missing_precondition() -> str | None:
     return None
 
 
+GATE = Gate(HERE, "privileged", "a privileged test cannot run", missing_precondition)
+
+
 # tryfirst: the marker must be there before `-m` deselection runs.
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    mine = [item for item in items if HERE in Path(item.path).parents]
-    if not mine:
-        return
-    reason = missing_precondition()
-    if reason:
-        _missing.append(reason)
-    for item in mine:
-        item.add_marker(pytest.mark.privileged)
-
-
-def _under_ci() -> bool:
-    return os.environ.get("CI", "").lower() == "true"
+    GATE.collect(items)
 
 
 @pytest.fixture(autouse=True)
 def _preconditions() -> None:
-    if _missing and not _under_ci():
-        pytest.skip(_missing[0])
+    GATE.skip_unless_ci()
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_call(item: pytest.Item) -> None:
-    # Fail in the call phase, not in a fixture: CI shows FAILED, not a setup ERROR.
-    if _missing and _under_ci() and HERE in Path(item.path).parents:
-        pytest.fail(f"CI=true and a privileged test cannot run: {_missing[0]}", pytrace=False)
+    GATE.fail_under_ci(item)
 
 
 @pytest.fixture

@@ -9,15 +9,16 @@ runner that quietly lost the real software must not pass.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
 from scripts import realsw
+from tests.gate import Gate, under_ci
+from tests.privileged.conftest import missing_precondition
 
 HERE = Path(__file__).resolve().parent
-_missing: list[str] = []  # the precondition that fails, filled at collection
+GATE = Gate(HERE, "realsw", "the real software cannot run", realsw.missing)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -30,28 +31,26 @@ def pytest_configure(config: pytest.Config) -> None:
 # tryfirst: the marker must be there before `-m` deselection runs.
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    mine = [item for item in items if HERE in Path(item.path).parents]
-    if not mine:
-        return
-    reason = realsw.missing()
-    if reason:
-        _missing.append(reason)
-    for item in mine:
-        item.add_marker(pytest.mark.realsw)
-
-
-def _under_ci() -> bool:
-    return os.environ.get("CI", "").lower() == "true"
+    GATE.collect(items)
 
 
 @pytest.fixture(autouse=True)
 def _preconditions() -> None:
-    if _missing and not _under_ci():
-        pytest.skip(_missing[0])
+    GATE.skip_unless_ci()
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_call(item: pytest.Item) -> None:
-    # Fail in the call phase, not in a fixture: CI shows FAILED, not a setup ERROR.
-    if _missing and _under_ci() and HERE in Path(item.path).parents:
-        pytest.fail(f"CI=true and the real software cannot run: {_missing[0]}", pytrace=False)
+    GATE.fail_under_ci(item)
+
+
+@pytest.fixture
+def needs_bpf() -> None:
+    """For the tests here that run hangwatch on the real software: root and bcc, as
+    tests/privileged. Skipped locally without them, failed under CI=true."""
+    reason = missing_precondition()
+    if reason is None:
+        return
+    if under_ci():
+        pytest.fail(f"CI=true and hangwatch cannot attach: {reason}", pytrace=False)
+    pytest.skip(reason)

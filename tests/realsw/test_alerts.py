@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import time
 from collections.abc import Iterator
@@ -33,29 +32,18 @@ import yaml
 from scripts import realsw
 from scripts.fixturelib import REPO_ROOT, wait_until
 from tests.privileged import daemonlib
-from tests.privileged.conftest import missing_precondition
 from tests.privileged.daemonlib import INTERVAL, Daemon, free_port, running_daemon, value
 from tests.privileged.promlib import Prometheus
 from tests.realsw.servinglib import serving_stack
 
-pytestmark = pytest.mark.privileged
+# hangwatch attaches: root and bcc, as tests/privileged (conftest.needs_bpf)
+pytestmark = [pytest.mark.privileged, pytest.mark.usefixtures("needs_bpf")]
 
 ALERT = "HangwatchAllThreadsParked"
 FOR = "3s"  # instead of the shipped 5m
 THRESHOLD = 2.0
 FIRING_TIMEOUT_S = 60.0  # from Prometheus's start: stalled verdicts, then FOR, then firing
 SYS_FUTEX = 202
-
-
-@pytest.fixture(autouse=True)
-def _privileges() -> None:
-    """Root and bcc, as tests/privileged: skip locally without them, fail under CI=true."""
-    reason = missing_precondition()
-    if reason is None:
-        return
-    if os.environ.get("CI", "").lower() == "true":
-        pytest.fail(f"CI=true and hangwatch cannot attach: {reason}", pytrace=False)
-    pytest.skip(reason)
 
 
 def short_rules(tmp: Path) -> list[Path]:
@@ -74,15 +62,6 @@ def short_rules(tmp: Path) -> list[Path]:
         out.append(dst)
     assert shortened == 1, f"want one {ALERT} rule in deploy/prometheus, found {shortened}"
     return out
-
-
-def main_thread_in(pid: int, nr: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/syscall") as f:
-            words = f.read().split()
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return bool(words) and words[0] == str(nr)
 
 
 @contextlib.contextmanager
@@ -114,7 +93,9 @@ def test_all_threads_parked_fires_for_real_hangs_and_never_for_the_idle_server(
     with contextlib.ExitStack() as stack:
         job = stack.enter_context(realsw.torchrun_job("allreduce_peer_gone"))
         waiter = job.ranks(2)[0].get_int("pid")
-        wait_until(lambda: main_thread_in(waiter, SYS_FUTEX), 10, "rank 0 parked in all_reduce")
+        wait_until(
+            lambda: realsw.main_thread_in(waiter, SYS_FUTEX), 10, "rank 0 parked in all_reduce"
+        )
         abba = stack.enter_context(serving_stack("abba", abba_dir, client=["--mode", "once"]))
         idle = stack.enter_context(serving_stack("idle", idle_dir))
         # Root command lines only (the ranks' and the spawned children's differ).

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import time
 from collections.abc import Callable, Iterator
@@ -32,7 +31,6 @@ import pytest
 from scripts import realsw
 from scripts.fixturelib import wait_until
 from tests.privileged import daemonlib
-from tests.privileged.conftest import missing_precondition
 from tests.privileged.daemonlib import (
     INTERVAL,
     Daemon,
@@ -44,7 +42,8 @@ from tests.privileged.daemonlib import (
 from tests.privileged.harness import Diagnosis, RunningDiagnose, diagnose_argv
 from tests.realsw.servinglib import build_abba, serving_stack, weight_server
 
-pytestmark = pytest.mark.privileged
+# hangwatch attaches: root and bcc, as tests/privileged (conftest.needs_bpf)
+pytestmark = [pytest.mark.privileged, pytest.mark.usefixtures("needs_bpf")]
 
 THRESHOLD = 2.0
 DURATION = 5.0
@@ -52,17 +51,6 @@ DIAGNOSE_TIMEOUT = 90.0  # BPF compile and load included
 STATES = ("deadlocked", "stalled", "idle", "progressing")
 SYS_FUTEX, SYS_CLOCK_NANOSLEEP = 202, 230
 HOLD_S = 10.0  # how long the daemon's verdict must hold, scraped every INTERVAL
-
-
-@pytest.fixture(autouse=True)
-def _privileges() -> None:
-    """Root and bcc, as tests/privileged: skip locally without them, fail under CI=true."""
-    reason = missing_precondition()
-    if reason is None:
-        return
-    if os.environ.get("CI", "").lower() == "true":
-        pytest.fail(f"CI=true and hangwatch cannot attach: {reason}", pytrace=False)
-    pytest.skip(reason)
 
 
 # --- diagnose and its verdict -------------------------------------------------------------
@@ -98,15 +86,6 @@ def expect(d: Diagnosis, pid: int, shape: str, *states: str) -> dict[str, Any]:
     return svc
 
 
-def main_thread_in(pid: int, nr: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/syscall") as f:
-            words = f.read().split()
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return bool(words) and words[0] == str(nr)
-
-
 # --- PyTorch: hangs ----------------------------------------------------------------------
 
 
@@ -114,7 +93,9 @@ def test_allreduce_peer_gone_is_stalled() -> None:
     """Rank 1 stopped taking part; rank 0 waits in all_reduce forever; torchrun monitors."""
     with realsw.torchrun_job("allreduce_peer_gone") as job:
         waiter = job.ranks(2)[0].get_int("pid")
-        wait_until(lambda: main_thread_in(waiter, SYS_FUTEX), 10, "rank 0 parked in all_reduce")
+        wait_until(
+            lambda: realsw.main_thread_in(waiter, SYS_FUTEX), 10, "rank 0 parked in all_reduce"
+        )
         d = diagnose(job.pid)
     svc = expect(d, job.pid, job.shape, "stalled")
     # Each rank is named by its job labels (RANK, WORLD_SIZE, ...), torchrun by none.
@@ -130,7 +111,9 @@ def test_rendezvous_peer_missing_is_stalled() -> None:
         (line,) = job.ready_lines(1)
         pid = line.get_int("pid")
         wait_until(lambda: realsw.listening(job.port), 30, f"the TCPStore on port {job.port}")
-        wait_until(lambda: main_thread_in(pid, SYS_CLOCK_NANOSLEEP), 10, "the rendezvous poll")
+        wait_until(
+            lambda: realsw.main_thread_in(pid, SYS_CLOCK_NANOSLEEP), 10, "the rendezvous poll"
+        )
         d = diagnose(pid)
     expect(d, pid, job.shape, "stalled")
 
@@ -141,7 +124,7 @@ def test_dataloader_worker_stuck_is_stalled() -> None:
         lines = {line["role"]: line.get_int("pid") for line in job.ready_lines(2)}
         main, worker = lines["main"], lines["worker"]
         assert worker in realsw.descendants(main), job.describe("the worker is not main's child")
-        wait_until(lambda: main_thread_in(worker, SYS_FUTEX), 10, "the worker parked")
+        wait_until(lambda: realsw.main_thread_in(worker, SYS_FUTEX), 10, "the worker parked")
         d = diagnose(main)
     expect(d, main, job.shape, "stalled")
 
@@ -319,7 +302,9 @@ def hold(daemon: Daemon, service: str, pid: int, state: str, seconds: float) -> 
 def test_daemon_allreduce_peer_gone_stays_stalled(daemon_for: Callable[[str, str], Daemon]) -> None:
     with realsw.torchrun_job("allreduce_peer_gone") as job:
         waiter = job.ranks(2)[0].get_int("pid")
-        wait_until(lambda: main_thread_in(waiter, SYS_FUTEX), 10, "rank 0 parked in all_reduce")
+        wait_until(
+            lambda: realsw.main_thread_in(waiter, SYS_FUTEX), 10, "rank 0 parked in all_reduce"
+        )
         # torchrun's own command line (the ranks' lacks "torchrun" and the port).
         d = daemon_for("torch", rf"bin/torchrun .*--master_port={job.port}\b")
         daemonlib.wait_until(
