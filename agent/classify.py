@@ -1,4 +1,4 @@
-"""Verdicts: deadlocked, stalled, idle or progressing, with the reasons in words.
+"""Verdicts: deadlocked, stalled, idle or progressing, with the evidence for each.
 
 Precedence (docs/how-it-works.md): a stable lock cycle wins over everything;
 then any work in the window; then a fully parked process or service is idle
@@ -8,13 +8,17 @@ threshold), and stalled otherwise.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from .gpuverdict import ProcessGpu, describe_idle, describe_spin
-from .model import Connection, Listener, ProcessSample, plural
+from . import evidence as ev
+from .gpuverdict import ProcessGpu
+from .model import Connection, Listener, ProcessSample
 from .progress import ProcessProgress
+from .syscalls import FUTEX, syscall_name, wait_kind
 from .waitgraph import WaitEdge, WordGroup
+from .words import reasons
 
 DEADLOCKED = "deadlocked"
 STALLED = "stalled"
@@ -31,37 +35,50 @@ class ProcessVerdict:
     parked_threads: int
     parked_seconds: float  # how long every thread has been parked; 0 if any works
     state: str
-    reasons: list[str]
+    reasons: list[ev.Fact]
     cycles: list[tuple[int, ...]] = field(default_factory=list)
     listening_ports: tuple[int, ...] = ()
     gone: bool = False
     gpu_spin: bool = False  # host parked past the threshold while its GPUs stay pegged
     worked: bool = False  # did work of its own in the window (not merely under the threshold)
+    waits: ev.ProcessWaits | None = None  # what its threads wait in
+
+    @property
+    def words(self) -> list[str]:
+        return reasons(self.reasons)
 
 
 @dataclass
 class ServiceVerdict:
     pid: int
     state: str
-    reasons: list[str]
+    reasons: list[ev.Fact]
     cycles: list[tuple[int, ...]]
     processes: list[ProcessVerdict]
     gone: bool = False
     gpu_spin: bool = False
     # The parked evidence its verdict used (0 when it works): requests on its front doors
-    # waiting for an answer, and its time without progress (the longer of its parked time
-    # and its oldest unanswered request's age).
+    # waiting for an answer, and its time without progress (the longest of its parked time,
+    # its oldest unanswered request's age and the age of its last dated progress).
     unanswered_requests: int = 0
     seconds_since_progress: float = 0.0
+    culprit: ev.Culprit | None = None  # the process that holds it up, when one is known
+
+    @property
+    def words(self) -> list[str]:
+        return reasons(self.reasons)
 
 
 @dataclass(frozen=True)
 class Evidence:
-    """The lock and I/O evidence of a service, in words, gathered before it is classified:
-    the classifier puts the part that explains its verdict into the reasons."""
+    """The lock and I/O evidence of a service, gathered before it is classified: the
+    classifier puts the part that explains its verdict into the reasons."""
 
-    cycles: Sequence[str] = ()  # each stable lock cycle (for a deadlock)
-    parked: Sequence[str] = ()  # the largest parked groups, listen times, last writes
+    cycles: Sequence[ev.LockCycle] = ()  # each stable lock cycle (for a deadlock)
+    parked: Sequence[ev.Fact] = ()  # the largest parked groups, listen times, last writes
+    # Dates the most recent progress before the window (None: nothing dated), asked only
+    # when a parked service is not idle: it has made none for at least that long.
+    last_progress: Callable[[], ev.LastProgress | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -76,40 +93,31 @@ class ProcessFacts:
     gpu: ProcessGpu | None = None  # None: NVML did not answer, or it holds no GPU
     # The service's listening ports that outside clients connect to; None: all of them.
     front_door_ports: frozenset[int] | None = None
+    waits: ev.ProcessWaits | None = None  # what its threads wait in (process_waits)
 
 
-def _all_threads(n: int) -> str:
-    return "its only thread" if n == 1 else f"all {n} threads"
-
-
-def _fmt_s(s: float) -> str:
-    return f"{s:.0f} s" if s >= 10 else f"{s:.1f} s"
-
-
-def describe_cycle(
+def lock_cycle(
     cycle: tuple[int, ...], edges: Mapping[int, WaitEdge], names: Mapping[int, str]
-) -> str:
-    parts = []
-    for tid in cycle:
-        e = edges.get(tid)
-        if e is None:
-            continue
-        parts.append(
-            f"{tid} ({names.get(tid, '?')}) waits for {e.kind} {e.uaddr:#x} held by {e.owner}"
+) -> ev.LockCycle:
+    return ev.LockCycle(
+        tuple(
+            ev.CycleLink(tid, names.get(tid, "?"), e.kind, e.uaddr, e.owner)
+            for tid in cycle
+            if (e := edges.get(tid)) is not None
         )
-    return f"lock cycle of {plural(len(cycle), 'thread')}: " + "; ".join(parts)
+    )
 
 
-def describe_group(g: WordGroup, now_ns: int) -> str:
-    if g.owner_kind == "join":
-        owner = f"joining thread {g.owner}"
-    elif g.owner:
-        owner = f"{g.owner_kind} held by {g.owner}"
-    else:
-        owner = "no owner"
-    since = f" for {_fmt_s((now_ns - g.since_ns) / 1e9)}" if g.since_ns else ""
-    where = f" across {len(g.pids)} processes" if len(g.pids) > 1 else ""
-    return f"{plural(len(g.tids), 'thread')} parked on one word {g.uaddr:#x} ({g.op_name}){where}, {owner}{since}"
+def parked_group(g: WordGroup, now_ns: int) -> ev.ParkedGroup:
+    return ev.ParkedGroup(
+        threads=len(g.tids),
+        uaddr=g.uaddr,
+        op=g.op_name,
+        processes=len(g.pids),
+        owner_kind=(g.owner_kind or "") if g.owner else "",
+        owner=g.owner or 0,
+        age_s=(now_ns - g.since_ns) / 1e9 if g.since_ns else None,
+    )
 
 
 def front_doors(sample: ProcessSample, ports: frozenset[int] | None) -> list[Listener]:
@@ -154,13 +162,14 @@ def classify_process(facts: ProcessFacts, threshold_s: float) -> ProcessVerdict:
         reasons=[],
         cycles=list(facts.cycles),
         listening_ports=ports,
+        waits=facts.waits,
     )
     if facts.cycles:
         v.state = DEADLOCKED
-        v.reasons.append(f"{plural(len(facts.cycles), 'lock cycle')} among its threads")
+        v.reasons.append(ev.CyclesStable(len(facts.cycles), among_threads=True))
         return v
     gpu = facts.gpu
-    host_work = bool(prog.working_tids or prog.write_bytes)
+    host_work = bool(prog.working_tids or prog.write_bytes or prog.received_bytes)
     if (
         gpu is not None
         and not host_work
@@ -168,8 +177,8 @@ def classify_process(facts: ProcessFacts, threshold_s: float) -> ProcessVerdict:
         and min(facts.parked_seconds, gpu.high_for_s) >= threshold_s
     ):
         v.state, v.gpu_spin = STALLED, True
-        v.reasons.append(f"{_all_threads(n)} parked for {_fmt_s(facts.parked_seconds)}")
-        v.reasons.append(describe_spin([gpu]))
+        v.reasons.append(ev.AllParked(n, 1, facts.parked_seconds))
+        v.reasons.append(gpu_spin([gpu]))
         return v
     if prog.did_work:
         v.worked = True
@@ -177,71 +186,109 @@ def classify_process(facts: ProcessFacts, threshold_s: float) -> ProcessVerdict:
         return v
     if facts.parked_threads < n:
         v.worked = True
-        v.reasons.append(f"{n - facts.parked_threads} of {plural(n, 'thread')} not parked")
+        v.reasons.append(ev.NotParked(n - facts.parked_threads, n))
         return v
     v.state, why, _ = _parked_state(
-        facts.parked_seconds,
+        ev.AllParked(n, 1, facts.parked_seconds),
         threshold_s,
         front_doors(s, facts.front_door_ports),
         s.unread_bytes,
-        _all_threads(n),
         unanswered_requests(s, facts.front_door_ports),
     )
     v.reasons.extend(why)
-    idle_gpu = describe_idle({s.pid: gpu}) if gpu is not None else None
+    idle_gpu = gpu_idle({s.pid: gpu}) if gpu is not None else None
     if idle_gpu:
         v.reasons.append(idle_gpu)
     return v
 
 
+def process_waits(s: ProcessSample, now_ns: int) -> ev.ProcessWaits:
+    """What the threads of a process wait in, counted by syscall and timeout; with the age
+    of its oldest untimed futex wait (the probe's start, or when the thread last ran)."""
+    counts: Counter[tuple[str, bool | None]] = Counter()
+    running, oldest = 0, None
+    for t in s.threads:
+        if not t.blocked:
+            running += 1
+            continue
+        name = syscall_name(t.syscall) if t.syscall is not None and t.syscall >= 0 else "no syscall"
+        counts[(name, t.timed)] += 1
+        if wait_kind(t.syscall) == FUTEX and t.timed is False:
+            began = [ns for ns in (t.wait.since_ns if t.wait else None, t.last_ran_ns) if ns]
+            if began:
+                age = max(0.0, (now_ns - min(began)) / 1e9)
+                oldest = age if oldest is None else max(oldest, age)
+    waits = tuple(
+        (name, timed, n) for (name, timed), n in sorted(counts.items(), key=lambda x: -x[1])
+    )
+    return ev.ProcessWaits(waits, running, oldest)
+
+
+def gpu_idle(gpus: Mapping[int, ProcessGpu]) -> ev.GpuIdle | None:
+    """Processes holding GPUs but not using them, or None."""
+    held = [g for g in gpus.values() if g.memory_bytes and not g.active]
+    if not held:
+        return None
+    uses = [u for g in held for u in g.uses]
+    per_gpu = [u.memory_bytes or 0 for u in uses]
+    each = per_gpu[0] if len(set(per_gpu)) == 1 and len(per_gpu) > 1 else None
+    return ev.GpuIdle(
+        tuple(u.gpu for u in uses), min(g.idle_for_s for g in held), each, sum(per_gpu)
+    )
+
+
+def gpu_spin(gpus: Iterable[ProcessGpu]) -> ev.GpuSpin:
+    gs = list(gpus)
+    uses = [u for g in gs for u in g.uses]
+    return ev.GpuSpin(
+        tuple(u.gpu for u in uses),
+        min(u.sm_utilization for u in uses),
+        min(g.high_for_s for g in gs),
+    )
+
+
 def _parked_state(
-    parked_s: float,
+    parked: ev.AllParked,
     threshold_s: float,
     doors: Iterable[Listener],
     unread: int,
-    who: str,
     unanswered: Sequence[Connection] = (),
-) -> tuple[str, list[str], float]:
+    dating: Callable[[], ev.LastProgress | None] | None = None,
+) -> tuple[str, list[ev.Fact], float]:
     """Nothing progresses: idle when a front door has nothing waiting at it; otherwise
     stalled once past the threshold, and still progressing under it. ``unanswered``: accepted
-    connections on its front doors that wait for an answer (see waiting_for_answer); they
-    carry their own age, so the oldest of them counts as time without progress even when
-    its threads ran more recently (DESIGN: evidence carries its own age). Returns the state,
-    its reasons, and that time without progress (seconds)."""
+    connections on its front doors that wait for an answer (see waiting_for_answer). Evidence
+    carries its own age (DESIGN): the oldest unanswered request, and ``last_progress``, the
+    most recent dated progress before the window (``dating`` finds it), date a hang older
+    than the observation.
+    Returns the state, its reasons, and that time without progress (seconds)."""
     doors = list(doors)
     queued = sum(lst.queued for lst in doors)
-    ports = ", ".join(str(p) for p in sorted({lst.port for lst in doors}))
+    ports = tuple(sorted({lst.port for lst in doors}))
     oldest_s = max((c.last_recv_ms or 0 for c in unanswered), default=0) / 1000
-    stuck_s = max(parked_s, oldest_s)
-    reasons = [f"{who} parked for {_fmt_s(parked_s)}, no progress in the window"]
-    under = f"no progress for {_fmt_s(stuck_s)}, under the {_fmt_s(threshold_s)} threshold"
+    reasons: list[ev.Fact] = [parked]
     if doors and not (queued or unread or unanswered):
-        reasons.append(
-            f"listening on port {ports} with an empty accept queue: waiting for requests"
-        )
-        return IDLE, reasons, stuck_s
-    pend = []
-    if queued:
-        pend.append(f"{plural(queued, 'connection')} waiting in the accept queue")
-    if unread:
-        pend.append(f"{plural(unread, 'byte')} of requests unread")
-    if unanswered:
-        pend.append(f"{plural(len(unanswered), 'request')} unanswered for {_fmt_s(oldest_s)}")
+        reasons.append(ev.WaitingForRequests(ports))
+        return IDLE, reasons, max(parked.seconds, oldest_s)
+    last_progress = dating() if dating is not None else None
+    dated = [(parked.seconds, "parked"), (oldest_s, "request")]
+    if last_progress is not None:
+        dated.append((last_progress.age_s, last_progress.what))
+    stuck_s, since = max(dated, key=lambda x: x[0])
     if doors:
-        reasons.append(f"listening on port {ports}: " + " and ".join(pend))
+        reasons.append(ev.WorkWaiting(ports, queued, unread, len(unanswered), oldest_s))
     elif unanswered:
         # Accepted connections without the listener (another process of the service holds it).
-        on = ", ".join(str(p) for p in sorted({c.local_port for c in unanswered}))
-        reasons.append(f"connections accepted on port {on}: " + " and ".join(pend))
+        on = tuple(sorted({c.local_port for c in unanswered}))
+        reasons.append(ev.WorkWaiting(on, 0, unread, len(unanswered), oldest_s, True))
     else:
-        reasons.append("no front door: nothing outside the service is waiting to be served")
+        reasons.append(ev.NoFrontDoor())
+    if last_progress is not None and since == last_progress.what:
+        reasons.append(last_progress)
     if stuck_s >= threshold_s:
-        past = f"past the {_fmt_s(threshold_s)} threshold"
-        if oldest_s > parked_s:
-            past = f"no progress for {_fmt_s(oldest_s)} (the oldest unanswered request), {past}"
-        reasons.append(past)
+        reasons.append(ev.PastThreshold(stuck_s, threshold_s, since))
         return STALLED, reasons, stuck_s
-    reasons.append(under)
+    reasons.append(ev.UnderThreshold(stuck_s, threshold_s))
     return PROGRESSING, reasons, stuck_s
 
 
@@ -253,12 +300,18 @@ def classify_service(
     root_gone: bool = False,
     evidence: Evidence | None = None,
 ) -> ServiceVerdict:
-    """The service's verdict, its reasons ending with the evidence that explains it."""
-    v = _classify_service(root, procs, threshold_s, gone, root_gone)
-    if evidence is not None and v.state == DEADLOCKED:
+    """The service's verdict, its reasons ending with the evidence that explains it, and
+    led by the process that holds it up when one is known (agent.culprit)."""
+    evidence = evidence or Evidence()
+    v = _classify_service(root, procs, threshold_s, gone, root_gone, evidence.last_progress)
+    if v.state == DEADLOCKED:
         v.reasons.extend(evidence.cycles)
-    elif evidence is not None and v.state in (STALLED, IDLE):
+    elif v.state in (STALLED, IDLE):
         v.reasons.extend(evidence.parked)
+    if v.state in (STALLED, DEADLOCKED):
+        v.culprit = find_culprit(v, procs)
+        if v.culprit is not None:
+            v.reasons.insert(0, v.culprit)
     return v
 
 
@@ -268,66 +321,55 @@ def _classify_service(
     threshold_s: float,
     gone: Sequence[int],
     root_gone: bool,
+    dating: Callable[[], ev.LastProgress | None] | None,
 ) -> ServiceVerdict:
     verdicts = [classify_process(f, threshold_s) for f in procs]
     for pid in gone:
-        verdicts.append(
-            ProcessVerdict(pid, "?", 0, 0, 0.0, PROGRESSING, ["exited while watched"], gone=True)
-        )
+        verdicts.append(ProcessVerdict(pid, "?", 0, 0, 0.0, PROGRESSING, [ev.Exited()], gone=True))
     cycles = sorted({c for v in verdicts for c in v.cycles})
     if root_gone:
-        return ServiceVerdict(
-            root, PROGRESSING, [f"process {root} exited while watched"], cycles, verdicts, True
-        )
+        return ServiceVerdict(root, PROGRESSING, [ev.Exited(root)], cycles, verdicts, True)
     if cycles:
-        reasons = [f"{plural(len(cycles), 'lock cycle')} stable across two reads"]
+        reasons: list[ev.Fact] = [ev.CyclesStable(len(cycles))]
         return _waiters_take(ServiceVerdict(root, DEADLOCKED, reasons, cycles, verdicts))
     spinning = [f for f, v in zip(procs, verdicts) if v.gpu_spin]
     working = [v for v in verdicts if v.worked and not v.gone]
     if spinning and not working:
-        reasons = [describe_spin(f.gpu for f in spinning if f.gpu is not None)]
         # Its host threads' parked time is its time without progress (the GPUs only spin).
-        stuck_s = min(f.parked_seconds for f in spinning)
         return _waiters_take(
             ServiceVerdict(
                 root,
                 STALLED,
-                reasons,
+                [gpu_spin(f.gpu for f in spinning if f.gpu is not None)],
                 cycles,
                 verdicts,
                 gpu_spin=True,
-                seconds_since_progress=stuck_s,
+                seconds_since_progress=min(f.parked_seconds for f in spinning),
             )
         )
     if working:
-        reasons = [f"process {v.pid} ({v.comm}): {'; '.join(v.reasons)}" for v in working]
+        reasons = [ev.ProcessWorks(v.pid, v.comm, tuple(v.reasons)) for v in working]
         parked = [v for v in verdicts if not v.worked and not v.gone]
         if parked:
-            reasons.append(
-                f"{plural(len(parked), 'other process', 'other processes')} parked while a peer "
-                "works: not a stall"
-            )
+            reasons.append(ev.PeersParked(len(parked)))
         return _waiters_take(ServiceVerdict(root, PROGRESSING, reasons, cycles, verdicts))
     if not procs:
-        return ServiceVerdict(root, PROGRESSING, ["nothing left to watch"], cycles, verdicts, True)
+        return ServiceVerdict(root, PROGRESSING, [ev.NothingLeft()], cycles, verdicts, True)
     parked_s = min(f.parked_seconds for f in procs)
     threads = sum(len(f.sample.threads) for f in procs)
-    who = _all_threads(threads)
-    if len(procs) > 1:
-        who += f" of {len(procs)} processes"
     unanswered = sorted(
         (c for f in procs for c in unanswered_requests(f.sample, f.front_door_ports)),
         key=lambda c: -(c.last_recv_ms or 0),
     )
     state, reasons, stuck_s = _parked_state(
-        parked_s,
+        ev.AllParked(threads, len(procs), parked_s),
         threshold_s,
         [lst for f in procs for lst in front_doors(f.sample, f.front_door_ports)],
         sum(f.sample.unread_bytes for f in procs),
-        who,
         unanswered,
+        dating,
     )
-    idle_gpu = describe_idle({f.sample.pid: f.gpu for f in procs if f.gpu is not None})
+    idle_gpu = gpu_idle({f.sample.pid: f.gpu for f in procs if f.gpu is not None})
     if idle_gpu:
         reasons.append(idle_gpu)
     v = ServiceVerdict(root, state, reasons, cycles, verdicts)
@@ -345,5 +387,48 @@ def _waiters_take(v: ServiceVerdict) -> ServiceVerdict:
             # Its own reasons judged it alone ("no front door", "under the threshold"):
             # keep what it did (parked since when), and say whose state it takes.
             p.state = v.state
-            p.reasons = [*p.reasons[:1], f"waits with its service, which is {v.state}"]
+            p.reasons = [*p.reasons[:1], ev.WaitsWithService(v.state)]
     return v
+
+
+def find_culprit(v: ServiceVerdict, procs: Sequence[ProcessFacts]) -> ev.Culprit | None:
+    """The process that holds a stalled or deadlocked service up, when the evidence singles
+    one out (None otherwise: naming a wrong one would send the engineer the wrong way).
+
+    1. A process whose threads are in a stable lock cycle.
+    2. Otherwise the one process that waits on itself: the most threads in futex waits
+       without a timeout (a lock or an event that only another thread of it can release)
+       less its threads in timed waits or sleeps (waiting for time, a peer, a child: waiting
+       on someone else). It must lead by at least one: a DataLoader worker blocked in
+       ``__getitem__`` against its main process polling it every 5 s; a rank that stopped
+       taking part (its gloo threads idle on their work queues) against the rank in the
+       collective (one gloo thread waiting, with the collective's timeout, for its data); a
+       child forked with a lock held against the parent joining it 5 s at a time.
+    """
+    if not procs:
+        return None
+    comm = {f.sample.pid: f.sample.comm for f in procs}
+    if v.cycles:
+        in_cycle = {tid for c in v.cycles for tid in c}
+        for f in procs:
+            if in_cycle.intersection(t.tid for t in f.sample.threads):
+                return ev.Culprit(f.sample.pid, comm[f.sample.pid], "cycle")
+        return None
+    scored = []
+    for f in procs:
+        if f.waits is None:
+            continue
+        untimed = sum(n for name, timed, n in f.waits.waits if _is_futex(name) and timed is False)
+        timed = sum(n for _name, timed, n in f.waits.waits if timed)
+        scored.append((untimed - timed, untimed, f.waits.oldest_untimed_s, f.sample.pid))
+    scored.sort(key=lambda x: x[0], reverse=True)
+    if not scored:
+        return None
+    lead, untimed, age, pid = scored[0]
+    if lead < 1 or (len(scored) > 1 and scored[1][0] >= lead):
+        return None
+    return ev.Culprit(pid, comm[pid], "own waits", threads=untimed, age_s=age)
+
+
+def _is_futex(name: str) -> bool:
+    return name in ("futex", "futex_wait", "futex_waitv")

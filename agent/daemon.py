@@ -244,7 +244,7 @@ class Daemon:
                     v.pid,
                     old or "new",
                     v.state,
-                    "; ".join(v.reasons),
+                    "; ".join(v.words),
                 )
 
     def reload(self) -> None:

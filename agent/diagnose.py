@@ -10,37 +10,17 @@ from dataclasses import dataclass
 from typing import TextIO
 
 from . import session as session_mod
-from .classify import ServiceVerdict, describe_group
+from .classify import ServiceVerdict, parked_group
 from .discovery import env_labels
 from .errors import UsageError
+from .evidence import as_json
 from .model import ProbeEvent, plural
 from .observe import Scope, Tick
 from .procfs import ProcFS
 from .session import Session
 from .settings import DURATION, PARK_THRESHOLD, Settings
-
-# x86-64 numbers of the syscalls a parked thread is usually in, for the report.
-SYSCALL_NAMES = {
-    0: "read",
-    1: "write",
-    7: "poll",
-    23: "select",
-    34: "pause",
-    35: "nanosleep",
-    43: "accept",
-    61: "wait4",
-    202: "futex",
-    230: "clock_nanosleep",
-    232: "epoll_wait",
-    247: "waitid",
-    270: "pselect6",
-    271: "ppoll",
-    281: "epoll_pwait",
-    288: "accept4",
-    441: "epoll_pwait2",
-    449: "futex_waitv",
-    454: "futex_wait",
-}
+from .syscalls import syscall_name
+from .words import reasons, render
 
 
 @dataclass(frozen=True)
@@ -185,7 +165,12 @@ def to_json(
                 "pid": v.pid,
                 "state": v.state,
                 "cycles": [list(c) for c in v.cycles],
-                "reasons": v.reasons,
+                "reasons": v.words,
+                # The same reasons as records: each kind's fields, ages in seconds
+                "evidence": [as_json(f) for f in v.reasons],
+                "culprit": as_json(v.culprit) if v.culprit is not None else None,
+                "seconds_since_progress": round(v.seconds_since_progress, 3),
+                "unanswered_requests": v.unanswered_requests,
                 "gone": v.gone,
                 "processes": [
                     {
@@ -195,7 +180,9 @@ def to_json(
                         "parked_threads": p.parked_threads,
                         "parked_seconds": round(p.parked_seconds, 3),
                         "state": p.state,
-                        "reasons": p.reasons,
+                        "reasons": reasons(p.reasons),
+                        "evidence": [as_json(f) for f in p.reasons],
+                        "waits": as_json(p.waits) if p.waits is not None else None,
                         "listening_ports": list(p.listening_ports),
                         # RANK, LOCAL_RANK, WORLD_SIZE, ...: the daemon's allow-listed labels
                         "labels": dict((labels or {}).get(p.pid, {})),
@@ -258,7 +245,7 @@ def render_text(
         root = snap.processes.get(v.pid)
         comm = root.comm if root else "gone"
         lines.append(f"service {v.pid} ({comm}): {v.state.upper()}")
-        lines.extend(f"  - {r}" for r in v.reasons)
+        lines.extend(f"  - {r}" for r in v.words)
         for p in sorted(v.processes, key=lambda x: x.pid):
             if p.gone:
                 lines.append(f"  process {p.pid}: exited while watched")
@@ -276,7 +263,7 @@ def render_text(
                 f"{p.parked_threads} parked{park}{ports}"
             )
             if p.state != v.state:  # otherwise the service's reasons already say it
-                lines.extend(f"      {r}" for r in p.reasons)
+                lines.extend(f"      {r}" for r in reasons(p.reasons))
             shown: set[int] = set()
             own = {x.tid for x in sample.threads}
             for g in groups:
@@ -288,7 +275,7 @@ def render_text(
                 more = f" and {len(tids) - 8} more" if len(tids) > 8 else ""
                 since = _since(tick, g.since_ns)
                 lines.append(
-                    f"    {describe_group(g, snap.mono_ns)}"
+                    f"    {render(parked_group(g, snap.mono_ns))}"
                     + (f", since {since}" if since else "")
                     + f": {who}{more}"
                 )
@@ -301,7 +288,14 @@ def render_text(
                 elif t.syscall is None or t.syscall < 0:
                     what = "blocked"
                 else:
-                    what = "in " + SYSCALL_NAMES.get(t.syscall, f"syscall {t.syscall}")
+                    how = (
+                        ""
+                        if t.timed is None
+                        else " with a timeout"
+                        if t.timed
+                        else " with no timeout"
+                    )
+                    what = f"in {syscall_name(t.syscall)}{how}"
                 others.setdefault(what, []).append(t.tid)
             for what, tids in sorted(others.items()):
                 who = ", ".join(f"{t} ({names.get(t, '?')})" for t in tids[:8])

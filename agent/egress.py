@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from .frontdoor import endpoint
-from .model import Connection
+from .model import Connection, ProcessSample
 
 FILE = "file"
 TERMINAL = "terminal"
@@ -68,3 +68,25 @@ def _inode(target: str) -> int:
     """'socket:[1234]' -> 1234 (0 if it does not parse)."""
     inner = target[target.find("[") + 1 : -1]
     return int(inner) if inner.isdigit() else 0
+
+
+def received_from_outside(
+    old: ProcessSample | None,
+    new: ProcessSample,
+    ends: ServiceEnds,
+    front_ports: frozenset[int],
+) -> int:
+    """Bytes the process received in the window from peers outside the service, on
+    connections that are not requests at a front door (tcp_info's byte counts; a
+    connection opened in the window counts whole)."""
+    before = {c.inode: c.bytes_received for c in old.connections} if old is not None else {}
+    total = 0
+    for c in new.connections:
+        if c.bytes_received is None or c.local_port in front_ports:
+            continue
+        if ends.destination(f"socket:[{c.inode}]") != CLIENT:
+            continue
+        if c.inode in before and before[c.inode] is None:
+            continue  # not read at the window's start: its count says nothing of the window
+        total += max(0, c.bytes_received - (before.get(c.inode) or 0))
+    return total

@@ -51,6 +51,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from . import evidence as ev
 from .model import DEFAULT_EPHEMERAL_FROM, Connection, ProcessSample
 
 
@@ -85,18 +86,12 @@ class FrontDoors:
     def door(self, port: int) -> Door | None:
         return next((d for d in self.doors if d.port == port), None)
 
-    def describe(self) -> str:
-        """'front door 8000 (...); not front doors: 29500 (MASTER_PORT of rank pid 11)'"""
-        if not self.doors:
-            return "no listener"
-        front = [f"{d.port} ({d.reason})" for d in self.doors if d.front]
-        back = [f"{d.port} ({d.reason})" for d in self.doors if not d.front]
-        parts = []
-        if front:
-            parts.append(f"front door{'s' if len(front) > 1 else ''} " + ", ".join(front))
-        if back:
-            parts.append("not front doors: " + ", ".join(back))
-        return "; ".join(parts)
+    def evidence(self) -> ev.Doors:
+        """Its front doors and its plumbing, each port with why (agent.words says it)."""
+        return ev.Doors(
+            tuple((d.port, d.reason) for d in self.doors if d.front),
+            tuple((d.port, d.reason) for d in self.doors if not d.front),
+        )
 
 
 def _host(address: str) -> str:

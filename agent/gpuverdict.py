@@ -9,9 +9,10 @@ peer that never comes. That is a stall, whatever the GPU counters say.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 
+from . import evidence as ev
 from .model import GpuProcessUse, GpuReading
 
 HIGH_UTILIZATION = 0.9  # "sits at high utilisation": a spinning kernel shows ~100%
@@ -92,53 +93,5 @@ class GpuHistory:
         )
 
 
-def gpu_list(indices: Iterable[int]) -> str:
-    """'GPU 0', 'GPU 0-7', 'GPU 0,2,5': ranges where they are contiguous."""
-    xs = sorted(set(indices))
-    if not xs:
-        return "no GPU"
-    parts, start, prev = [], xs[0], xs[0]
-    for x in xs[1:]:
-        if x != prev + 1:
-            parts.append(f"{start}-{prev}" if prev > start else str(start))
-            start = x
-        prev = x
-    parts.append(f"{start}-{prev}" if prev > start else str(start))
-    return "GPU " + ",".join(parts)
-
-
-def _gb(n: float) -> str:
-    return f"{n / 1e9:.0f} GB" if n >= 10e9 else f"{n / 1e9:.1f} GB"
-
-
-def describe_idle(gpus: Mapping[int, ProcessGpu]) -> str | None:
-    """'GPU 0-7: 0% for 290 s, 76 GB held each' for processes holding GPUs but not using them."""
-    held = [g for g in gpus.values() if g.memory_bytes and not g.active]
-    if not held:
-        return None
-    uses = [u for g in held for u in g.uses]
-    per_gpu = [u.memory_bytes or 0 for u in uses]
-    each = (
-        f"{_gb(per_gpu[0])} held each"
-        if len(set(per_gpu)) == 1 and len(per_gpu) > 1
-        else (f"{_gb(sum(per_gpu))} held")
-    )
-    idle = min(g.idle_for_s for g in held)
-    return f"{gpu_list(u.gpu for u in uses)}: 0% for {idle:.0f} s, {each}"
-
-
-def describe_active(g: ProcessGpu) -> str:
-    if g.max_utilization > 0:
-        return f"{gpu_list(u.gpu for u in g.uses)}: {g.max_utilization:.0%} SM utilisation"
-    verb = "grew" if g.memory_change > 0 else "shrank"
-    return f"GPU memory {verb} by {_gb(abs(g.memory_change))} (loading?)"
-
-
-def describe_spin(gpus: Iterable[ProcessGpu]) -> str:
-    gs = list(gpus)
-    uses = [u for g in gs for u in g.uses]
-    since = min(g.high_for_s for g in gs)
-    return (
-        f"{gpu_list(u.gpu for u in uses)} at {min(u.sm_utilization for u in uses):.0%} or more "
-        f"for {since:.0f} s while every host thread is parked: a collective spinning on the GPU?"
-    )
+def gpu_active(g: ProcessGpu) -> ev.GpuActive:
+    return ev.GpuActive(tuple(u.gpu for u in g.uses), g.max_utilization, g.memory_change)

@@ -96,6 +96,9 @@ class ThreadSample:
     cpu_ns: int  # schedstat sum_exec_runtime
     last_ran_ns: int | None = None  # CLOCK_MONOTONIC of se.exec_start: when it last ran
     syscall: int | None = None  # syscall it is blocked in; None when running or unknown
+    # Its wait ends by itself (a timeout, a sleep): True; it has none: False; None: unknown
+    # (agent.syscalls reads it from the syscall's arguments).
+    timed: bool | None = None
     wait: FutexWait | None = None
     lock: LockRead | None = None  # re-read at wait.uaddr
     refused: Refusal | None = None

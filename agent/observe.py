@@ -12,17 +12,20 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from . import evidence as ev
 from .classify import (
     Evidence,
     ProcessFacts,
     ServiceVerdict,
     classify_service,
-    describe_cycle,
-    describe_group,
+    lock_cycle,
+    parked_group,
+    process_waits,
 )
-from .egress import LEAVES, ServiceEnds
+from .dating import last_progress
+from .egress import LEAVES, ServiceEnds, received_from_outside
 from .frontdoor import FrontDoorConfig, FrontDoors, front_doors
-from .gpuverdict import GpuHistory, describe_active
+from .gpuverdict import GpuHistory, gpu_active
 from .model import GpuReading, ProbeEvent, ProbeReading, ProcessSample, Snapshot, SocketEvent
 from .procfs import ProcFS
 from .progress import ParkSettings, ParkTracker, window_progress
@@ -111,7 +114,7 @@ class ListenHistory:
         self._bound = {k: v for k, v in self._bound.items() if k[0] in live}
         self.since = {k: v for k, v in self.since.items() if k[0] in live}
 
-    def describe(self, pids: set[int], snap: Snapshot) -> list[str]:
+    def describe(self, pids: set[int], snap: Snapshot) -> list[ev.ListeningSince]:
         out = []
         for pid in sorted(pids):
             p = snap.processes.get(pid)
@@ -119,7 +122,7 @@ class ListenHistory:
                 ns = self.since.get((pid, port))
                 if ns is not None:
                     at = time.strftime("%H:%M:%S", time.localtime(snap.wall_of(ns)))
-                    out.append(f"port {port} listening since {at}")
+                    out.append(ev.ListeningSince(port, at))
         return out
 
 
@@ -227,14 +230,16 @@ class Observer:
                 if pid in latest.reading.accepts:  # counted by the probe since watched
                     accepts = latest.reading.accepts[pid] - old_tick.reading.accepts.get(pid, 0)
                 gpu = self.gpu_history.facts(pid, latest.gpu, old_tick.gpu, snap.mono_ns)
+                old_sample = old.processes.get(pid)
                 progress = window_progress(
-                    old.processes.get(pid),
+                    old_sample,
                     sample,
                     window_ns,
                     self.park,
                     accepts=accepts,
-                    gpu_detail=describe_active(gpu) if gpu is not None and gpu.active else None,
+                    gpu=gpu_active(gpu) if gpu is not None and gpu.active else None,
                     written_out=self._written_out(pid, latest.reading, old_tick.reading, ends),
+                    received=received_from_outside(old_sample, sample, ends, doors.ports),
                 )
                 facts.append(
                     ProcessFacts(
@@ -245,14 +250,23 @@ class Observer:
                         cycles=[c for c in latest.cycles if tids.intersection(c)],
                         gpu=gpu,
                         front_door_ports=doors.ports,
+                        waits=process_waits(sample, snap.mono_ns),
                     )
                 )
             live = {f.sample.pid for f in facts}
             gone = sorted(self._seen.get(root, set()) - live)  # empty unless remember_gone
             cycles = sorted({c for f in facts for c in f.cycles})
+            quiet = not any(f.progress.did_work for f in facts)
             evidence = Evidence(
-                cycles=[describe_cycle(c, latest.graph.edges, names) for c in cycles],
+                cycles=[lock_cycle(c, latest.graph.edges, names) for c in cycles],
                 parked=self._parked_evidence(live, latest, groups, doors),
+                # Dated only for a service that did nothing in the window: the fds of its
+                # processes are walked then, not every tick for every service.
+                last_progress=(
+                    self._dater(samples, ends, doors.ports, snap, old.mono_ns)
+                    if quiet and facts and not cycles
+                    else None
+                ),
             )
             out.append(
                 classify_service(
@@ -268,17 +282,37 @@ class Observer:
 
     def _parked_evidence(
         self, pids: set[int], tick: Tick, groups: list[WordGroup], doors: FrontDoors
-    ) -> list[str]:
-        """What a parked service waits on, in words: its largest parked groups, which of its
-        listeners are front doors, since when its ports listen, and its last writes."""
+    ) -> list[ev.Fact]:
+        """What a parked service waits on: its largest parked groups, which of its listeners
+        are front doors, since when its ports listen, and its last writes."""
         now = tick.snapshot.mono_ns
         mine = [g for g in groups if pids.intersection(g.pids)]
-        out = [describe_group(g, now) for g in mine[:3]]
+        out: list[ev.Fact] = [parked_group(g, now) for g in mine[:3]]
         if doors.doors:
-            out.append(doors.describe())
+            out.append(doors.evidence())
         out.extend(self.sockets.describe(pids, tick.snapshot))
         out.extend(self._last_writes(pids, tick.reading, now))
         return out
+
+    def _dater(
+        self,
+        samples: Sequence[ProcessSample],
+        ends: ServiceEnds,
+        front_ports: frozenset[int],
+        snap: Snapshot,
+        window_start_ns: int,
+    ) -> Callable[[], ev.LastProgress | None]:
+        """Dates the service's last progress (agent.dating) when the classifier asks: only
+        for a quiet service that is not idle, so an idle server costs no fd walk a tick."""
+        return lambda: last_progress(
+            self.sampler.proc,
+            samples,
+            ends,
+            front_ports,
+            snap.mono_ns,
+            snap.wall,
+            window_start_ns,
+        )
 
     def _pipes_read_by(self, samples: Sequence[ProcessSample]) -> Callable[[int], bool]:
         """Whether a pipe's reading end is held in the service: the fds of its processes are
@@ -325,13 +359,13 @@ class Observer:
         self._fd_names = names  # bounded by the fds the probe still reports
         self._fd_seen = {k: v for k, v in self._fd_seen.items() if k in names}
 
-    def _last_writes(self, pids: set[int], reading: ProbeReading, now: int) -> list[str]:
+    def _last_writes(self, pids: set[int], reading: ProbeReading, now: int) -> list[ev.Fact]:
         """The most recent write, and the most recent to a file (a log) if that was not it."""
         writes = sorted(
             ((w.last_ns, pid, w.fd) for pid in pids for w in reading.writes.get(pid, {}).values()),
             reverse=True,
         )
-        out = []
+        out: list[ev.Fact] = []
         for i, (ns, pid, fd) in enumerate(writes):
             target = self._fd_names.get((pid, fd))
             is_file = (
@@ -339,7 +373,7 @@ class Observer:
             )
             if i == 0 or is_file:
                 what = describe_fd(target, fd)
-                out.append(f"last write {(now - ns) / 1e9:.0f} s ago, to {what} (pid {pid})")
+                out.append(ev.LastWrite(what, pid, (now - ns) / 1e9))
             if is_file:
                 break
         return out

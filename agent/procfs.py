@@ -20,7 +20,7 @@ from .tcpinfo import read_tcp_info
 
 SYS_FUTEX = 202  # x86-64 syscall numbers: /proc/.../syscall reports them raw
 SYS_FUTEX_WAITV = 449
-SYS_FUTEX_WAIT = 454
+SYS_FUTEX_WAIT = 455  # futex_wait(2), Linux 6.7+ (454 is futex_wake)
 
 # The kernel's ceiling for kernel.pid_max (PID_MAX_LIMIT on 64-bit): no PID is larger.
 PID_MAX_LIMIT = 1 << 22
@@ -52,6 +52,13 @@ class SyscallLine:
     nr: int  # -1: blocked, but not in a syscall
     args: tuple[int, ...]
     sp: int | None = None  # user stack pointer
+
+
+@dataclass(frozen=True)
+class WrittenFd:
+    fd: int
+    target: str  # its /proc/PID/fd link
+    mtime: float  # wall-clock seconds
 
 
 @dataclass(frozen=True)
@@ -425,6 +432,37 @@ class ProcFS:
             mode = _uint(flags, 8)
             if mode is not None and mode & 3 in (os.O_RDONLY, os.O_RDWR):
                 out.add(inode)
+        return out
+
+    def written_fds(self, pid: int) -> list[WrittenFd]:
+        """The fds the process holds open for writing that lead to a file, a pipe or a
+        terminal, with when each was last modified: a file's or a terminal's mtime moves on
+        every write, and a pipe's too (pipe_write updates it). Sockets, eventfds and the
+        like are left out: connections are dated by tcp_info."""
+        fd_dir = os.path.join(self.root, str(pid), "fd")
+        try:
+            names = os.listdir(fd_dir)
+        except OSError:
+            return []
+        out = []
+        for name in names:
+            path = os.path.join(fd_dir, name)
+            try:
+                link = os.readlink(path)
+            except OSError:
+                continue
+            if not (link.startswith("/") or link.startswith("pipe:[")):
+                continue
+            info = self._read(pid, "fdinfo", name) or ""
+            flags = next((ln.split()[1] for ln in info.splitlines() if ln.startswith("flags:")), "")
+            mode = _uint(flags, 8)
+            if mode is None or mode & 3 not in (os.O_WRONLY, os.O_RDWR):
+                continue
+            try:
+                mtime = os.stat(path).st_mtime  # follows the link to the open file itself
+            except OSError:
+                continue
+            out.append(WrittenFd(int(name), link, mtime))
         return out
 
     def fd_target(self, pid: int, fd: int) -> str | None:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .model import ProcessSample, Snapshot, ThreadSample, plural
+from . import evidence as ev
+from .model import ProcessSample, Snapshot, ThreadSample
 
 NS = 1_000_000_000
 
@@ -44,41 +45,34 @@ class ProcessProgress:
     # Bytes written to files, terminals and clients outside the service (agent.egress);
     # None: not measurable.
     write_bytes: int | None = None
+    # Data received from outside the service, not requests at a front door (tcp_info of its
+    # other connections: weights streamed from storage, a peer rank on another host).
+    received_bytes: int = 0
     # Connections accepted: context, not progress (a connection accepted and never
     # answered serves nobody; an answer is a write to a client).
     accepts: int | None = None
-    gpu_active: bool | None = None  # from the GPU source
-    gpu_detail: str | None = None  # what the GPU did, in words
+    gpu: ev.GpuActive | None = None  # what its GPUs did, when they were active
     notes: tuple[str, ...] = ()
 
     @property
     def did_work(self) -> bool:
-        return bool(self.working_tids or self.write_bytes or self.gpu_active)
+        return bool(self.working_tids or self.write_bytes or self.received_bytes or self.gpu)
 
-    def signals(self) -> list[str]:
-        """Plain words for each progress signal seen."""
-        out = []
+    def signals(self) -> list[ev.Fact]:
+        """The evidence of each progress signal seen."""
+        out: list[ev.Fact] = []
         secs = self.window_ns / NS
         if self.working_tids:
-            out.append(
-                f"{plural(len(self.working_tids), 'thread')} used CPU "
-                f"({self.cpu_ns / NS:.2f} CPU-s in {secs:.1f} s)"
-            )
+            out.append(ev.CpuWork(len(self.working_tids), self.cpu_ns / NS, secs))
         if self.write_bytes:
-            out.append(f"wrote {_bytes(self.write_bytes)} to files or clients in {secs:.1f} s")
+            out.append(ev.WroteOut(self.write_bytes, secs))
+        if self.received_bytes:
+            out.append(ev.ReceivedIn(self.received_bytes, secs))
         if self.accepts:
-            out.append(f"accepted {plural(self.accepts, 'connection')}")
-        if self.gpu_active:
-            out.append(self.gpu_detail or "GPU active")
+            out.append(ev.Accepted(self.accepts))
+        if self.gpu:
+            out.append(self.gpu)
         return out
-
-
-def _bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    return f"{n} B"
 
 
 class ParkTracker:
@@ -178,13 +172,15 @@ def window_progress(
     window_ns: int,
     settings: ParkSettings,
     accepts: int | None = None,
-    gpu_detail: str | None = None,
+    gpu: ev.GpuActive | None = None,
     written_out: int | None = None,
+    received: int = 0,
 ) -> ProcessProgress:
     """Progress of one process between two snapshots ``window_ns`` apart. ``accepts`` is
-    what the probe counted in the window; ``gpu_detail`` says what the GPU did, if it was
-    active; ``written_out`` is what it wrote outside the service in the window, by the
-    probe's writes per fd (without a probe: /proc/PID/io, which counts every write)."""
+    what the probe counted in the window; ``gpu`` says what the GPU did, if it was active;
+    ``written_out`` is what it wrote outside the service in the window, by the probe's
+    writes per fd (without a probe: /proc/PID/io, which counts every write); ``received``
+    what it received from outside (see ProcessProgress.received_bytes)."""
     notes: tuple[str, ...] = ()
     if old is not None and old.start_ticks != new.start_ticks:
         old = None  # the PID was reused: all of the new process is new
@@ -210,8 +206,8 @@ def window_progress(
         cpu_ns=cpu_ns,
         working_tids=tuple(working),
         write_bytes=written,
+        received_bytes=received,
         accepts=accepts,
-        gpu_active=True if gpu_detail is not None else None,
-        gpu_detail=gpu_detail,
+        gpu=gpu,
         notes=notes,
     )

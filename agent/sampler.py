@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
+from .frontdoor import endpoint
 from .model import (
     FUTEX_CMD_MASK,
     FUTEX_WAIT_BITSET,
@@ -35,6 +36,7 @@ from .procfs import (
     SyscallLine,
     TcpSocket,
 )
+from .syscalls import syscall_wait
 from .waitgraph import owner_candidates
 
 FUTEX_SYSCALLS = frozenset({SYS_FUTEX, SYS_FUTEX_WAIT, SYS_FUTEX_WAITV})
@@ -272,6 +274,7 @@ class Sampler:
             cpu_ns=read.cpu_ns,
             last_ran_ns=read.last_ran_ns,
             syscall=sc.nr if sc is not None else None,
+            timed=w.timed if (w := syscall_wait(sc)) is not None else None,
             wait=wait,
             lock=lock,
             refused=refused,
@@ -350,12 +353,15 @@ class Sampler:
         net_cache: dict[str, list[TcpSocket]],
         net_of: dict[int, str],
     ) -> None:
-        """Fill in the kernel's tcp_info (last data received and sent, bytes) of the
-        connections a process accepted on a listening port of the snapshot's processes (the
-        candidates for a front door; which are is decided later, per service): a request
-        that was received and not answered is work waiting. One netlink read per network
-        namespace, filtered by those ports, and none where no such connection exists (the
-        daemon ticks every second: cost matters)."""
+        """Fill in the kernel's tcp_info (last data received and sent, bytes) of two kinds
+        of connections: those a process accepted on a listening port of the snapshot's
+        processes (the candidates for a front door; which are is decided later, per
+        service), where a request received and not answered is work waiting; and those whose
+        peer is outside the snapshot's processes, where data received is progress (weights
+        streamed in) and the last data moved dates a hang. Loopback chatter between the
+        snapshot's own processes is not read. One netlink read per network namespace,
+        filtered by local port, and none where no such connection exists (the daemon ticks
+        every second: cost matters)."""
         by_ns: dict[str, list[int]] = {}
         for pid in processes:
             if pid in net_of:
@@ -363,11 +369,20 @@ class Sampler:
         for ns, pids in by_ns.items():
             listening = {lst.port for pid in pids for lst in processes[pid].listeners}
             family = {s.inode: s.family for s in net_cache.get(ns, ())}
+            ours = {
+                endpoint(c.local_address, c.local_port)
+                for pid in pids
+                for c in processes[pid].connections
+            }
             accepted = {
                 c.inode: (family[c.inode], c.local_port)
                 for pid in pids
                 for c in processes[pid].connections
-                if c.local_port in listening and c.inode in family
+                if c.inode in family
+                and (
+                    c.local_port in listening
+                    or endpoint(c.remote_address, c.remote_port) not in ours
+                )
             }
             if not accepted:
                 continue

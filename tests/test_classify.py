@@ -55,19 +55,19 @@ def test_cycle_wins_over_work():
 def test_work_in_the_window_is_progressing_with_the_signal_in_words():
     v = classify_process(facts(work="write"), 60)
     assert v.state == PROGRESSING
-    assert any("wrote 4.0 KiB" in r for r in v.reasons)
+    assert any("wrote 4.0 KiB" in r for r in v.words)
 
 
 def test_all_parked_past_threshold_is_stalled():
     v = classify_process(facts(parked_s=61), 60)
     assert v.state == STALLED
-    assert "all 3 threads parked for 61 s" in v.reasons[0]
+    assert "all 3 threads parked for 61 s" in v.words[0]
 
 
 def test_all_parked_under_threshold_is_not_yet_stalled():
     v = classify_process(facts(parked_s=59), 60)
     assert v.state == PROGRESSING  # idle is only ever a front door with nothing waiting
-    assert "no progress for 59 s, under the 60 s threshold" in v.reasons
+    assert "no progress for 59 s, under the 60 s threshold" in v.words
 
 
 def test_plumbing_listeners_are_no_front_door():
@@ -75,7 +75,7 @@ def test_plumbing_listeners_are_no_front_door():
     store = Listener("tcp", "0.0.0.0", 29500, queued=0, backlog=128)
     v = classify_process(facts(parked_s=61, listeners=(store,), doors=frozenset()), 60)
     assert v.state == STALLED
-    assert any("no front door" in r for r in v.reasons)
+    assert any("no front door" in r for r in v.words)
     both = (store, LISTEN)
     assert classify_process(facts(listeners=both, doors=frozenset({8000})), 60).state == IDLE
 
@@ -86,8 +86,8 @@ def test_waiting_processes_take_the_services_state():
     v = classify_service(10, server, 60)
     assert v.state == IDLE and {p.state for p in v.processes} == {IDLE}
     scheduler = v.processes[1]  # its own reasons ("no front door") no longer apply
-    assert scheduler.reasons[-1] == "waits with its service, which is idle"
-    assert not any("front door" in r for r in scheduler.reasons)
+    assert scheduler.words[-1] == "waits with its service, which is idle"
+    assert not any("front door" in r for r in scheduler.words)
     ranks = [facts(pid=11, work="cpu", parked_n=2), facts(pid=12)]
     v = classify_service(10, ranks, 60)
     assert {p.pid: p.state for p in v.processes} == {11: PROGRESSING, 12: PROGRESSING}
@@ -98,7 +98,7 @@ def test_waiting_processes_take_the_services_state():
 def test_listener_with_empty_queue_is_idle_however_long_parked():
     v = classify_process(facts(parked_s=3600, listeners=(LISTEN,)), 60)
     assert v.state == IDLE
-    assert any("port 8000 with an empty accept queue" in r for r in v.reasons)
+    assert any("port 8000 with an empty accept queue" in r for r in v.words)
 
 
 def test_listener_with_queued_connections_past_threshold_is_stalled():
@@ -115,7 +115,7 @@ def test_service_parked_rank_with_a_working_peer_is_progressing():
     ranks = [facts(pid=p) for p in (11, 12, 13)] + [facts(pid=14, work="cpu", parked_n=2)]
     v = classify_service(10, ranks, 60)
     assert v.state == PROGRESSING
-    assert any("parked while a peer works" in r for r in v.reasons)
+    assert any("parked while a peer works" in r for r in v.words)
     assert (v.unanswered_requests, v.seconds_since_progress) == (0, 0.0)  # it progresses
 
 
@@ -134,7 +134,7 @@ def test_service_listening_anywhere_is_idle_when_all_parked():
 def test_service_whose_root_exited_is_reported_gone():
     v = classify_service(10, [], 60, gone=[10], root_gone=True)
     assert v.gone and v.processes[0].gone
-    assert "exited" in v.reasons[0]
+    assert "exited" in v.words[0]
 
 
 @given(
@@ -174,4 +174,4 @@ def test_service_state_follows_the_precedence(procs, threshold):
         assert v.state == STALLED
     for p in v.processes:  # a process either works, is in a cycle, or takes the service's state
         assert p.worked or p.state in (v.state, DEADLOCKED)
-    assert v.reasons
+    assert v.words

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from agent.frontdoor import FrontDoorConfig, front_doors
 from agent.model import Connection, Listener, Plumbing, ProcessSample, ThreadSample
+from agent.words import render
 
 RANK = Plumbing(master_port=29500)
 NONE = Plumbing()
@@ -50,7 +51,7 @@ def pair(a: tuple[str, int], b: tuple[str, int]) -> tuple[tuple, tuple]:
 
 def test_no_listener_no_door():
     fd = front_doors([proc(1)])
-    assert fd.doors == () and fd.ports == frozenset() and fd.describe() == "no listener"
+    assert fd.doors == () and fd.ports == frozenset() and render(fd.evidence()) == "no listener"
 
 
 def test_an_idle_server_is_a_front_door_until_shown_otherwise():
@@ -59,7 +60,7 @@ def test_an_idle_server_is_a_front_door_until_shown_otherwise():
     assert (d.port, d.pids, d.front, d.connections) == (8000, (1,), True, 0)
     assert d.reason == "no connection yet: a front door until shown otherwise"
     assert fd.ports == {8000}
-    assert fd.describe().startswith("front door 8000 (no connection yet")
+    assert render(fd.evidence()).startswith("front door 8000 (no connection yet")
 
 
 def test_a_client_from_outside_makes_a_front_door():
@@ -184,7 +185,7 @@ def test_declared_none_means_none():
     )
     assert fd.declared and fd.ports == frozenset()
     assert fd.door(8000).reason == "the config says it has no front door"
-    assert fd.describe() == "not front doors: 8000 (the config says it has no front door)"
+    assert render(fd.evidence()) == "not front doors: 8000 (the config says it has no front door)"
 
 
 def test_one_port_held_by_several_processes_is_one_door():
@@ -232,7 +233,7 @@ def test_torchrun_job_as_seen_has_no_front_door():
     )
     fd = front_doors([agent, rank0, rank1], None, 32768)
     assert [d.port for d in fd.doors] == [29611, 35293, 38653]
-    assert fd.ports == frozenset(), fd.describe()
+    assert fd.ports == frozenset(), render(fd.evidence())
     assert fd.door(29611).connections == 3
     # Without the ephemeral rule, rank 0's gloo listener is still plumbing by its peers;
     # rank 1's, which nobody connected to, is why the rule exists.
@@ -287,4 +288,4 @@ def test_every_listening_port_gets_one_door_with_a_reason(procs, declared, ephem
     assert fd.ports <= set(ports)
     if declared is not None:
         assert fd.ports == declared.ports & set(ports)
-    assert isinstance(fd.describe(), str)
+    assert isinstance(render(fd.evidence()), str)

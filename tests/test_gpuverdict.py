@@ -9,10 +9,12 @@ from agent.classify import (
     ProcessFacts,
     classify_process,
     classify_service,
+    gpu_idle,
 )
-from agent.gpuverdict import GpuHistory, describe_active, describe_idle, gpu_list
+from agent.gpuverdict import GpuHistory, gpu_active
 from agent.model import GpuProcessUse, GpuReading, Listener
 from agent.progress import ProcessProgress
+from agent.words import gpu_list, render
 from tests.synth import parked, process
 
 S = 1_000_000_000
@@ -48,8 +50,7 @@ def facts(pid: int, gpu, parked_s: float = 300.0, cpu: bool = False) -> ProcessF
         window_ns=5 * S,
         working_tids=(pid,) if cpu else (),
         cpu_ns=S if cpu else 0,
-        gpu_active=True if active else None,
-        gpu_detail=describe_active(gpu) if active else None,
+        gpu=gpu_active(gpu) if active else None,
     )
     sample = process(pid, parked(pid), parked(pid + 1))
     return ProcessFacts(sample, prog, 1 if cpu else 2, 0.0 if cpu else parked_s, (), gpu)
@@ -66,7 +67,7 @@ def test_sm_utilisation_is_progress_for_a_parked_host():
     g = h.facts(10, r, r, now)
     v = classify_process(facts(10, g), 60)
     assert v.state == PROGRESSING
-    assert "GPU 0: 30% SM utilisation" in v.reasons
+    assert "GPU 0: 30% SM utilisation" in v.words
 
 
 def test_growing_gpu_memory_is_progress():
@@ -85,7 +86,7 @@ def test_pegged_gpus_under_a_parked_host_past_the_threshold_is_a_stall():
     v = classify_process(facts(10, g, parked_s=300), 60)
     assert v.state == STALLED and v.gpu_spin
     assert any(
-        "GPU 0-7 at 100% or more for 70 s while every host thread is parked" in r for r in v.reasons
+        "GPU 0-7 at 100% or more for 70 s while every host thread is parked" in r for r in v.words
     )
     svc = classify_service(1, [facts(10, g, parked_s=300)], 60)
     assert svc.state == STALLED and svc.gpu_spin
@@ -116,10 +117,10 @@ def test_idle_gpus_held_are_named_in_a_stalled_verdict():
     h, now = history(*[idle] * 30, step_s=10)  # 290 s at 0%
     g = h.facts(10, idle, idle, now)
     assert g is not None and not g.active and g.idle_for_s == 290
-    assert describe_idle({10: g}) == "GPU 0-7: 0% for 290 s, 76 GB held each"
+    assert render(gpu_idle({10: g})) == "GPU 0-7: 0% for 290 s, 76 GB held each"
     v = classify_process(facts(10, g), 60)
     assert v.state == STALLED
-    assert "GPU 0-7: 0% for 290 s, 76 GB held each" in v.reasons
+    assert "GPU 0-7: 0% for 290 s, 76 GB held each" in v.words
 
 
 def test_a_failed_nvml_read_is_no_evidence_either_way():
@@ -153,4 +154,4 @@ def test_listener_with_idle_gpu_is_idle_and_says_what_it_holds():
     f = ProcessFacts(sample, f.progress, 2, 300.0, (), g)
     v = classify_process(f, 60)
     assert v.state == IDLE
-    assert "GPU 0: 0% for 30 s, 40 GB held" in v.reasons
+    assert "GPU 0: 0% for 30 s, 40 GB held" in v.words

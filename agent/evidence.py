@@ -1,0 +1,264 @@
+"""Evidence: one typed record per kind of fact a verdict rests on.
+
+The classifier and the observer build these records; ``agent.words`` turns them into the
+sentences of ``diagnose``, the daemon's log and the reasons of ``--json``, in one place, and
+``as_json`` gives each record's fields to ``--json`` as they are. A record says what was
+seen, with its numbers and, where it has one, its age (``age_s``: how long before the
+snapshot it happened or began), never how to phrase it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, fields
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Fact:
+    """Base of every record: ``kind`` names it in JSON (CpuWork -> "cpu_work")."""
+
+    @property
+    def kind(self) -> str:
+        return re.sub(r"(?<!^)(?=[A-Z])", "_", type(self).__name__).lower()
+
+
+def as_json(f: Fact) -> dict[str, Any]:
+    out: dict[str, Any] = {"kind": f.kind}
+    for fl in fields(f):
+        v = getattr(f, fl.name)
+        if isinstance(v, float):
+            v = round(v, 3)
+        elif isinstance(v, tuple):
+            v = [as_json(x) if isinstance(x, Fact) else x for x in v]
+        elif isinstance(v, Fact):
+            v = as_json(v)
+        out[fl.name] = v
+    return out
+
+
+# --- progress in the window ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CpuWork(Fact):
+    threads: int  # threads above the CPU floor
+    cpu_s: float
+    window_s: float
+
+
+@dataclass(frozen=True)
+class WroteOut(Fact):
+    """Bytes written to files, terminals or peers outside the service."""
+
+    bytes: int
+    window_s: float
+
+
+@dataclass(frozen=True)
+class ReceivedIn(Fact):
+    """Data received from outside the service (not requests on a front door): weights, a
+    peer rank on another host."""
+
+    bytes: int
+    window_s: float
+
+
+@dataclass(frozen=True)
+class Accepted(Fact):
+    """Connections accepted in the window: context, never progress on its own."""
+
+    connections: int
+
+
+@dataclass(frozen=True)
+class GpuActive(Fact):
+    gpus: tuple[int, ...]
+    utilization: float  # the highest SM utilisation of its GPUs
+    memory_change: int  # bytes over the window (signed)
+
+
+@dataclass(frozen=True)
+class NotParked(Fact):
+    running: int  # threads not parked
+    threads: int
+
+
+@dataclass(frozen=True)
+class ProcessWorks(Fact):
+    """A process of the service that works, and what it did."""
+
+    pid: int
+    comm: str
+    facts: tuple[Fact, ...]
+
+
+@dataclass(frozen=True)
+class PeersParked(Fact):
+    """Processes parked while a peer works: not a stall."""
+
+    processes: int
+
+
+# --- parked -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AllParked(Fact):
+    threads: int
+    processes: int  # 1: the process itself
+    seconds: float  # parked for this long, as observed
+
+
+@dataclass(frozen=True)
+class WaitingForRequests(Fact):
+    """Front doors with nothing waiting at them: what makes a service idle."""
+
+    ports: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class WorkWaiting(Fact):
+    """Work waiting for the service at its front doors (or on connections it accepted)."""
+
+    ports: tuple[int, ...]
+    queued: int  # connections in accept queues
+    unread: int  # bytes of requests not read
+    unanswered: int  # requests received and not answered
+    oldest_s: float  # the oldest unanswered request's age
+    accepted_only: bool = False  # the listener is another process's: seen on connections
+
+
+@dataclass(frozen=True)
+class NoFrontDoor(Fact):
+    pass
+
+
+@dataclass(frozen=True)
+class PastThreshold(Fact):
+    stuck_s: float  # time without progress
+    threshold_s: float
+    since: str  # what dates it: "parked", "request", or a LastProgress kind
+
+
+@dataclass(frozen=True)
+class UnderThreshold(Fact):
+    stuck_s: float
+    threshold_s: float
+
+
+@dataclass(frozen=True)
+class LastProgress(Fact):
+    """The most recent dated sign of progress before the observation: a file written (its
+    mtime), data sent to or received from outside (tcp_info), a thread that last ran (a
+    wait that began then and has not woken since)."""
+
+    what: str  # "write" | "sent" | "received" | "ran"
+    target: str  # the file, peer or thread
+    pid: int
+    age_s: float
+
+
+@dataclass(frozen=True)
+class ParkedGroup(Fact):
+    threads: int
+    uaddr: int
+    op: str
+    processes: int
+    owner_kind: str  # "mutex", "pi", "join", ... or "" when no owner is known
+    owner: int  # 0: none
+    age_s: float | None  # since its oldest wait began, when known
+
+
+@dataclass(frozen=True)
+class CycleLink(Fact):
+    tid: int
+    name: str
+    lock_kind: str
+    uaddr: int
+    owner: int
+
+
+@dataclass(frozen=True)
+class LockCycle(Fact):
+    links: tuple[CycleLink, ...]
+
+
+@dataclass(frozen=True)
+class CyclesStable(Fact):
+    cycles: int
+    among_threads: bool = False  # a process's own view: "among its threads"
+
+
+@dataclass(frozen=True)
+class Doors(Fact):
+    """Which listeners are front doors, and why (see agent.frontdoor)."""
+
+    front: tuple[tuple[int, str], ...]  # (port, why)
+    plumbing: tuple[tuple[int, str], ...]
+
+
+@dataclass(frozen=True)
+class ListeningSince(Fact):
+    port: int
+    at: str  # local clock time
+
+
+@dataclass(frozen=True)
+class LastWrite(Fact):
+    """The probe's most recent write, and the most recent to a file if that was not it."""
+
+    target: str
+    pid: int
+    age_s: float
+
+
+@dataclass(frozen=True)
+class GpuIdle(Fact):
+    gpus: tuple[int, ...]
+    idle_s: float
+    memory_each: int | None  # bytes per GPU when all hold the same; else None
+    memory_total: int
+
+
+@dataclass(frozen=True)
+class GpuSpin(Fact):
+    gpus: tuple[int, ...]
+    utilization: float  # the lowest of them
+    seconds: float
+
+
+@dataclass(frozen=True)
+class WaitsWithService(Fact):
+    state: str
+
+
+@dataclass(frozen=True)
+class Exited(Fact):
+    pid: int | None = None  # None: the process itself
+
+
+@dataclass(frozen=True)
+class NothingLeft(Fact):
+    pass
+
+
+@dataclass(frozen=True)
+class Culprit(Fact):
+    """The process that holds the service up, and why it is taken to."""
+
+    pid: int
+    comm: str
+    why: str  # "cycle" | "own waits" (see agent.culprit)
+    labels: tuple[tuple[str, str], ...] = ()
+    threads: int = 0  # its threads in untimed futex waits
+    age_s: float | None = None  # the oldest of those waits
+
+
+@dataclass(frozen=True)
+class ProcessWaits(Fact):
+    """What a process's threads wait in: (syscall name, timed, threads) by count."""
+
+    waits: tuple[tuple[str, bool | None, int], ...]
+    running: int
+    oldest_untimed_s: float | None  # the oldest untimed futex wait, when dated

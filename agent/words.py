@@ -1,0 +1,219 @@
+"""Evidence in words: the one place where records of agent.evidence become sentences.
+
+`diagnose`, the daemon's log and the ``reasons`` of ``--json`` all read what this module
+writes, so a phrase is changed here or nowhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from . import evidence as ev
+from .model import plural
+
+NS = 1_000_000_000
+
+
+def seconds(s: float) -> str:
+    return f"{s:.0f} s" if s >= 10 else f"{s:.1f} s"
+
+
+def size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def gb(n: float) -> str:
+    return f"{n / 1e9:.0f} GB" if n >= 10e9 else f"{n / 1e9:.1f} GB"
+
+
+def gpu_list(indices: Iterable[int]) -> str:
+    """'GPU 0', 'GPU 0-7', 'GPU 0,2,5': ranges where they are contiguous."""
+    xs = sorted(set(indices))
+    if not xs:
+        return "no GPU"
+    parts, start, prev = [], xs[0], xs[0]
+    for x in xs[1:]:
+        if x != prev + 1:
+            parts.append(f"{start}-{prev}" if prev > start else str(start))
+            start = x
+        prev = x
+    parts.append(f"{start}-{prev}" if prev > start else str(start))
+    return "GPU " + ",".join(parts)
+
+
+def _ports(ports: Sequence[int]) -> str:
+    return ", ".join(str(p) for p in sorted(set(ports)))
+
+
+def _all_threads(n: int, processes: int = 1) -> str:
+    who = "its only thread" if n == 1 else f"all {n} threads"
+    return who + (f" of {processes} processes" if processes > 1 else "")
+
+
+def _labels(labels: Sequence[tuple[str, str]]) -> str:
+    return " [" + " ".join(f"{k}={v}" for k, v in labels) + "]" if labels else ""
+
+
+_SINCE = {
+    "request": "the oldest unanswered request",
+    "write": "the last write out of the service",
+    "sent": "the last data sent out of the service",
+    "received": "the last data received from outside",
+    "ran": "when its last thread to run stopped",
+}
+
+
+def render(f: ev.Fact) -> str:
+    if isinstance(f, ev.CpuWork):
+        return f"{plural(f.threads, 'thread')} used CPU ({f.cpu_s:.2f} CPU-s in {f.window_s:.1f} s)"
+    if isinstance(f, ev.WroteOut):
+        return f"wrote {size(f.bytes)} to files or clients in {f.window_s:.1f} s"
+    if isinstance(f, ev.ReceivedIn):
+        return f"received {size(f.bytes)} from outside the service in {f.window_s:.1f} s"
+    if isinstance(f, ev.Accepted):
+        return f"accepted {plural(f.connections, 'connection')}"
+    if isinstance(f, ev.GpuActive):
+        if f.utilization > 0:
+            return f"{gpu_list(f.gpus)}: {f.utilization:.0%} SM utilisation"
+        verb = "grew" if f.memory_change > 0 else "shrank"
+        return f"GPU memory {verb} by {gb(abs(f.memory_change))} (loading?)"
+    if isinstance(f, ev.NotParked):
+        return f"{f.running} of {plural(f.threads, 'thread')} not parked"
+    if isinstance(f, ev.ProcessWorks):
+        return f"process {f.pid} ({f.comm}): {'; '.join(render(x) for x in f.facts)}"
+    if isinstance(f, ev.PeersParked):
+        return (
+            f"{plural(f.processes, 'other process', 'other processes')} parked while a "
+            "peer works: not a stall"
+        )
+    if isinstance(f, ev.AllParked):
+        return (
+            f"{_all_threads(f.threads, f.processes)} parked for {seconds(f.seconds)}, "
+            "no progress in the window"
+        )
+    if isinstance(f, ev.WaitingForRequests):
+        return (
+            f"listening on port {_ports(f.ports)} with an empty accept queue: waiting for requests"
+        )
+    if isinstance(f, ev.WorkWaiting):
+        pend = []
+        if f.queued:
+            pend.append(f"{plural(f.queued, 'connection')} waiting in the accept queue")
+        if f.unread:
+            pend.append(f"{plural(f.unread, 'byte')} of requests unread")
+        if f.unanswered:
+            pend.append(f"{plural(f.unanswered, 'request')} unanswered for {seconds(f.oldest_s)}")
+        where = "connections accepted on port" if f.accepted_only else "listening on port"
+        return f"{where} {_ports(f.ports)}: " + " and ".join(pend)
+    if isinstance(f, ev.NoFrontDoor):
+        return "no front door: nothing outside the service is waiting to be served"
+    if isinstance(f, ev.PastThreshold):
+        past = f"past the {seconds(f.threshold_s)} threshold"
+        if f.since in _SINCE:
+            return f"no progress for {seconds(f.stuck_s)} (since {_SINCE[f.since]}), {past}"
+        return past
+    if isinstance(f, ev.UnderThreshold):
+        return f"no progress for {seconds(f.stuck_s)}, under the {seconds(f.threshold_s)} threshold"
+    if isinstance(f, ev.LastProgress):
+        verb = {
+            "write": "last write out of the service",
+            "sent": "last data sent",
+            "received": "last data received",
+            "ran": "last thread to run stopped",
+        }.get(f.what, f.what)
+        to = {"write": "to", "sent": "to", "received": "from", "ran": ":"}.get(f.what, "")
+        return f"{verb} {seconds(f.age_s)} ago {to} {f.target} (pid {f.pid})".replace(" : ", ": ")
+    if isinstance(f, ev.ParkedGroup):
+        if f.owner_kind == "join":
+            owner = f"joining thread {f.owner}"
+        elif f.owner:
+            owner = f"{f.owner_kind} held by {f.owner}"
+        else:
+            owner = "no owner"
+        since = f" for {seconds(f.age_s)}" if f.age_s is not None else ""
+        where = f" across {f.processes} processes" if f.processes > 1 else ""
+        return (
+            f"{plural(f.threads, 'thread')} parked on one word {f.uaddr:#x} ({f.op})"
+            f"{where}, {owner}{since}"
+        )
+    if isinstance(f, ev.LockCycle):
+        links = "; ".join(
+            f"{x.tid} ({x.name}) waits for {x.lock_kind} {x.uaddr:#x} held by {x.owner}"
+            for x in f.links
+        )
+        return f"lock cycle of {plural(len(f.links), 'thread')}: {links}"
+    if isinstance(f, ev.CyclesStable):
+        where = "among its threads" if f.among_threads else "stable across two reads"
+        return f"{plural(f.cycles, 'lock cycle')} {where}"
+    if isinstance(f, ev.Doors):
+        if not (f.front or f.plumbing):
+            return "no listener"
+        parts = []
+        if f.front:
+            s = "s" if len(f.front) > 1 else ""
+            parts.append(f"front door{s} " + ", ".join(f"{p} ({w})" for p, w in f.front))
+        if f.plumbing:
+            parts.append("not front doors: " + ", ".join(f"{p} ({w})" for p, w in f.plumbing))
+        return "; ".join(parts)
+    if isinstance(f, ev.ListeningSince):
+        return f"port {f.port} listening since {f.at}"
+    if isinstance(f, ev.LastWrite):
+        return f"last write {f.age_s:.0f} s ago, to {f.target} (pid {f.pid})"
+    if isinstance(f, ev.GpuIdle):
+        each = (
+            f"{gb(f.memory_each)} held each"
+            if f.memory_each is not None
+            else f"{gb(f.memory_total)} held"
+        )
+        return f"{gpu_list(f.gpus)}: 0% for {f.idle_s:.0f} s, {each}"
+    if isinstance(f, ev.GpuSpin):
+        return (
+            f"{gpu_list(f.gpus)} at {f.utilization:.0%} or more for {f.seconds:.0f} s while "
+            "every host thread is parked: a collective spinning on the GPU?"
+        )
+    if isinstance(f, ev.WaitsWithService):
+        return f"waits with its service, which is {f.state}"
+    if isinstance(f, ev.Exited):
+        return "exited while watched" if f.pid is None else f"process {f.pid} exited while watched"
+    if isinstance(f, ev.NothingLeft):
+        return "nothing left to watch"
+    if isinstance(f, ev.Culprit):
+        return f"held up by process {f.pid} ({f.comm}){_labels(f.labels)}: {culprit_why(f)}"
+    if isinstance(f, ev.ProcessWaits):
+        return process_waits(f)
+    return f.kind.replace("_", " ")
+
+
+def culprit_why(f: ev.Culprit) -> str:
+    if f.why == "cycle":
+        return "its threads are in the lock cycle"
+    since = f", the oldest for {seconds(f.age_s)}" if f.age_s is not None else ""
+    return (
+        f"{plural(f.threads, 'thread')} {'waits' if f.threads == 1 else 'wait'} with no timeout "
+        "on locks or events of its own"
+        f"{since}, while the other processes wait on I/O or with timeouts"
+    )
+
+
+def process_waits(f: ev.ProcessWaits) -> str:
+    """'waits: 3 threads on futex with no timeout (the oldest 95 s), 1 in epoll_wait, ...'"""
+    parts = []
+    for name, timed, n in f.waits:
+        how = "" if timed is None else (" with a timeout" if timed else " with no timeout")
+        parts.append(f"{plural(n, 'thread')} in {name}{how}")
+    if f.running:
+        parts.append(f"{f.running} running")
+    oldest = (
+        f" (the oldest untimed futex wait began {seconds(f.oldest_untimed_s)} ago)"
+        if f.oldest_untimed_s is not None
+        else ""
+    )
+    return "waits: " + ", ".join(parts) + oldest
+
+
+def reasons(facts: Iterable[ev.Fact]) -> list[str]:
+    return [render(f) for f in facts]
