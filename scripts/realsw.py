@@ -256,3 +256,25 @@ def main_thread_in(pid: int, nr: int) -> bool:
     except (FileNotFoundError, ProcessLookupError):
         return False
     return bool(words) and words[0] == str(nr)
+
+
+PTRACE_ATTACH, PTRACE_DETACH, WALL = 16, 17, 0x40000000
+
+
+def ptrace_stop(pid: int, seconds: float) -> None:
+    """What a blocking stack dumper (py-spy dump, gdb -p) does to its target: ptrace-attach
+    every thread (each stops, leaving its wait), hold them ``seconds``, detach."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+    attached = []
+    try:
+        for tid in sorted(int(t) for t in os.listdir(f"/proc/{pid}/task")):
+            if libc.ptrace(PTRACE_ATTACH, tid, None, None) == 0:
+                attached.append(tid)
+                os.waitpid(tid, WALL)  # until it has stopped
+        time.sleep(seconds)
+    finally:
+        for tid in attached:
+            libc.ptrace(PTRACE_DETACH, tid, None, None)

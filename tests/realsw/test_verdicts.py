@@ -7,9 +7,11 @@ same. Every test waits for the shape's READY line (and, where READY comes just b
 for the wait itself), then runs ``python -m agent diagnose --json`` on the service's root
 process. Failures print the verdict, its reasons and the whole JSON report.
 
-The window is ``--threshold 2 --duration 5``: hangwatch cannot yet date a hang older than its
-observation, so the park time must pass the threshold while it watches. The same threshold for
-the healthy shapes keeps "under the threshold" from passing them: a healthy shape that hangwatch
+The hang shapes are diagnosed as an engineer would meet them: ``--threshold 10 --duration 5``
+on a hang already older than the threshold (HANG_AGE), so the verdict rests on evidence that
+carries its own age (agent.dating), not on 10 s of watching. Where the evidence names one, the
+process that holds the service up (the "culprit") must be the right one. The healthy shapes
+get ``--threshold 2``: "under the threshold" cannot pass them, a healthy shape that hangwatch
 thinks parked would be called stalled, not progressing.
 
 Needs root and bcc (as ``tests/privileged``) besides the real-software venv: skipped locally
@@ -45,8 +47,10 @@ from tests.realsw.servinglib import build_abba, serving_stack, weight_server
 # hangwatch attaches: root and bcc, as tests/privileged (conftest.needs_bpf)
 pytestmark = [pytest.mark.privileged, pytest.mark.usefixtures("needs_bpf")]
 
-THRESHOLD = 2.0
+THRESHOLD = 2.0  # the healthy shapes (and the daemon tests)
 DURATION = 5.0
+HANG_THRESHOLD = 10.0  # the hang shapes: diagnose --threshold 10 --duration 5 ...
+HANG_AGE = 12.0  # ... on a hang this old when diagnose starts
 DIAGNOSE_TIMEOUT = 90.0  # BPF compile and load included
 STATES = ("deadlocked", "stalled", "idle", "progressing")
 SYS_FUTEX, SYS_CLOCK_NANOSLEEP = 202, 230
@@ -63,6 +67,20 @@ def diagnose(pid: int, threshold: float = THRESHOLD, duration: float = DURATION)
         return run.finish(timeout=DIAGNOSE_TIMEOUT)
     finally:
         run.kill()
+
+
+def diagnose_hang(pid: int, began: float) -> Diagnosis:
+    """``diagnose --threshold 10 --duration 5`` once the hang that began at ``began``
+    (time.monotonic) is HANG_AGE old: older than the threshold before diagnose looks."""
+    time.sleep(max(0.0, began + HANG_AGE - time.monotonic()))
+    return diagnose(pid, threshold=HANG_THRESHOLD)
+
+
+def culprit_is(d: Diagnosis, svc: dict[str, Any], pid: int, what: str) -> None:
+    """The service's verdict names ``pid`` as the process holding it up, first."""
+    c = svc.get("culprit") or {}
+    assert c.get("pid") == pid, d.explain(f"want {what} (pid {pid}) as the culprit, got {c}")
+    assert svc["evidence"][0]["kind"] == "culprit", d.explain("the culprit leads the reasons")
 
 
 def summary(svc: dict[str, Any]) -> str:
@@ -92,12 +110,14 @@ def expect(d: Diagnosis, pid: int, shape: str, *states: str) -> dict[str, Any]:
 def test_allreduce_peer_gone_is_stalled() -> None:
     """Rank 1 stopped taking part; rank 0 waits in all_reduce forever; torchrun monitors."""
     with realsw.torchrun_job("allreduce_peer_gone") as job:
-        waiter = job.ranks(2)[0].get_int("pid")
+        ranks = job.ranks(2)
+        waiter, gone = ranks[0].get_int("pid"), ranks[1].get_int("pid")
         wait_until(
             lambda: realsw.main_thread_in(waiter, SYS_FUTEX), 10, "rank 0 parked in all_reduce"
         )
-        d = diagnose(job.pid)
+        d = diagnose_hang(job.pid, time.monotonic())
     svc = expect(d, job.pid, job.shape, "stalled")
+    culprit_is(d, svc, gone, "rank 1, which stopped taking part")
     # Each rank is named by its job labels (RANK, WORLD_SIZE, ...), torchrun by none.
     ranks = {p["pid"]: p["labels"] for p in svc["processes"] if p["labels"]}
     assert ranks.get(waiter, {}).get("rank") == "0", d.explain(f"rank labels: {ranks}")
@@ -114,8 +134,17 @@ def test_rendezvous_peer_missing_is_stalled() -> None:
         wait_until(
             lambda: realsw.main_thread_in(pid, SYS_CLOCK_NANOSLEEP), 10, "the rendezvous poll"
         )
-        d = diagnose(pid)
+        d = diagnose_hang(pid, time.monotonic())
     expect(d, pid, job.shape, "stalled")
+
+
+def test_rendezvous_node_missing_is_stalled() -> None:
+    """``torchrun --nnodes=2`` as node 0; node 1 never comes, so no worker starts: the agent
+    waits in its rendezvous, polling its own store."""
+    with realsw.missing_node_job() as job:
+        wait_until(lambda: realsw.listening(job.port), 60, f"the store on port {job.port}")
+        d = diagnose_hang(job.pid, time.monotonic())
+    expect(d, job.pid, job.shape, "stalled")
 
 
 def test_dataloader_worker_stuck_is_stalled() -> None:
@@ -125,8 +154,49 @@ def test_dataloader_worker_stuck_is_stalled() -> None:
         main, worker = lines["main"], lines["worker"]
         assert worker in realsw.descendants(main), job.describe("the worker is not main's child")
         wait_until(lambda: realsw.main_thread_in(worker, SYS_FUTEX), 10, "the worker parked")
-        d = diagnose(main)
-    expect(d, main, job.shape, "stalled")
+        d = diagnose_hang(main, time.monotonic())
+    svc = expect(d, main, job.shape, "stalled")
+    culprit_is(d, svc, worker, "the worker stuck in __getitem__")
+
+
+def test_an_old_stall_is_dated_from_its_evidence() -> None:
+    """The issue's case, scaled down: a hang older than the threshold, which is itself longer
+    than the observation. The worker's wait and the job's last output are dated by the
+    kernel, so ``--threshold 20 --duration 5`` on a 25 s old hang says stalled, and counts
+    the time without progress from the hang, not from when diagnose began."""
+    with realsw.direct_job("dataloader_worker_stuck") as job:
+        lines = {line["role"]: line.get_int("pid") for line in job.ready_lines(2)}
+        began = time.monotonic()
+        time.sleep(25)
+        d = diagnose(lines["main"], threshold=20)
+    svc = expect(d, lines["main"], job.shape, "stalled")
+    # Dated beyond what the window saw (the job's threads settle a few seconds after READY)
+    assert svc["seconds_since_progress"] >= 20, d.explain("the hang's age is not dated")
+    assert svc["seconds_since_progress"] <= time.monotonic() - began + 1, d.explain("too old")
+
+
+def test_a_blocking_stack_dump_does_not_reset_the_stall() -> None:
+    """A blocking dumper (py-spy dump, gdb) ptrace-stops every thread of the target while it
+    reads: the threads leave their waits and come back, but do no work. The verdict stays
+    stalled and the hang keeps its age."""
+    with realsw.direct_job("dataloader_worker_stuck") as job:
+        lines = {line["role"]: line.get_int("pid") for line in job.ready_lines(2)}
+        began = time.monotonic()
+        time.sleep(HANG_AGE)
+        run = RunningDiagnose(diagnose_argv([lines["main"]], threshold=HANG_THRESHOLD))
+        try:
+            run.wait_stderr("watching", DIAGNOSE_TIMEOUT)
+            time.sleep(1)
+            for pid in lines.values():
+                realsw.ptrace_stop(pid, seconds=1.0)
+            d = run.finish(timeout=DIAGNOSE_TIMEOUT)
+        finally:
+            run.kill()
+    svc = expect(d, lines["main"], job.shape, "stalled")
+    age = time.monotonic() - began
+    assert svc["seconds_since_progress"] >= HANG_AGE, d.explain(
+        f"reset: the hang is {age:.0f} s old"
+    )
 
 
 # --- PyTorch: healthy --------------------------------------------------------------------
@@ -193,20 +263,38 @@ def test_serving_loading_is_progressing(tmp_path: Path) -> None:
     expect(d, st.pid, "loading", "progressing")
 
 
+def test_serving_loading_quietly_is_progressing(tmp_path: Path) -> None:
+    """The same load logging every 32 MiB (16 s): between its lines the scheduler writes
+    nothing and uses little CPU; the data it receives from outside is its progress."""
+    with weight_server(rate_mib=2, mib=64) as ws:
+        weights = f"tcp:127.0.0.1:{ws.info.get_int('port')}"
+        args = ["--weights", weights, "--log-every-mib", "32"]
+        with serving_stack("loading", tmp_path, server_args=args) as st:
+            time.sleep(3)  # past the first MiB's line: the window sees no log line
+            d = diagnose(st.pid)
+            log = st.log.read_text()
+    assert "Load weight end" not in log, "the load ended during the diagnosis"
+    svc = expect(d, st.pid, "loading quietly", "progressing")
+    kinds = {e["kind"] for p in svc["evidence"] if p["kind"] == "process_works" for e in p["facts"]}
+    assert "received_in" in kinds, d.explain("progress must be the data received")
+
+
 def test_serving_blocked_loop_is_stalled(tmp_path: Path) -> None:
     """uvicorn's event loop blocked on a lock held forever; clients fill the accept queue."""
     args, client = ["--backlog", "4"], ["--mode", "queue", "--connections", "8"]
     with serving_stack("blocked-loop", tmp_path, client=client, server_args=args) as st:
-        d = diagnose(st.pid)
-    expect(d, st.pid, "blocked-loop", "stalled")
+        d = diagnose_hang(st.pid, time.monotonic())
+    svc = expect(d, st.pid, "blocked-loop", "stalled")
+    culprit_is(d, svc, st.pid, "the front-end, whose event loop is blocked")
 
 
 def test_serving_native_abba_is_deadlocked(tmp_path: Path, abba_lib: Path) -> None:
     """Two scheduler threads in C, each holding one pthread mutex and waiting for the other."""
     args = ["--native-lib", str(abba_lib)]
     with serving_stack("native-abba", tmp_path, client=["--mode", "once"], server_args=args) as st:
-        d = diagnose(st.pid)
+        d = diagnose_hang(st.pid, time.monotonic())
     svc = expect(d, st.pid, "native-abba", "deadlocked")
+    culprit_is(d, svc, st.info.get_int("scheduler"), "the scheduler, in the lock cycle")
     tids = set(st.info.get_ints("tids"))
     cycles = [set(c) for c in svc.get("cycles", [])]
     assert tids in cycles, d.explain(f"native-abba: want a cycle of the two kernels {tids}")
@@ -217,24 +305,27 @@ def test_serving_abba_is_stalled_not_idle(tmp_path: Path) -> None:
     waits for its answer while the front-end answers /health. No owner is readable: stalled
     (deadlocked once a rule can prove it), never idle."""
     with serving_stack("abba", tmp_path, client=["--mode", "once"]) as st:
-        d = diagnose(st.pid)
-    expect(d, st.pid, "abba", "stalled", "deadlocked")
+        d = diagnose_hang(st.pid, time.monotonic())
+    svc = expect(d, st.pid, "abba", "stalled", "deadlocked")
+    culprit_is(d, svc, st.info.get_int("scheduler"), "the scheduler, its workers in a cycle")
 
 
 def test_serving_abba_retry_is_stalled(tmp_path: Path) -> None:
     """The same, and a client retrying on a new connection every second (each times out)."""
     client = ["--mode", "retry", "--timeout", "1"]
     with serving_stack("abba-retry", tmp_path, client=client) as st:
-        d = diagnose(st.pid)
-    expect(d, st.pid, "abba-retry", "stalled", "deadlocked")
+        d = diagnose_hang(st.pid, time.monotonic())
+    svc = expect(d, st.pid, "abba-retry", "stalled", "deadlocked")
+    culprit_is(d, svc, st.info.get_int("scheduler"), "the scheduler, its workers in a cycle")
 
 
 def test_serving_fork_lock_is_stalled(tmp_path: Path) -> None:
     """A forked helper waits forever for a lock copied locked; the scheduler joins it 5 s at
     a time; the request waits."""
     with serving_stack("fork-lock", tmp_path, client=["--mode", "once"]) as st:
-        d = diagnose(st.pid)
-    expect(d, st.pid, "fork-lock", "stalled", "deadlocked")
+        d = diagnose_hang(st.pid, time.monotonic())
+    svc = expect(d, st.pid, "fork-lock", "stalled", "deadlocked")
+    culprit_is(d, svc, st.info.get_int("child"), "the helper waiting for a lock copied locked")
 
 
 # --- the daemon ----------------------------------------------------------------------------

@@ -44,6 +44,7 @@ class SchedulerConfig:
     log: str | None
     native_lib: str | None  # libabba.so, for native-abba
     watchdog_timeout: float  # seconds; 0 disables the watchdog thread
+    log_every_mib: int = 1  # a progress line per this many MiB of weights received
 
 
 def setup_logging(log: str | None, prefix: str) -> None:

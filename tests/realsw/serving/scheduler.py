@@ -61,7 +61,7 @@ class Scheduler:
 
         if kind == "tcp":
             host, _, port = where.rpartition(":")
-            return load_from_tcp(host, int(port), first_progress)
+            return load_from_tcp(host, int(port), first_progress, self.cfg.log_every_mib)
         if kind == "file":
             return load_from_file(Path(where), first_progress)
         raise ValueError(f"--weights {self.cfg.weights!r}: expected file:PATH or tcp:HOST:PORT")

@@ -225,6 +225,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--run-dir", help="for the ipc:// sockets and weights (default: a new tmp dir)")
     p.add_argument("--weights", help="file:PATH or tcp:HOST:PORT (default: a new file)")
     p.add_argument("--weights-mib", type=int, default=8, help="size of the default weights file")
+    p.add_argument("--log-every-mib", type=int, default=1, help="a loading progress line per N MiB")
     p.add_argument("--native-lib", help="libabba.so for native-abba (default: build abba.c)")
     p.add_argument("--backlog", type=int, default=2048, help="listen backlog (uvicorn's default)")
     p.add_argument("--queued", type=int, default=3, help="blocked-loop: READY at this accept queue")
@@ -253,7 +254,9 @@ def main(argv: list[str] | None = None) -> int:
 
     mp.set_start_method("spawn", force=True)
     ipc = IpcNames.under(run_dir)
-    cfg = SchedulerConfig(args.shape, weights, args.log, native_lib, args.watchdog_timeout)
+    cfg = SchedulerConfig(
+        args.shape, weights, args.log, native_lib, args.watchdog_timeout, args.log_every_mib
+    )
     status_reader, status_writer = mp.Pipe(duplex=False)
     scheduler = mp.Process(
         target=run_scheduler_process, args=(cfg, ipc, status_writer), name="scheduler"

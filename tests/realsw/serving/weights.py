@@ -74,8 +74,11 @@ def _progress(done: int, total: int, began: float) -> None:
     )
 
 
-def load_from_tcp(host: str, port: int, on_first: Callable[[], None]) -> bytearray:
-    """Receive the weights from the weight server; a progress line per MiB."""
+def load_from_tcp(
+    host: str, port: int, on_first: Callable[[], None], log_every_mib: int = 1
+) -> bytearray:
+    """Receive the weights from the weight server; a progress line per ``log_every_mib``
+    MiB (loaders that log rarely, or only at the end, are as common)."""
     weights = bytearray()
     with socket.create_connection((host, port)) as sock:
         header = b""
@@ -93,11 +96,11 @@ def load_from_tcp(host: str, port: int, on_first: Callable[[], None]) -> bytearr
             if n == 0:
                 raise ConnectionError(f"weight server closed at {len(weights)} of {total} bytes")
             weights += buf[:n]
-            if len(weights) >= next_log or len(weights) == total:
+            if len(weights) >= next_log or len(weights) == total:  # the first MiB, then each step
                 _progress(len(weights), total, began)
                 if next_log == MIB:
                     on_first()
-                next_log += MIB
+                next_log = (len(weights) // MIB // log_every_mib + 1) * log_every_mib * MIB
     logger.info("Load weight end: %d MiB", total // MIB)
     return weights
 

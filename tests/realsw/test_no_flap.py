@@ -1,0 +1,183 @@
+"""No flapping: one daemon watching three real-software services at once must, once each has
+reached its state, say that state and only it in every scrape for two minutes.
+
+The three, started side by side and watched as three targets of one config:
+
+- ``torch``: a torchrun ``allreduce_peer_gone`` job (truth: stalled);
+- ``abba``: the serving stack in shape ``abba``, one request waiting (truth: stalled;
+  deadlocked is accepted too, but whichever it reaches first must then hold);
+- ``idle``: the serving stack in shape ``idle`` (truth: idle).
+
+The daemon runs at its own pace (``interval_seconds: 1``, ``park_threshold_seconds: 10``),
+not the fast one of ``test_verdicts.py``. Every scrape after a service first reached its state
+counts, the ones while waiting for the others included; and the daemon's log, which has a line
+for every state change of every service (scraped or not), must have none for the three after
+all of them got there. The state changes are printed (``-rA``), and shown on failure.
+
+Needs root and bcc (as ``tests/privileged``) besides the real-software venv: skipped locally
+without them, failed under ``CI=true``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from scripts import realsw
+from scripts.fixturelib import wait_until
+from tests.privileged import daemonlib
+from tests.privileged.daemonlib import Daemon, Samples, free_port, running_daemon
+from tests.realsw.servinglib import serving_stack
+from tests.realsw.test_verdicts import SYS_FUTEX, states_of
+
+# hangwatch attaches: root and bcc, as tests/privileged (conftest.needs_bpf)
+pytestmark = [pytest.mark.privileged, pytest.mark.usefixtures("needs_bpf")]
+
+INTERVAL = 1.0  # the daemon's tick, and how often the hold scrapes
+THRESHOLD = 10.0  # park_threshold_seconds
+REACH_S = 40.0  # for all three to reach their states, once the daemon has ticked
+HOLD_S = 120.0
+ABBA_STATES = ("stalled", "deadlocked")
+
+Want = dict[str, tuple[int, tuple[str, ...]]]  # service -> (root pid, the states it may reach)
+
+
+def config(tmp_path: Path, targets: dict[str, str]) -> tuple[Path, int]:
+    """A config watching each ``name: cmdline regex`` of ``targets`` (JSON is YAML)."""
+    port = free_port()
+    cfg = tmp_path / "hangwatch.yaml"
+    cfg.write_text(
+        json.dumps(
+            {
+                "listen": f"127.0.0.1:{port}",
+                "interval_seconds": INTERVAL,
+                "park_threshold_seconds": THRESHOLD,
+                "targets": [{"name": n, "cmdline": c} for n, c in targets.items()],
+            }
+        )
+    )
+    return cfg, port
+
+
+def serving_cmdline(shape: str, run_dir: Path) -> str:
+    """The stack's root process only: the spawned children run multiprocessing's command
+    line, the client ``serving.client``'s."""
+    return rf"serving\.server --shape {shape} .*{re.escape(str(run_dir))}"
+
+
+class Watch:
+    """Every scrape's states of the watched services, from the one where each first reached
+    one of its states (which it must then keep)."""
+
+    def __init__(self, want: Want) -> None:
+        self.want = want
+        self.started = time.monotonic()
+        self.reached: dict[str, str] = {}  # service -> the state it reached first
+        self.seen: dict[str, list[tuple[float, list[str]]]] = {n: [] for n in want}
+
+    def record(self, s: Samples) -> bool:
+        """Note this scrape; whether every service has reached its state by now."""
+        t = round(time.monotonic() - self.started, 1)
+        for name, (pid, states) in self.want.items():
+            now = states_of(s, name, pid)
+            if name not in self.reached and len(now) == 1 and now[0] in states:
+                self.reached[name] = now[0]
+            if name in self.reached:
+                self.seen[name].append((t, now))
+        return len(self.reached) == len(self.want)
+
+    def wrong(self) -> dict[str, list[tuple[float, list[str]]]]:
+        """Per service, the scrapes since it reached its state that said anything else."""
+        return {
+            n: bad
+            for n, seen in self.seen.items()
+            if (bad := [(t, st) for t, st in seen if st != [self.reached[n]]])
+        }
+
+
+def changes(log: str, want: Want) -> list[str]:
+    """The daemon's state-change lines of the watched services (daemon.py ``_log_changes``)."""
+    keys = tuple(f"service {n} pid {pid}:" for n, (pid, _) in want.items())
+    return [ln for ln in log.splitlines() if any(k in ln for k in keys)]
+
+
+def test_three_services_hold_one_state_each_for_two_minutes(tmp_path: Path) -> None:
+    began = time.monotonic()
+    abba_dir, idle_dir = tmp_path / "abba", tmp_path / "idle"
+    abba_dir.mkdir()
+    idle_dir.mkdir()
+    with contextlib.ExitStack() as stack:
+        # torchrun first: it imports torch (three processes) while the stacks start.
+        job = stack.enter_context(realsw.torchrun_job("allreduce_peer_gone"))
+        abba = stack.enter_context(serving_stack("abba", abba_dir, client=["--mode", "once"]))
+        idle = stack.enter_context(serving_stack("idle", idle_dir))
+        waiter = job.ranks(2)[0].get_int("pid")
+        wait_until(
+            lambda: realsw.main_thread_in(waiter, SYS_FUTEX), 30, "rank 0 parked in all_reduce"
+        )
+        want: Want = {
+            "torch": (job.pid, ("stalled",)),
+            "abba": (abba.pid, ABBA_STATES),
+            "idle": (idle.pid, ("idle",)),
+        }
+        cfg, port = config(
+            tmp_path,
+            {
+                # torchrun's own command line (the ranks' lacks "torchrun" and the port).
+                "torch": rf"bin/torchrun .*--master_port={job.port}\b",
+                "abba": serving_cmdline("abba", abba_dir),
+                "idle": serving_cmdline("idle", idle_dir),
+            },
+        )
+        d: Daemon = stack.enter_context(running_daemon(cfg, port))
+        ready_s = time.monotonic() - began
+
+        watch = Watch(want)
+        daemonlib.wait_until(
+            d,
+            watch.record,
+            "torch stalled, abba stalled or deadlocked, idle idle",
+            timeout=REACH_S,
+        )
+        reached_s = time.monotonic() - watch.started
+        mark = len(d.output())  # the log from here on must have no state change of the three
+
+        scrapes = 0
+        hold_start = time.monotonic()
+        while time.monotonic() - hold_start < HOLD_S:
+            assert d.running(), f"the daemon exited during the hold:\n{d.output()}"
+            s = d.scrape()
+            if s is not None:
+                scrapes += 1
+                watch.record(s)
+            time.sleep(INTERVAL)
+
+        log = d.output()
+        # The services must still be there: a flap-free hold of a dead process proves nothing.
+        assert job.proc is not None and job.proc.poll() is None, job.describe("torchrun exited")
+        for st in (abba, idle):
+            server = st.server
+            assert server.proc is not None and server.proc.poll() is None, server.describe(
+                "the serving stack exited"
+            )
+
+    shown = "\n".join(changes(log, want))
+    after = changes(log[mark:], want)
+    print(  # shown with -rA: what was reached, when, and every state change
+        f"started in {ready_s:.0f} s; all reached {watch.reached} {reached_s:.0f} s after the "
+        f"daemon's first tick; held {HOLD_S:.0f} s, {scrapes} scrapes\n"
+        f"state changes:\n{shown}"
+    )
+    assert scrapes >= HOLD_S / INTERVAL / 2, f"only {scrapes} scrapes answered in {HOLD_S} s"
+    wrong = watch.wrong()
+    assert not wrong and not after, (
+        f"want one state per service for {HOLD_S:.0f} s after reaching it ({watch.reached});\n"
+        f"scrapes that said otherwise (s since the first tick, states): {wrong}\n"
+        f"state changes logged after all three reached theirs:\n" + "\n".join(after) + "\n"
+        f"all state changes of the three (with their reasons):\n{shown}"
+    )
