@@ -395,7 +395,8 @@ def find_culprit(v: ServiceVerdict, procs: Sequence[ProcessFacts]) -> ev.Culprit
     """The process that holds a stalled or deadlocked service up, when the evidence singles
     one out (None otherwise: naming a wrong one would send the engineer the wrong way).
 
-    1. A process whose threads are in a stable lock cycle.
+    1. A process whose threads are in a stable lock cycle (of a cycle across processes, the
+       one holding most of its threads).
     2. Otherwise the one process that waits on itself: the most threads in futex waits
        without a timeout (a lock or an event that only another thread of it can release)
        less its threads in timed waits or sleeps (waiting for time, a peer, a child: waiting
@@ -409,11 +410,15 @@ def find_culprit(v: ServiceVerdict, procs: Sequence[ProcessFacts]) -> ev.Culprit
         return None
     comm = {f.sample.pid: f.sample.comm for f in procs}
     if v.cycles:
+        # A cycle can span processes (shared-memory mutexes): the one holding most of its
+        # threads, the lowest PID among equals, so the answer never depends on list order.
         in_cycle = {tid for c in v.cycles for tid in c}
-        for f in procs:
-            if in_cycle.intersection(t.tid for t in f.sample.threads):
-                return ev.Culprit(f.sample.pid, comm[f.sample.pid], "cycle")
-        return None
+        held = [
+            (len(in_cycle.intersection(t.tid for t in f.sample.threads)), -f.sample.pid)
+            for f in procs
+        ]
+        n, neg_pid = max(held)
+        return ev.Culprit(-neg_pid, comm[-neg_pid], "cycle") if n else None
     scored = []
     for f in procs:
         if f.waits is None:

@@ -6,6 +6,7 @@ writes, so a phrase is changed here or nowhere.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 
 from . import evidence as ev
@@ -15,7 +16,8 @@ NS = 1_000_000_000
 
 
 def seconds(s: float) -> str:
-    return f"{s:.0f} s" if s >= 10 else f"{s:.1f} s"
+    """Truncated, not rounded: 59.6 s under a 60 s threshold must not read "60 s"."""
+    return f"{int(s)} s" if s >= 10 else f"{math.floor(s * 10) / 10:.1f} s"
 
 
 def size(n: float) -> str:
@@ -140,11 +142,10 @@ def render(f: ev.Fact) -> str:
             f"{plural(f.threads, 'thread')} parked on one word {f.uaddr:#x} ({f.op})"
             f"{where}, {owner}{since}"
         )
+    if isinstance(f, ev.CycleLink):
+        return f"{f.tid} ({f.name}) waits for {f.lock_kind} {f.uaddr:#x} held by {f.owner}"
     if isinstance(f, ev.LockCycle):
-        links = "; ".join(
-            f"{x.tid} ({x.name}) waits for {x.lock_kind} {x.uaddr:#x} held by {x.owner}"
-            for x in f.links
-        )
+        links = "; ".join(render(x) for x in f.links)
         return f"lock cycle of {plural(len(f.links), 'thread')}: {links}"
     if isinstance(f, ev.CyclesStable):
         where = "among its threads" if f.among_threads else "stable across two reads"

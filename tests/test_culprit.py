@@ -1,0 +1,222 @@
+"""The process that holds a service up (agent.classify.find_culprit): properties over a few
+hundred seeded random services, and the shapes its docstring was written from."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+import pytest
+
+from agent import evidence as ev
+from agent import words
+from agent.classify import STALLED, ProcessFacts, ServiceVerdict, find_culprit, process_waits
+from agent.model import ProcessSample, ThreadSample
+from agent.progress import ProcessProgress
+from tests.synth import S, process
+
+CASES = 400
+NOW = 1000 * S
+
+FUTEXES = ("futex", "futex_wait", "futex_waitv")
+OTHERS = ("epoll_wait", "poll", "read", "clock_nanosleep", "wait4", "accept4", "no syscall")
+
+
+def facts(sample: ProcessSample, waits: ev.ProcessWaits | None) -> ProcessFacts:
+    return ProcessFacts(
+        sample=sample,
+        progress=ProcessProgress(pid=sample.pid, window_ns=5 * S),
+        parked_threads=len(sample.threads),
+        parked_seconds=100.0,
+        waits=waits,
+    )
+
+
+def verdict(
+    procs: Sequence[ProcessFacts], cycles: Sequence[tuple[int, ...]] = ()
+) -> ServiceVerdict:
+    return ServiceVerdict(procs[0].sample.pid if procs else 1, STALLED, [], list(cycles), [])
+
+
+def culprit(
+    procs: Sequence[ProcessFacts], cycles: Sequence[tuple[int, ...]] = ()
+) -> ev.Culprit | None:
+    return find_culprit(verdict(procs, cycles), procs)
+
+
+def score(w: ev.ProcessWaits) -> int:
+    """Untimed futex waits less timed waits, as the docstring defines it."""
+    own = sum(n for name, timed, n in w.waits if name in FUTEXES and timed is False)
+    return own - sum(n for _, timed, n in w.waits if timed is True)
+
+
+# --- random services -------------------------------------------------------------------------
+
+
+def random_waits(rng: random.Random) -> ev.ProcessWaits:
+    entries = []
+    for _ in range(rng.randint(0, 4)):
+        name = rng.choice(FUTEXES + OTHERS)
+        entries.append((name, rng.choice((True, False, None)), rng.randint(1, 4)))
+    oldest = rng.choice((None, round(rng.uniform(0, 500), 1)))
+    return ev.ProcessWaits(tuple(entries), rng.randint(0, 2), oldest)
+
+
+def random_service(rng: random.Random, with_cycles: bool) -> tuple[list[ProcessFacts], list]:
+    pids = rng.sample(range(100, 200), rng.randint(1, 5))
+    procs, tids = [], []
+    for pid in pids:
+        threads = [ThreadSample(pid * 100 + i, f"t{i}", "S", 0) for i in range(rng.randint(1, 4))]
+        tids += [t.tid for t in threads]
+        sample = process(pid, *threads, comm=f"p{pid}")
+        procs.append(facts(sample, None if rng.random() < 0.15 else random_waits(rng)))
+    cycles = []
+    if with_cycles:
+        for _ in range(rng.randint(1, 2)):
+            r = rng.random()
+            if r < 0.15:  # threads outside the service only (unwatched owners)
+                cycles.append((99_998, 99_999))
+                continue
+            # Threads of the service, with or without one outside it.
+            pool = [*tids, 99_999] if r < 0.4 else tids
+            cycles.append(tuple(rng.sample(pool, min(len(pool), rng.randint(2, 3)))))
+    return procs, cycles
+
+
+def holders(procs: Sequence[ProcessFacts], cycles: Sequence[tuple[int, ...]]) -> set[int]:
+    in_cycle = {tid for c in cycles for tid in c}
+    return {f.sample.pid for f in procs if in_cycle & {t.tid for t in f.sample.threads}}
+
+
+def test_by_own_waits_properties() -> None:
+    rng = random.Random(20240611)
+    named = nobody = 0
+    for case in range(CASES):
+        procs, _ = random_service(rng, with_cycles=False)
+        got = culprit(procs)
+        scores = sorted(
+            ((score(f.waits), f.sample.pid) for f in procs if f.waits is not None), reverse=True
+        )
+        top = scores[0][0] if scores else None
+        tied = len(scores) > 1 and scores[1][0] == top
+        if got is None:
+            nobody += 1
+            assert top is None or top < 1 or tied, (case, scores)
+            continue
+        named += 1
+        by_pid = {f.sample.pid: f for f in procs}
+        assert got.pid in by_pid, (case, got)  # a process of the service
+        f = by_pid[got.pid]
+        assert f.waits is not None
+        assert not tied and top is not None and top >= 1, (case, scores)
+        assert score(f.waits) == top
+        assert (got.comm, got.why) == (f.sample.comm, "own waits")
+        assert got.threads == sum(
+            n for name, timed, n in f.waits.waits if name in FUTEXES and timed is False
+        )
+        assert got.age_s == f.waits.oldest_untimed_s
+        for _ in range(3):  # the order of the processes never matters
+            shuffled = rng.sample(procs, len(procs))
+            assert culprit(shuffled) == got, case
+    # Both outcomes were explored, not one of them only.
+    assert named > CASES // 10 and nobody > CASES // 10, (named, nobody)
+
+
+def test_with_cycles_properties() -> None:
+    rng = random.Random(7)
+    named = outside = 0
+    for case in range(CASES):
+        procs, cycles = random_service(rng, with_cycles=True)
+        got = culprit(procs, cycles)
+        held_by = holders(procs, cycles)
+        if not held_by:
+            outside += 1
+            assert got is None, case  # a cycle of nobody in the service: no guess by waits
+            continue
+        named += 1
+        assert got is not None, case
+        assert got.why == "cycle" and got.pid in held_by, (case, got, cycles)
+        if len(held_by) == 1:
+            for _ in range(3):
+                assert culprit(rng.sample(procs, len(procs)), cycles) == got, case
+    assert named > CASES // 2 and outside > 10, (named, outside)
+
+
+def test_a_cycle_across_two_processes_does_not_depend_on_their_order() -> None:
+    """A lock cycle across two processes (shared-memory mutexes; waitgraph draws such edges):
+    both hold it; the answer must not change with the order of ``procs``."""
+    a = facts(process(10, ThreadSample(10, "a", "S", 0), comm="a"), None)
+    b = facts(process(20, ThreadSample(20, "b", "S", 0), comm="b"), None)
+    assert culprit([a, b], [(10, 20)]) == culprit([b, a], [(10, 20)])
+
+
+def test_no_processes_no_culprit() -> None:
+    assert find_culprit(ServiceVerdict(1, STALLED, [], [], []), []) is None
+    assert find_culprit(ServiceVerdict(1, STALLED, [], [(5, 6)], []), []) is None
+
+
+# --- the shapes behind the rule, from threads as the sampler sees them ------------------------
+
+
+def waiting(tid: int, syscall: int, timed: bool | None, since_s: float = 0) -> ThreadSample:
+    last = NOW - int(since_s * S) if since_s else None
+    return ThreadSample(tid, f"t{tid}", "S", 0, last_ran_ns=last, syscall=syscall, timed=timed)
+
+
+def proc(pid: int, comm: str, *threads: ThreadSample) -> ProcessFacts:
+    sample = process(pid, *threads, comm=comm)
+    return facts(sample, process_waits(sample, NOW))
+
+
+def test_dataloader_worker_stuck_in_getitem_against_its_polling_main_process() -> None:
+    main = proc(
+        100,
+        "python",
+        waiting(100, 202, True),  # the main thread: queue.get(timeout=5)
+        waiting(101, 202, True),  # pin_memory thread: also polls
+        waiting(102, 202, False, 300),  # an idle OpenMP thread
+    )
+    worker = proc(200, "pt_data_worker", waiting(200, 202, False, 95))  # __getitem__'s lock
+    got = culprit([main, worker])
+    assert got == ev.Culprit(200, "pt_data_worker", "own waits", threads=1, age_s=95.0)
+    assert culprit([worker, main]) == got
+
+
+def test_rank_that_stopped_taking_part_against_the_rank_in_the_collective() -> None:
+    launcher = proc(10, "torchrun", waiting(10, 230, True))  # its monitor's sleep
+    stopped = proc(
+        20,
+        "python",
+        waiting(20, 202, False, 400),  # main thread: on a lock of its own
+        waiting(21, 202, False, 410),  # gloo threads idle on their work queues
+        waiting(22, 202, False, 410),
+        waiting(23, 232, False),  # its store client's epoll
+    )
+    in_collective = proc(
+        30,
+        "python",
+        waiting(30, 202, False, 400),  # main thread waits for the collective's work
+        waiting(31, 202, True),  # the gloo thread waiting, with its timeout, for data
+        waiting(32, 202, False, 410),  # the other gloo thread, idle
+        waiting(33, 232, False),
+    )
+    got = culprit([launcher, in_collective, stopped])
+    assert got is not None
+    assert (got.pid, got.why, got.threads) == (20, "own waits", 3)
+    assert got.age_s == pytest.approx(410.0)
+    assert "3 threads wait with no timeout" in words.render(got)
+
+
+def test_child_forked_with_a_lock_held_against_the_parent_joining_it() -> None:
+    parent = proc(
+        50,
+        "python",
+        waiting(50, 7, True),  # p.join(timeout=5): poll on the sentinel, 5 s at a time
+        waiting(51, 202, False, 120),  # its queue feeder thread, idle
+    )
+    child = proc(60, "python", waiting(60, 202, False, 118))  # the copied lock, held forever
+    got = culprit([parent, child])
+    assert got == ev.Culprit(60, "python", "own waits", threads=1, age_s=118.0)
+    # Had the parent joined with no timeout (wait4), it would tie with the child: no culprit.
+    untimed_parent = proc(50, "python", waiting(50, 61, False), waiting(51, 202, False, 120))
+    assert culprit([untimed_parent, child]) is None
