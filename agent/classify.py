@@ -79,6 +79,9 @@ class Evidence:
     # Dates the most recent progress before the window (None: nothing dated), asked only
     # when a parked service is not idle: it has made none for at least that long.
     last_progress: Callable[[], ev.LastProgress | None] | None = None
+    # How long ago work last waited at its front doors, when that was within the window
+    # (None: not in the window): a service is idle only if nothing waited in all of it.
+    demand_age_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -254,6 +257,7 @@ def _parked_state(
     unread: int,
     unanswered: Sequence[Connection] = (),
     dating: Callable[[], ev.LastProgress | None] | None = None,
+    demand_age_s: float | None = None,
 ) -> tuple[str, list[ev.Fact], float]:
     """Nothing progresses: idle when a front door has nothing waiting at it; otherwise
     stalled once past the threshold, and still progressing under it. ``unanswered``: accepted
@@ -267,7 +271,8 @@ def _parked_state(
     ports = tuple(sorted({lst.port for lst in doors}))
     oldest_s = max((c.last_recv_ms or 0 for c in unanswered), default=0) / 1000
     reasons: list[ev.Fact] = [parked]
-    if doors and not (queued or unread or unanswered):
+    waited = demand_age_s is not None and not (queued or unread or unanswered)
+    if doors and not (queued or unread or unanswered or waited):
         reasons.append(ev.WaitingForRequests(ports))
         return IDLE, reasons, max(parked.seconds, oldest_s)
     last_progress = dating() if dating is not None else None
@@ -275,7 +280,9 @@ def _parked_state(
     if last_progress is not None:
         dated.append((last_progress.age_s, last_progress.what))
     stuck_s, since = max(dated, key=lambda x: x[0])
-    if doors:
+    if waited and demand_age_s is not None:
+        reasons.append(ev.WorkWaited(ports, demand_age_s))
+    elif doors:
         reasons.append(ev.WorkWaiting(ports, queued, unread, len(unanswered), oldest_s))
     elif unanswered:
         # Accepted connections without the listener (another process of the service holds it).
@@ -303,7 +310,9 @@ def classify_service(
     """The service's verdict, its reasons ending with the evidence that explains it, and
     led by the process that holds it up when one is known (agent.culprit)."""
     evidence = evidence or Evidence()
-    v = _classify_service(root, procs, threshold_s, gone, root_gone, evidence.last_progress)
+    v = _classify_service(
+        root, procs, threshold_s, gone, root_gone, evidence.last_progress, evidence.demand_age_s
+    )
     if v.state == DEADLOCKED:
         v.reasons.extend(evidence.cycles)
     elif v.state in (STALLED, IDLE):
@@ -322,6 +331,7 @@ def _classify_service(
     gone: Sequence[int],
     root_gone: bool,
     dating: Callable[[], ev.LastProgress | None] | None,
+    demand_age_s: float | None = None,
 ) -> ServiceVerdict:
     verdicts = [classify_process(f, threshold_s) for f in procs]
     for pid in gone:
@@ -368,6 +378,7 @@ def _classify_service(
         sum(f.sample.unread_bytes for f in procs),
         unanswered,
         dating,
+        demand_age_s,
     )
     idle_gpu = gpu_idle({f.sample.pid: f.gpu for f in procs if f.gpu is not None})
     if idle_gpu:

@@ -130,6 +130,15 @@ class WorkWaiting(Fact):
 
 
 @dataclass(frozen=True)
+class WorkWaited(Fact):
+    """Nothing waits at the front doors now, but work did within the window: a client that
+    gave up, or retries (each try times out, then it connects again)."""
+
+    ports: tuple[int, ...]
+    age_s: float  # since work was last seen waiting
+
+
+@dataclass(frozen=True)
 class NoFrontDoor(Fact):
     pass
 

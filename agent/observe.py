@@ -21,6 +21,7 @@ from .classify import (
     lock_cycle,
     parked_group,
     process_waits,
+    unanswered_requests,
 )
 from .dating import last_progress
 from .egress import LEAVES, ServiceEnds, received_from_outside
@@ -152,6 +153,7 @@ class Observer:
         self.gpu_history = GpuHistory()
         self._fd_names: dict[tuple[int, int], str] = {}  # (pid, fd) -> link when last written
         self._fd_seen: dict[tuple[int, int], int] = {}  # (pid, fd) -> last_ns when named
+        self._demand_ns: dict[int, int] = {}  # root -> when work last waited at its doors
 
     def discover(self) -> list[int]:
         """Find the services' processes now and point the probe at them."""
@@ -186,12 +188,29 @@ class Observer:
         stable = tuple(sorted(c for sig, c in sigs.items() if sig in self._prev_sigs))
         self._prev_sigs = set(sigs)
         self.tracker.update(snap)
+        self._note_demand(snap)
         self.sockets.prune()
         self.gpu_history.update(gpu, self.ticks[-1].gpu if self.ticks else None, snap.mono_ns)
         tick = Tick(snap, graph, stable, reading, gpu)
         self.ticks.append(tick)
         self._trim(window_s)
         return tick
+
+    def _note_demand(self, snap: Snapshot) -> None:
+        """Remember, per service, when work last waited at its front doors: a client that
+        retries (each try times out, then connects again) leaves moments with nothing
+        waiting, and a service is idle only when nothing waited in the whole window."""
+        for root, members in self.members.items():
+            samples = [snap.processes[p] for p in members if p in snap.processes]
+            doors = front_doors(samples, self.scope.declared_doors(root), snap.ephemeral_from)
+            ports = doors.ports
+            waiting = sum(
+                lst.queued for p in samples for lst in p.listeners if lst.port in ports
+            ) + sum(len(unanswered_requests(p, ports)) for p in samples)
+            if waiting or any(p.unread_bytes for p in samples):
+                self._demand_ns[root] = snap.mono_ns
+        live = set(self.members)
+        self._demand_ns = {r: ns for r, ns in self._demand_ns.items() if r in live}
 
     def _trim(self, window_s: float | None) -> None:
         """Keep what a verdict reads: the window's ticks (the daemon), or the first and the
@@ -257,6 +276,7 @@ class Observer:
             gone = sorted(self._seen.get(root, set()) - live)  # empty unless remember_gone
             cycles = sorted({c for f in facts for c in f.cycles})
             quiet = not any(f.progress.did_work for f in facts)
+            demand_ns = self._demand_ns.get(root)
             evidence = Evidence(
                 cycles=[lock_cycle(c, latest.graph.edges, names) for c in cycles],
                 parked=self._parked_evidence(live, latest, groups, doors),
@@ -265,6 +285,11 @@ class Observer:
                 last_progress=(
                     self._dater(samples, ends, doors.ports, snap, old.mono_ns)
                     if quiet and facts and not cycles
+                    else None
+                ),
+                demand_age_s=(
+                    (snap.mono_ns - demand_ns) / 1e9
+                    if demand_ns is not None and demand_ns >= old.mono_ns
                     else None
                 ),
             )

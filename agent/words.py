@@ -111,6 +111,11 @@ def render(f: ev.Fact) -> str:
             pend.append(f"{plural(f.unanswered, 'request')} unanswered for {seconds(f.oldest_s)}")
         where = "connections accepted on port" if f.accepted_only else "listening on port"
         return f"{where} {_ports(f.ports)}: " + " and ".join(pend)
+    if isinstance(f, ev.WorkWaited):
+        return (
+            f"listening on port {_ports(f.ports)}: a request waited {seconds(f.age_s)} ago "
+            "and went unanswered (a client that gave up or retries), not idle"
+        )
     if isinstance(f, ev.NoFrontDoor):
         return "no front door: nothing outside the service is waiting to be served"
     if isinstance(f, ev.PastThreshold):

@@ -10,6 +10,7 @@ from agent.classify import (
     IDLE,
     PROGRESSING,
     STALLED,
+    Evidence,
     ProcessFacts,
     classify_process,
     classify_service,
@@ -99,6 +100,17 @@ def test_listener_with_empty_queue_is_idle_however_long_parked():
     v = classify_process(facts(parked_s=3600, listeners=(LISTEN,)), 60)
     assert v.state == IDLE
     assert any("port 8000 with an empty accept queue" in r for r in v.words)
+
+
+def test_a_request_that_waited_in_the_window_keeps_a_server_from_idle():
+    """A client that retries: between its tries nothing waits at the door, but a request
+    waited 2 s ago and nothing was written since. Not idle: stalled past the threshold."""
+    f = facts(parked_s=90, listeners=(LISTEN,))
+    assert classify_service(10, [f], 60).state == IDLE
+    v = classify_service(10, [f], 60, evidence=Evidence(demand_age_s=2.0))
+    assert v.state == STALLED, v.words
+    assert any("a request waited 2.0 s ago" in r for r in v.words)
+    assert classify_service(10, [f], 120, evidence=Evidence(demand_age_s=2.0)).state == PROGRESSING
 
 
 def test_listener_with_queued_connections_past_threshold_is_stalled():

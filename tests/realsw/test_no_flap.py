@@ -32,7 +32,7 @@ from scripts import realsw
 from scripts.fixturelib import wait_until
 from tests.privileged import daemonlib
 from tests.privileged.daemonlib import Daemon, Samples, free_port, running_daemon
-from tests.realsw.servinglib import serving_stack
+from tests.realsw.servinglib import serving_stack, weight_server
 from tests.realsw.test_verdicts import SYS_FUTEX, states_of
 
 # hangwatch attaches: root and bcc, as tests/privileged (conftest.needs_bpf)
@@ -180,4 +180,85 @@ def test_three_services_hold_one_state_each_for_two_minutes(tmp_path: Path) -> N
         f"scrapes that said otherwise (s since the first tick, states): {wrong}\n"
         f"state changes logged after all three reached theirs:\n" + "\n".join(after) + "\n"
         f"all state changes of the three (with their reasons):\n{shown}"
+    )
+
+
+ROWS_HOLD_S = 20.0
+
+
+def test_the_daemon_gives_the_other_rows_their_verdicts(tmp_path: Path) -> None:
+    """The rows of the issue's table that the tests above leave to ``diagnose``, watched by one
+    daemon at its own pace (1 s, threshold 10 s): each reaches its true state and holds it for
+    ROWS_HOLD_S. A rank waiting in the rendezvous for a peer that never comes, a DataLoader
+    worker stuck, a helper forked with a lock held, the abba server with a client retrying, an
+    event loop blocked with the accept queue full: stalled. A loader that logs every 32 MiB
+    while it receives weights at 2 MiB/s: progressing."""
+    dirs = {name: tmp_path / name for name in ("fork", "retry", "blocked", "loading")}
+    for run_dir in dirs.values():
+        run_dir.mkdir()
+    with contextlib.ExitStack() as stack:
+        rdzv = stack.enter_context(realsw.direct_job("rendezvous_peer_missing"))
+        loader = stack.enter_context(realsw.direct_job("dataloader_worker_stuck"))
+        ws = stack.enter_context(weight_server(rate_mib=2, mib=256))  # 128 s of loading
+        weights = f"tcp:127.0.0.1:{ws.info.get_int('port')}"
+        stacks = {
+            "fork": stack.enter_context(
+                serving_stack("fork-lock", dirs["fork"], client=["--mode", "once"])
+            ),
+            "retry": stack.enter_context(
+                serving_stack(
+                    "abba-retry", dirs["retry"], client=["--mode", "retry", "--timeout", "1"]
+                )
+            ),
+            "blocked": stack.enter_context(
+                serving_stack(
+                    "blocked-loop",
+                    dirs["blocked"],
+                    client=["--mode", "queue", "--connections", "8"],
+                    server_args=["--backlog", "4"],
+                )
+            ),
+            "loading": stack.enter_context(
+                serving_stack(
+                    "loading",
+                    dirs["loading"],
+                    server_args=["--weights", weights, "--log-every-mib", "32"],
+                )
+            ),
+        }
+        (line,) = rdzv.ready_lines(1)
+        main = {ln["role"]: ln.get_int("pid") for ln in loader.ready_lines(2)}["main"]
+        shapes = {"fork": "fork-lock", "retry": "abba-retry", "blocked": "blocked-loop"}
+        shapes["loading"] = "loading"
+        want: Want = {
+            "rdzv": (line.get_int("pid"), ("stalled",)),
+            "loader": (main, ("stalled",)),
+            "fork": (stacks["fork"].pid, ABBA_STATES),
+            "retry": (stacks["retry"].pid, ABBA_STATES),
+            "blocked": (stacks["blocked"].pid, ("stalled",)),
+            "loading": (stacks["loading"].pid, ("progressing",)),
+        }
+        targets = {
+            "rdzv": r"torch_jobs\.py --shape rendezvous_peer_missing",
+            "loader": r"torch_jobs\.py --shape dataloader_worker_stuck",
+            **{n: serving_cmdline(shapes[n], dirs[n]) for n in stacks},
+        }
+        cfg, port = config(tmp_path, targets)
+        d: Daemon = stack.enter_context(running_daemon(cfg, port))
+        watch = Watch(want)
+        daemonlib.wait_until(d, watch.record, f"each of {want} in its state", timeout=REACH_S)
+        hold_start = time.monotonic()
+        while time.monotonic() - hold_start < ROWS_HOLD_S:
+            s = d.scrape()
+            if s is not None:
+                watch.record(s)
+            time.sleep(INTERVAL)
+        loaded = "Load weight end" in stacks["loading"].log.read_text()
+        log = d.output()
+    print(f"reached {watch.reached}\n" + "\n".join(changes(log, want)))  # shown with -rA
+    assert not loaded, "the load ended during the hold: the loading row was not watched loading"
+    wrong = watch.wrong()
+    assert not wrong, (
+        f"want each state held for {ROWS_HOLD_S:.0f} s after reaching it ({watch.reached});\n"
+        f"scrapes that said otherwise: {wrong}\nstate changes:\n" + "\n".join(changes(log, want))
     )

@@ -110,8 +110,8 @@ def expect(d: Diagnosis, pid: int, shape: str, *states: str) -> dict[str, Any]:
 def test_allreduce_peer_gone_is_stalled() -> None:
     """Rank 1 stopped taking part; rank 0 waits in all_reduce forever; torchrun monitors."""
     with realsw.torchrun_job("allreduce_peer_gone") as job:
-        ranks = job.ranks(2)
-        waiter, gone = ranks[0].get_int("pid"), ranks[1].get_int("pid")
+        ready = job.ranks(2)
+        waiter, gone = ready[0].get_int("pid"), ready[1].get_int("pid")
         wait_until(
             lambda: realsw.main_thread_in(waiter, SYS_FUTEX), 10, "rank 0 parked in all_reduce"
         )
