@@ -181,7 +181,8 @@ def test_dataloader_worker_stuck_is_parked() -> None:
         # The main process polls the worker's result pipe with a 5 s timeout (then checks that
         # the worker lives and polls again); the worker sits in our Event.
         wait_until(lambda: main_thread_in(main, SYS_POLL), 10, "main waiting for the batch")
-        assert main_thread_in(worker, SYS_FUTEX), describe_threads([worker])
+        # The worker prints READY just before it blocks: give it the moment to get there.
+        wait_until(lambda: main_thread_in(worker, SYS_FUTEX), 10, "the worker in our Event")
         assert_parked(job, [main, worker])
 
 
