@@ -68,7 +68,11 @@ class Prometheus:
             ) as r:
                 return json.loads(r.read())
         except urllib.error.HTTPError as e:
-            return json.loads(e.read())
+            body = e.read()
+            try:
+                return json.loads(body)
+            except ValueError:  # not the API's JSON (a busy server's plain 503): no answer yet
+                return {"status": "error", "error": body.decode(errors="replace")}
 
     def query(self, expr: str) -> dict:
         return self.api("query?" + urllib.parse.urlencode({"query": expr}))
@@ -82,9 +86,10 @@ class Prometheus:
 
     def alerts(self) -> list[dict]:
         try:
-            return self.api("alerts")["data"]["alerts"]
-        except OSError:
+            answer = self.api("alerts")
+        except (OSError, ValueError):
             return []
+        return answer["data"]["alerts"] if answer.get("status") == "success" else []
 
     def stop(self) -> None:
         self.proc.terminate()

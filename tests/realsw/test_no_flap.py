@@ -243,6 +243,10 @@ def test_the_daemon_gives_the_other_rows_their_verdicts(tmp_path: Path) -> None:
             "loader": r"torch_jobs\.py --shape dataloader_worker_stuck",
             **{n: serving_cmdline(shapes[n], dirs[n]) for n in stacks},
         }
+        # Let every hang settle past the threshold before the daemon first looks, as it meets
+        # them in the field: a job's processes announce READY a few seconds apart, and a
+        # daemon started among them sees the last ones arrive.
+        time.sleep(THRESHOLD + 5)
         cfg, port = config(tmp_path, targets)
         d: Daemon = stack.enter_context(running_daemon(cfg, port))
         watch = Watch(want)
