@@ -21,7 +21,6 @@ without them, failed under ``CI=true``.
 from __future__ import annotations
 
 import contextlib
-import json
 import re
 import time
 from pathlib import Path
@@ -31,9 +30,9 @@ import pytest
 from scripts import realsw
 from scripts.fixturelib import wait_until
 from tests.privileged import daemonlib
-from tests.privileged.daemonlib import Daemon, Samples, free_port, running_daemon
+from tests.privileged.daemonlib import Daemon, Samples, running_daemon
 from tests.realsw.servinglib import serving_stack, weight_server
-from tests.realsw.test_verdicts import SYS_FUTEX, states_of
+from tests.realsw.test_verdicts import SYS_FUTEX, states_of, targets_config
 
 # hangwatch attaches: root and bcc, as tests/privileged (conftest.needs_bpf)
 pytestmark = [pytest.mark.privileged, pytest.mark.usefixtures("needs_bpf")]
@@ -48,20 +47,8 @@ Want = dict[str, tuple[int, tuple[str, ...]]]  # service -> (root pid, the state
 
 
 def config(tmp_path: Path, targets: dict[str, str]) -> tuple[Path, int]:
-    """A config watching each ``name: cmdline regex`` of ``targets`` (JSON is YAML)."""
-    port = free_port()
-    cfg = tmp_path / "hangwatch.yaml"
-    cfg.write_text(
-        json.dumps(
-            {
-                "listen": f"127.0.0.1:{port}",
-                "interval_seconds": INTERVAL,
-                "park_threshold_seconds": THRESHOLD,
-                "targets": [{"name": n, "cmdline": c} for n, c in targets.items()],
-            }
-        )
-    )
-    return cfg, port
+    """A config watching each ``name: cmdline regex`` of ``targets`` at this file's pace."""
+    return targets_config(tmp_path, targets, INTERVAL, THRESHOLD)
 
 
 def serving_cmdline(shape: str, run_dir: Path) -> str:

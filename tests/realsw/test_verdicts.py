@@ -331,22 +331,32 @@ def test_serving_fork_lock_is_stalled(tmp_path: Path) -> None:
 # --- the daemon ----------------------------------------------------------------------------
 
 
-def daemon_config(tmp_path: Path, name: str, cmdline: str) -> tuple[Path, int]:
-    """A config watching one target by a cmdline regex; JSON is YAML (no escaping to get
-    wrong)."""
+def targets_config(
+    tmp_path: Path,
+    targets: dict[str, str],
+    interval: float = INTERVAL,
+    threshold: float = THRESHOLD,
+) -> tuple[Path, int]:
+    """A config watching each ``name: cmdline regex`` of ``targets``; JSON is YAML (no
+    escaping to get wrong)."""
     port = free_port()
     cfg = tmp_path / "hangwatch.yaml"
     cfg.write_text(
         json.dumps(
             {
                 "listen": f"127.0.0.1:{port}",
-                "interval_seconds": INTERVAL,
-                "park_threshold_seconds": THRESHOLD,
-                "targets": [{"name": name, "cmdline": cmdline}],
+                "interval_seconds": interval,
+                "park_threshold_seconds": threshold,
+                "targets": [{"name": n, "cmdline": c} for n, c in targets.items()],
             }
         )
     )
     return cfg, port
+
+
+def daemon_config(tmp_path: Path, name: str, cmdline: str) -> tuple[Path, int]:
+    """A config watching one target by a cmdline regex."""
+    return targets_config(tmp_path, {name: cmdline})
 
 
 @pytest.fixture
