@@ -25,6 +25,7 @@ STALLED = "stalled"
 IDLE = "idle"
 PROGRESSING = "progressing"
 STATES = (DEADLOCKED, STALLED, IDLE, PROGRESSING)
+MAX_NAMED = 3  # hopeless processes named one by one in a service's reasons
 
 
 @dataclass
@@ -97,6 +98,7 @@ class ProcessFacts:
     # The service's listening ports that outside clients connect to; None: all of them.
     front_door_ports: frozenset[int] | None = None
     waits: ev.ProcessWaits | None = None  # what its threads wait in (process_waits)
+    hopeless: bool = False  # no thread of it can ever be woken but by a signal (agent.hopeless)
 
 
 def lock_cycle(
@@ -171,6 +173,10 @@ def classify_process(facts: ProcessFacts, threshold_s: float) -> ProcessVerdict:
         v.state = DEADLOCKED
         v.reasons.append(ev.CyclesStable(len(facts.cycles), among_threads=True))
         return v
+    if facts.hopeless:
+        v.state = DEADLOCKED
+        v.reasons.append(no_waker(s, facts.waits))
+        return v
     gpu = facts.gpu
     host_work = bool(prog.working_tids or prog.write_bytes or prog.received_bytes)
     if (
@@ -203,6 +209,12 @@ def classify_process(facts: ProcessFacts, threshold_s: float) -> ProcessVerdict:
     if idle_gpu:
         v.reasons.append(idle_gpu)
     return v
+
+
+def no_waker(s: ProcessSample, waits: ev.ProcessWaits | None) -> ev.NoWaker:
+    words = {t.wait.uaddr for t in s.threads if t.wait is not None}
+    age = waits.oldest_untimed_s if waits is not None else None
+    return ev.NoWaker(s.pid, s.comm, len(s.threads), len(words), age)
 
 
 def process_waits(s: ProcessSample, now_ns: int) -> ev.ProcessWaits:
@@ -339,8 +351,13 @@ def _classify_service(
     cycles = sorted({c for v in verdicts for c in v.cycles})
     if root_gone:
         return ServiceVerdict(root, PROGRESSING, [ev.Exited(root)], cycles, verdicts, True)
-    if cycles:
-        reasons: list[ev.Fact] = [ev.CyclesStable(len(cycles))]
+    stuck = [f for f in procs if f.hopeless and not f.cycles]
+    if cycles or stuck:
+        reasons: list[ev.Fact] = [ev.CyclesStable(len(cycles))] if cycles else []
+        # Name a few (a pool of 100 hopeless workers is one finding, not 100 reasons)
+        reasons += [no_waker(f.sample, f.waits) for f in stuck[:MAX_NAMED]]
+        if len(stuck) > MAX_NAMED:
+            reasons.append(ev.MoreNoWaker(len(stuck) - MAX_NAMED))
         return _waiters_take(ServiceVerdict(root, DEADLOCKED, reasons, cycles, verdicts))
     spinning = [f for f, v in zip(procs, verdicts) if v.gpu_spin]
     working = [v for v in verdicts if v.worked and not v.gone]
@@ -407,7 +424,8 @@ def find_culprit(v: ServiceVerdict, procs: Sequence[ProcessFacts]) -> ev.Culprit
     one out (None otherwise: naming a wrong one would send the engineer the wrong way).
 
     1. A process whose threads are in a stable lock cycle (of a cycle across processes, the
-       one holding most of its threads).
+       one holding most of its threads), or else one that no thread can wake
+       (agent.hopeless; the lowest PID if several).
     2. Otherwise the one process that waits on itself: the most threads in futex waits
        without a timeout (a lock or an event that only another thread of it can release)
        less its threads in timed waits or sleeps (waiting for time, a peer, a child: waiting
@@ -420,6 +438,10 @@ def find_culprit(v: ServiceVerdict, procs: Sequence[ProcessFacts]) -> ev.Culprit
     if not procs:
         return None
     comm = {f.sample.pid: f.sample.comm for f in procs}
+    if not v.cycles:
+        stuck = sorted(f.sample.pid for f in procs if f.hopeless)
+        if stuck:
+            return ev.Culprit(stuck[0], comm[stuck[0]], "no waker")
     if v.cycles:
         # A cycle can span processes (shared-memory mutexes): the one holding most of its
         # threads, the lowest PID among equals, so the answer never depends on list order.

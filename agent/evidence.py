@@ -194,6 +194,26 @@ class LockCycle(Fact):
 
 
 @dataclass(frozen=True)
+class NoWaker(Fact):
+    """Every thread of a process waits, with no timeout, on a process-private futex, the
+    same in two reads: no thread of it can wake another and no other process can reach the
+    words (agent.hopeless). Only a signal can end it."""
+
+    pid: int
+    comm: str
+    threads: int
+    words: int  # distinct futex words waited on
+    age_s: float | None  # since the newest of those waits began, when known
+
+
+@dataclass(frozen=True)
+class MoreNoWaker(Fact):
+    """More processes of the service proven hopeless than are named."""
+
+    processes: int
+
+
+@dataclass(frozen=True)
 class CyclesStable(Fact):
     cycles: int
     among_threads: bool = False  # a process's own view: "among its threads"
@@ -258,7 +278,7 @@ class Culprit(Fact):
 
     pid: int
     comm: str
-    why: str  # "cycle" | "own waits" (see agent.culprit)
+    why: str  # "cycle" | "no waker" | "own waits" (see classify.find_culprit)
     labels: tuple[tuple[str, str], ...] = ()
     threads: int = 0  # its threads in untimed futex waits
     age_s: float | None = None  # the oldest of those waits

@@ -99,6 +99,8 @@ class ThreadSample:
     # Its wait ends by itself (a timeout, a sleep): True; it has none: False; None: unknown
     # (agent.syscalls reads it from the syscall's arguments).
     timed: bool | None = None
+    # Its futex wait is process-private (FUTEX_PRIVATE_FLAG): no other process can wake it.
+    private_futex: bool | None = None
     wait: FutexWait | None = None
     lock: LockRead | None = None  # re-read at wait.uaddr
     refused: Refusal | None = None

@@ -27,6 +27,7 @@ from .dating import last_progress
 from .egress import LEAVES, ServiceEnds, received_from_outside
 from .frontdoor import FrontDoorConfig, FrontDoors, front_doors
 from .gpuverdict import GpuHistory, gpu_active
+from .hopeless import hopeless
 from .model import GpuReading, ProbeEvent, ProbeReading, ProcessSample, Snapshot, SocketEvent
 from .procfs import ProcFS
 from .progress import ParkSettings, ParkTracker, window_progress
@@ -63,6 +64,7 @@ class Tick:
     cycles: tuple[tuple[int, ...], ...]  # stable: seen with the same edges in the previous tick
     reading: ProbeReading
     gpu: GpuReading | None = None  # None: no GPU source
+    hopeless: frozenset[int] = frozenset()  # processes no thread can wake (agent.hopeless)
 
 
 def describe_fd(target: str | None, fd: int) -> str:
@@ -187,11 +189,19 @@ class Observer:
         sigs = {graph.cycle_signature(c): c for c in graph.cycles()}
         stable = tuple(sorted(c for sig, c in sigs.items() if sig in self._prev_sigs))
         self._prev_sigs = set(sigs)
+        prev = self.ticks[-1].snapshot if self.ticks else None
+        stuck = frozenset(
+            pid
+            for pid, p in snap.processes.items()
+            if prev is not None
+            and hopeless(prev.processes.get(pid), p)
+            and not self.sampler.proc.has_posix_timers(pid)
+        )
         self.tracker.update(snap)
         self._note_demand(snap)
         self.sockets.prune()
         self.gpu_history.update(gpu, self.ticks[-1].gpu if self.ticks else None, snap.mono_ns)
-        tick = Tick(snap, graph, stable, reading, gpu)
+        tick = Tick(snap, graph, stable, reading, gpu, stuck)
         self.ticks.append(tick)
         self._trim(window_s)
         return tick
@@ -270,6 +280,7 @@ class Observer:
                         gpu=gpu,
                         front_door_ports=doors.ports,
                         waits=process_waits(sample, snap.mono_ns),
+                        hopeless=pid in latest.hopeless,
                     )
                 )
             live = {f.sample.pid for f in facts}

@@ -465,6 +465,11 @@ class ProcFS:
             out.append(WrittenFd(int(name), link, mtime))
         return out
 
+    def has_posix_timers(self, pid: int) -> bool:
+        """Whether the process holds a POSIX timer (/proc/PID/timers lists one per timer):
+        one could send it a signal and end a wait that nothing else can."""
+        return bool((self._read(pid, "timers") or "").strip())
+
     def fd_target(self, pid: int, fd: int) -> str | None:
         """What an fd points to: a path, 'socket:[inode]', 'pipe:[inode]', ..."""
         try:

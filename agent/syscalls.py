@@ -87,3 +87,18 @@ def syscall_wait(sc: SyscallLine | None) -> SyscallWait | None:
         # "ptr": none when NULL; "ms": a C int in a 64-bit register, negative waits forever
         timed = arg != 0 if how == "ptr" else not arg & 0x80000000
     return SyscallWait(sc.nr, name, kind, timed)
+
+
+FUTEX_PRIVATE_FLAG = 128  # futex(2) op flag; futex_wait(2)'s FUTEX2_PRIVATE has the same value
+
+
+def futex_private(sc: SyscallLine | None) -> bool | None:
+    """Whether a futex wait is process-private, from its raw arguments; None when not a
+    futex wait or unknown (futex_waitv keeps its flags per word, in user memory)."""
+    if sc is None or len(sc.args) < 4:
+        return None
+    if sc.nr == 202:
+        return bool(sc.args[1] & FUTEX_PRIVATE_FLAG)
+    if sc.nr == 455:
+        return bool(sc.args[3] & FUTEX_PRIVATE_FLAG)
+    return None

@@ -152,6 +152,16 @@ def render(f: ev.Fact) -> str:
     if isinstance(f, ev.LockCycle):
         links = "; ".join(render(x) for x in f.links)
         return f"lock cycle of {plural(len(f.links), 'thread')}: {links}"
+    if isinstance(f, ev.NoWaker):
+        since = f" for {seconds(f.age_s)}" if f.age_s is not None else ""
+        return (
+            f"process {f.pid} ({f.comm}): {_all_threads(f.threads)} wait{'s' if f.threads == 1 else ''}"
+            f"{since} on {plural(f.words, 'process-private futex word')} with no timeout, the "
+            "same in two reads: no thread of it can wake another and no other process can "
+            "reach them; only a signal can end it"
+        )
+    if isinstance(f, ev.MoreNoWaker):
+        return f"and {plural(f.processes, 'other process', 'other processes')} like them"
     if isinstance(f, ev.CyclesStable):
         where = "among its threads" if f.among_threads else "stable across two reads"
         return f"{plural(f.cycles, 'lock cycle')} {where}"
@@ -197,6 +207,8 @@ def render(f: ev.Fact) -> str:
 def culprit_why(f: ev.Culprit) -> str:
     if f.why == "cycle":
         return "its threads are in the lock cycle"
+    if f.why == "no waker":
+        return "every thread of it waits for another of its own threads, and none can run"
     since = f", the oldest for {seconds(f.age_s)}" if f.age_s is not None else ""
     return (
         f"{plural(f.threads, 'thread')} {'waits' if f.threads == 1 else 'wait'} with no timeout "

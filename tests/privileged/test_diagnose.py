@@ -129,11 +129,16 @@ def test_barrier_with_a_computing_rank_is_progressing(diagnose: Diagnose) -> Non
     verdict(d, fx.pid, "progressing")
 
 
-def test_barrier_with_a_parked_rank_is_stalled(diagnose: Diagnose) -> None:
+def test_barrier_with_a_hopeless_rank_is_deadlocked_without_a_cycle(diagnose: Diagnose) -> None:
+    """The last rank waits on a private condvar nobody can signal (its only thread): proven
+    hopeless, so deadlocked at once, held up by it. The others wait on a shared barrier, which
+    has no owner: no cycle is drawn."""
     with Fixture.c("barrier_ranks", "4", "--last-rank-parks") as fx:
         d = diagnose(fx.pid)
-    svc = verdict(d, fx.pid, "stalled")
+    svc = verdict(d, fx.pid, "deadlocked")
     assert svc["cycles"] == [], d.explain("a barrier has no owner: want no cycles")
+    last = fx.info.get_int("last")
+    assert (svc.get("culprit") or {}).get("pid") == last, d.explain(f"want the last rank {last}")
 
 
 def test_python_lock_deadlock_is_never_a_wrong_cycle(diagnose: Diagnose) -> None:
@@ -145,8 +150,29 @@ def test_python_lock_deadlock_is_never_a_wrong_cycle(diagnose: Diagnose) -> None
     cycles = cycles_of(d, svc)
     if svc["state"] == "stalled":
         assert cycles == [], d.explain("stalled with cycles")
-    else:
-        assert cycles and all(c <= tids for c in cycles), d.explain(f"want cycles within {tids}")
+    else:  # deadlocked: proven without an owner (no cycle drawn), or a cycle of those threads
+        assert all(c <= tids for c in cycles), d.explain(f"want cycles within {tids}")
+
+
+def test_python_lock_cycle_with_main_joining_is_proven_deadlocked(diagnose: Diagnose) -> None:
+    """Every thread (two lockers, the main thread joining them) waits with no timeout on a
+    process-private futex: no thread can wake another, so deadlocked, with no owner known."""
+    with Fixture.py("pylocks") as fx:
+        d = diagnose(fx.pid)
+    svc = verdict(d, fx.pid, "deadlocked")
+    kinds = [e["kind"] for e in svc["evidence"]]
+    assert "no_waker" in kinds, d.explain(f"want the proof without an owner, got {kinds}")
+    assert (svc.get("culprit") or {}).get("pid") == fx.pid, d.explain("the culprit")
+
+
+def test_a_child_forked_with_a_lock_held_is_proven_deadlocked(diagnose: Diagnose) -> None:
+    """The child waits for a lock whose holder it does not have; the parent waits for the
+    child in wait4. The child is hopeless, so the service is deadlocked, held up by it."""
+    with Fixture.py("fork_locked") as fx:
+        child = fx.info.get_int("child")
+        d = diagnose(fx.pid)
+    svc = verdict(d, fx.pid, "deadlocked")
+    assert (svc.get("culprit") or {}).get("pid") == child, d.explain("the child is the culprit")
 
 
 # --- progress and idleness -------------------------------------------------------------------

@@ -219,7 +219,7 @@ def test_the_daemon_gives_the_other_rows_their_verdicts(tmp_path: Path) -> None:
         shapes["loading"] = "loading"
         want: Want = {
             "rdzv": (line.get_int("pid"), ("stalled",)),
-            "loader": (main, ("stalled",)),
+            "loader": (main, ABBA_STATES),  # deadlocked once the worker is proven hopeless
             "fork": (stacks["fork"].pid, ABBA_STATES),
             "retry": (stacks["retry"].pid, ABBA_STATES),
             "blocked": (stacks["blocked"].pid, ("stalled",)),

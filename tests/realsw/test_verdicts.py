@@ -155,44 +155,46 @@ def test_dataloader_worker_stuck_is_stalled() -> None:
         assert worker in realsw.descendants(main), job.describe("the worker is not main's child")
         wait_until(lambda: realsw.main_thread_in(worker, SYS_FUTEX), 10, "the worker parked")
         d = diagnose_hang(main, time.monotonic())
-    svc = expect(d, main, job.shape, "stalled")
+    # Deadlocked once proven: the worker's threads can wake neither each other nor be reached
+    svc = expect(d, main, job.shape, "stalled", "deadlocked")
     culprit_is(d, svc, worker, "the worker stuck in __getitem__")
 
 
 def test_an_old_stall_is_dated_from_its_evidence() -> None:
     """The issue's case, scaled down: a hang older than the threshold, which is itself longer
-    than the observation. The worker's wait and the job's last output are dated by the
-    kernel, so ``--threshold 20 --duration 5`` on a 25 s old hang says stalled, and counts
-    the time without progress from the hang, not from when diagnose began."""
-    with realsw.direct_job("dataloader_worker_stuck") as job:
-        lines = {line["role"]: line.get_int("pid") for line in job.ready_lines(2)}
+    than the observation. Rank 0 waits in the rendezvous for a rank 1 that never comes; its
+    last output (the READY line, on a pipe) is dated by the kernel, so ``--threshold 20
+    --duration 5`` on a 25 s old hang says stalled, and counts the time without progress
+    from the hang, not from when diagnose began."""
+    with realsw.direct_job("rendezvous_peer_missing") as job:
+        (line,) = job.ready_lines(1)
         began = time.monotonic()
         time.sleep(25)
-        d = diagnose(lines["main"], threshold=20)
-    svc = expect(d, lines["main"], job.shape, "stalled")
-    # Dated beyond what the window saw (the job's threads settle a few seconds after READY)
+        d = diagnose(line.get_int("pid"), threshold=20)
+    svc = expect(d, line.get_int("pid"), job.shape, "stalled")
+    # Dated beyond what the window saw
     assert svc["seconds_since_progress"] >= 20, d.explain("the hang's age is not dated")
-    assert svc["seconds_since_progress"] <= time.monotonic() - began + 1, d.explain("too old")
+    assert svc["seconds_since_progress"] <= time.monotonic() - began + 2, d.explain("too old")
 
 
 def test_a_blocking_stack_dump_does_not_reset_the_stall() -> None:
     """A blocking dumper (py-spy dump, gdb) ptrace-stops every thread of the target while it
     reads: the threads leave their waits and come back, but do no work. The verdict stays
     stalled and the hang keeps its age."""
-    with realsw.direct_job("dataloader_worker_stuck") as job:
-        lines = {line["role"]: line.get_int("pid") for line in job.ready_lines(2)}
+    with realsw.direct_job("rendezvous_peer_missing") as job:
+        (line,) = job.ready_lines(1)
+        pid = line.get_int("pid")
         began = time.monotonic()
         time.sleep(HANG_AGE)
-        run = RunningDiagnose(diagnose_argv([lines["main"]], threshold=HANG_THRESHOLD))
+        run = RunningDiagnose(diagnose_argv([pid], threshold=HANG_THRESHOLD))
         try:
             run.wait_stderr("watching", DIAGNOSE_TIMEOUT)
             time.sleep(1)
-            for pid in lines.values():
-                realsw.ptrace_stop(pid, seconds=1.0)
+            realsw.ptrace_stop(pid, seconds=1.0)
             d = run.finish(timeout=DIAGNOSE_TIMEOUT)
         finally:
             run.kill()
-    svc = expect(d, lines["main"], job.shape, "stalled")
+    svc = expect(d, pid, job.shape, "stalled")
     age = time.monotonic() - began
     assert svc["seconds_since_progress"] >= HANG_AGE, d.explain(
         f"reset: the hang is {age:.0f} s old"
