@@ -41,8 +41,7 @@ def test_any_thread_that_can_be_woken_from_outside_breaks_the_proof():
     base = abba()
     ways = {
         "timed futex": replace(base.threads[1], timed=True),
-        "shared futex": replace(base.threads[1], private_futex=False),
-        "unknown flag": replace(base.threads[1], private_futex=None),
+        "unknown flag and mapping": replace(base.threads[1], private_futex=None),
         "epoll": replace(base.threads[1], syscall=EPOLL, wait=None, timed=False),
         "read": replace(base.threads[1], syscall=READ, wait=None, timed=False),
         "sleep": replace(base.threads[1], syscall=CLOCK_NANOSLEEP, wait=None, timed=True),
@@ -85,8 +84,8 @@ def test_random_processes_are_hopeless_exactly_when_every_thread_waits_forever_p
             t = forever(100 + i, 0x1000 + 8 * rng.randint(0, 3))
             if kind == "timed":
                 t = replace(t, timed=True)
-            elif kind == "shared":
-                t = replace(t, private_futex=False)
+            elif kind == "shared":  # no private flag, and the word in a shared mapping
+                t = replace(t, private_futex=False, wait=replace(t.wait, uaddr=0x9000 + i))
             elif kind == "epoll":
                 t = replace(t, syscall=EPOLL, wait=None)
             elif kind == "running":
@@ -94,7 +93,7 @@ def test_random_processes_are_hopeless_exactly_when_every_thread_waits_forever_p
             elif kind == "sleep":
                 t = replace(t, syscall=CLOCK_NANOSLEEP, wait=None, timed=True)
             threads.append(t)
-        p = process(100, *threads)
+        p = process(100, *threads, word_ids={0x9000 + i: ("shared", "0:5", 1, i) for i in range(6)})
         want = all(k == "forever" for k in picks)
         assert hopeless(p, p) == want, (case, picks)
         seen[want] += 1
@@ -102,7 +101,7 @@ def test_random_processes_are_hopeless_exactly_when_every_thread_waits_forever_p
             i = rng.randrange(n)
             ran = list(threads)
             ran[i] = replace(ran[i], cpu_ns=ran[i].cpu_ns + 1)
-            assert not hopeless(p, process(100, *ran)), case
+            assert not hopeless(p, replace(p, threads=tuple(ran))), case
     assert seen[True] > 50 and seen[False] > 50, seen
 
 
