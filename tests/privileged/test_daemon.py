@@ -44,6 +44,10 @@ targets:
     cmdline: "fixtures/build/condvar_pool"
   - name: loader
     cmdline: "fixtures/loader\\\\.py"
+  - name: pylocks
+    cmdline: "fixtures/pylocks\\\\.py"
+  - name: fork-locked
+    cmdline: "fixtures/fork_locked\\\\.py"
 """
 
 
@@ -257,3 +261,19 @@ def test_a_process_seen_before_it_execs_the_target_is_watched(tmp_path: Path) ->
             ),
             f"the exec'd target {fx.pid} to be watched",
         )
+
+
+@pytest.mark.parametrize("name", ["pylocks", "fork-locked"])
+def test_daemon_proves_a_python_hang_without_an_owner(daemon: Daemon, name: str) -> None:
+    """A Python two-lock cycle with the main thread joining, and a child forked while a lock
+    was held: deadlocked by the proof without an owner (two reads), far under the threshold's
+    wait, with the hopeless process as the culprit in the state-change log."""
+    fixture = name.replace("-", "_")
+    with Fixture.py(fixture) as fx:
+        formed = time.monotonic()
+        wait_until(daemon, state_is(name, "deadlocked"), f"{name} to be deadlocked", 10)
+        took = time.monotonic() - formed
+        culprit = fx.info.get_int("child") if name == "fork-locked" else fx.pid
+    print(f"{name}: deadlocked {took:.2f} s after READY (interval {INTERVAL} s)")  # -rA
+    log = daemon.output()
+    assert f"held up by process {culprit}" in log, log
