@@ -191,13 +191,14 @@ def test_thread_churn_with_tid_reuse(daemon: Daemon) -> None:
         if pid_max <= 1 << 16:
             assert stopped.get_int("reused") > 0, stopped.line
         # Left: the sleeper on its condvar and the main thread joining it. Both parked, and
-        # parked since before the churn stopped: no dead thread's wait is counted.
+        # parked since before the churn stopped: no dead thread's wait is counted. Neither can
+        # wake the other: proven hopeless (agent/hopeless.py), so deadlocked.
         s = wait_until(
             daemon,
             lambda s: (
                 value(s, "hangwatch_process_threads", pid=str(fx.pid)) == 2
                 and value(s, "hangwatch_process_parked_threads", pid=str(fx.pid)) == 2
-                and state_of(s, "churn", fx.pid) == "stalled"
+                and state_of(s, "churn", fx.pid) == "deadlocked"
             ),
             "the churned process to settle as two parked threads",
             timeout=30,
