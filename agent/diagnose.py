@@ -15,7 +15,7 @@ from .discovery import env_labels
 from .errors import UsageError
 from .evidence import as_json
 from .model import ProbeEvent, plural
-from .observe import Scope, Tick
+from .observe import Scope, Tick, describe_fd
 from .procfs import ProcFS
 from .session import Session
 from .settings import DURATION, PARK_THRESHOLD, Settings
@@ -232,7 +232,9 @@ def render_text(
     opts: DiagnoseOptions,
     events: Sequence[ProbeEvent],
     labels: Mapping[int, Mapping[str, str]] | None = None,
+    fds: Mapping[tuple[int, int], str] | None = None,
 ) -> str:
+    """The report in words; ``fds``: (pid, fd) -> what it is (wait_fds)."""
     snap, graph = tick.snapshot, tick.graph
     names = {t.tid: t.name for p in snap.processes.values() for t in p.threads}
     groups = graph.groups()
@@ -296,6 +298,9 @@ def render_text(
                         else " with no timeout"
                     )
                     what = f"in {syscall_name(t.syscall)}{how}"
+                    fd = (fds or {}).get((p.pid, t.wait_fd)) if t.wait_fd is not None else None
+                    if fd:
+                        what += f" on {fd}"
                 others.setdefault(what, []).append(t.tid)
             for what, tids in sorted(others.items()):
                 who = ", ".join(f"{t} ({names.get(t, '?')})" for t in tids[:8])
@@ -317,6 +322,28 @@ def render_text(
             f"probe: the kernel refused PI lock {r['uaddr']} to thread {r['tid']} (EDEADLK)"
         )
     return "\n".join(lines) + "\n"
+
+
+def wait_fds(proc: ProcFS, tick: Tick) -> dict[tuple[int, int], str]:
+    """(pid, fd) -> what each fd a thread waits on is: "fd 7, a socket to 10.0.0.2:5000",
+    "fd 0, a pipe", "fd 3, /var/log/x.log" (one readlink per waited-on fd)."""
+    out = {}
+    for p in tick.snapshot.processes.values():
+        conns = {c.inode: c for c in p.connections}
+        for t in p.threads:
+            if t.wait_fd is None or (p.pid, t.wait_fd) in out:
+                continue
+            target = proc.fd_target(p.pid, t.wait_fd)
+            what = describe_fd(target, t.wait_fd)
+            if target and target.startswith("socket:["):
+                inner = target[8:-1]
+                c = conns.get(int(inner)) if inner.isdigit() else None
+                if c is not None:
+                    what = f"a socket to {c.remote_address}:{c.remote_port} (fd {t.wait_fd})"
+            elif target and not target.startswith(("pipe:", "socket:")):
+                what = f"{what} (fd {t.wait_fd})"
+            out[(p.pid, t.wait_fd)] = what
+    return out
 
 
 def run(opts: DiagnoseOptions, out: TextIO = sys.stdout, log: TextIO = sys.stderr) -> int:
@@ -350,5 +377,5 @@ def run(opts: DiagnoseOptions, out: TextIO = sys.stdout, log: TextIO = sys.stder
         json.dump(to_json(verdicts, tick, opts, events, labels), out, indent=2)
         out.write("\n")
     else:
-        out.write(render_text(verdicts, tick, opts, events, labels))
+        out.write(render_text(verdicts, tick, opts, events, labels, wait_fds(proc, tick)))
     return 0

@@ -66,6 +66,7 @@ class Watch:
         self.started = time.monotonic()
         self.reached: dict[str, str] = {}  # service -> the state it reached first
         self.seen: dict[str, list[tuple[float, list[str]]]] = {n: [] for n in want}
+        self.upgraded: set[str] = set()  # stalled, then proven deadlocked
 
     def record(self, s: Samples) -> bool:
         """Note this scrape; whether every service has reached its state by now."""
@@ -74,17 +75,28 @@ class Watch:
             now = states_of(s, name, pid)
             if name not in self.reached and len(now) == 1 and now[0] in states:
                 self.reached[name] = now[0]
+            elif self.reached.get(name) == "stalled" and now == ["deadlocked"] and now[0] in states:
+                # A stall later proven hopeless (agent/hopeless.py): knowledge grows, one way;
+                # going back would be a flap.
+                self.reached[name] = "deadlocked"
+                self.upgraded.add(name)
             if name in self.reached:
                 self.seen[name].append((t, now))
         return len(self.reached) == len(self.want)
 
     def wrong(self) -> dict[str, list[tuple[float, list[str]]]]:
         """Per service, the scrapes since it reached its state that said anything else."""
-        return {
-            n: bad
-            for n, seen in self.seen.items()
-            if (bad := [(t, st) for t, st in seen if st != [self.reached[n]]])
-        }
+        out = {}
+        for n, seen in self.seen.items():
+            if n in self.upgraded:  # stalled until proven, then deadlocked for good
+                i = next(i for i, (_, st) in enumerate(seen) if st == ["deadlocked"])
+                bad = [(t, st) for t, st in seen[:i] if st != ["stalled"]]
+                bad += [(t, st) for t, st in seen[i:] if st != ["deadlocked"]]
+            else:
+                bad = [(t, st) for t, st in seen if st != [self.reached[n]]]
+            if bad:
+                out[n] = bad
+        return out
 
 
 def changes(log: str, want: Want) -> list[str]:
