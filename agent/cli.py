@@ -117,6 +117,13 @@ def build_parser() -> argparse.ArgumentParser:
         "at least two reads are taken)",
     )
     d.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    d.add_argument(
+        "--no-stacks",
+        dest="stacks",
+        action="store_false",
+        help="skip the Python stacks. By default they are read with py-spy --nonblocking, which "
+        "reads the process's memory and never stops it (at most 5 s for all processes)",
+    )
     r = sub.add_parser(
         "run",
         help="the daemon: watch inference services and serve Prometheus metrics",
@@ -161,6 +168,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     threshold_s=args.threshold,
                     duration_s=args.duration,
                     as_json=args.json,
+                    stacks=args.stacks,
                 )
             )
         if args.command == "run":

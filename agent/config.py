@@ -25,7 +25,7 @@ DEFAULT_PORT = 9817
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")  # becomes a label value
 MAX_REGEX = 1024  # characters: a selector is a short pattern, not a document
 MAX_CONFIG_BYTES = 1 << 20  # a config is a page of YAML; more is a wrong file
-TOP_KEYS = ("listen", INTERVAL.key, PARK_THRESHOLD.key, "bpf_stats", "targets")
+TOP_KEYS = ("listen", INTERVAL.key, PARK_THRESHOLD.key, "bpf_stats", "stacks", "targets")
 TARGET_KEYS = ("name", "cmdline", "comm", "pids", "gpu", "front_door_ports", "front_door")
 
 
@@ -52,6 +52,9 @@ class Config:
     # The kernel's per-program run-time accounting: two clock reads per program run, for
     # every BPF program on the host; it made an unwatched futex call ~40% dearer. Opt-in.
     bpf_stats: bool = False
+    # Python stacks of a service's processes, logged when it turns stalled or deadlocked:
+    # read with py-spy --nonblocking (never stops the target), only at those changes.
+    stacks: bool = True
 
     @property
     def settings(self) -> Settings:
@@ -189,9 +192,9 @@ def validate(raw: object, source: str) -> Config:
     listen = parse_listen(raw.get("listen", f":{DEFAULT_PORT}"), "listen", source)
     interval = _seconds(raw, INTERVAL, source)
     threshold = _seconds(raw, PARK_THRESHOLD, source)
-    bpf_stats = raw.get("bpf_stats", False)
-    if not isinstance(bpf_stats, bool):
-        raise _err(source, "bpf_stats", f"want true or false, got {show(bpf_stats)}")
+    bpf_stats, stacks = (
+        _flag(raw, k, d, source) for k, d in (("bpf_stats", False), ("stacks", True))
+    )
     targets_raw = raw.get("targets")
     if not isinstance(targets_raw, list) or not targets_raw:
         raise _err(source, "targets", f"want a non-empty list of targets, got {show(targets_raw)}")
@@ -200,7 +203,14 @@ def validate(raw: object, source: str) -> Config:
     dup = next((n for n in names if names.count(n) > 1), None)
     if dup:
         raise _err(source, "targets", f"name {dup!r} is used twice")
-    return Config(listen, interval, threshold, targets, source, bpf_stats)
+    return Config(listen, interval, threshold, targets, source, bpf_stats, stacks)
+
+
+def _flag(raw: Mapping[Any, Any], key: str, default: bool, source: str) -> bool:
+    value = raw.get(key, default)
+    if not isinstance(value, bool):
+        raise _err(source, key, f"want true or false, got {show(value)}")
+    return value
 
 
 def load_text(text: str, source: str) -> Config:

@@ -21,7 +21,7 @@ from typing import Any
 from . import __version__
 from . import config as config_mod
 from . import session as session_mod
-from .classify import ServiceVerdict
+from .classify import DEADLOCKED, STALLED, ServiceVerdict
 from .discovery import Discovery, Service
 from .errors import UsageError
 from .frontdoor import FrontDoorConfig
@@ -30,6 +30,7 @@ from .observe import Scope, Tick
 from .procfs import ProcFS
 from .session import Session
 from .sources import GpuSource, ProbeSource
+from .stacks import SourceLines, read_many, stack_facts
 from .status import (
     AgentStatus,
     CollectorStatus,
@@ -38,8 +39,11 @@ from .status import (
     ProgramStats,
     ServiceStatus,
 )
+from .words import render
 
 log = logging.getLogger(__name__)
+
+STACKS_BUDGET_S = 5.0  # per tick, for all the stacks logged at state changes
 
 
 def build_exposition(
@@ -132,6 +136,7 @@ class Daemon:
         self.stop = threading.Event()
         self.reload_requested = threading.Event()
         self.config_path: str | None = None
+        self.source_lines = SourceLines()  # the lines stacks point at, kept between changes
 
     @classmethod
     def with_sources(
@@ -196,7 +201,7 @@ class Daemon:
         self.discovery.exec_seen(e.tgid for e in tick.reading.execs)
         self._forget_gone(session, tick)
         verdicts = session.verdicts()
-        self._log_changes(verdicts)
+        self._log_changes(verdicts, tick)
         labels = {pid: self.discovery.labels(pid) for pid in tick.snapshot.processes}
         self.exposition = build_exposition(
             verdicts, self.services, tick, labels, self._agent_status(session, tick)
@@ -230,8 +235,11 @@ class Daemon:
             last_tick_seconds=time.time(),
         )
 
-    def _log_changes(self, verdicts: list[ServiceVerdict]) -> None:
-        """A log line for every state change of a service, whether or not anyone scraped it."""
+    def _log_changes(self, verdicts: list[ServiceVerdict], tick: Tick) -> None:
+        """A log line for every state change of a service, whether or not anyone scraped it;
+        on a change to stalled or deadlocked, the Python stacks of its processes at that
+        moment (a flight record: by the time someone looks, the process may be gone)."""
+        budget = STACKS_BUDGET_S  # per tick, across services: the loop must go on
         for v in verdicts:
             svc = self.services.get(v.pid)
             key = (svc.name if svc else "unknown", v.pid)
@@ -246,6 +254,19 @@ class Daemon:
                     v.state,
                     "; ".join(v.words),
                 )
+                if v.state in (STALLED, DEADLOCKED) and self.cfg.stacks and budget > 0:
+                    budget -= self._log_stacks(key[0], v, tick, budget)
+
+    def _log_stacks(self, name: str, v: ServiceVerdict, tick: Tick, budget: float) -> float:
+        """Log the stacks of a service's processes; the seconds it took."""
+        start = time.monotonic()
+        snap = tick.snapshot
+        pids = [p.pid for p in v.processes if not p.gone and p.pid in snap.processes]
+        reads = read_many(pids, budget, self.source_lines)
+        for pid, read in reads.items():
+            for f in stack_facts(snap.processes[pid], read, snap.wall, snap.mono_ns):
+                log.info("service %s pid %d: process %d: %s", name, v.pid, pid, render(f))
+        return time.monotonic() - start
 
     def reload(self) -> None:
         """SIGHUP: load the config again; a bad one is logged and the old one kept."""

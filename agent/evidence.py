@@ -291,3 +291,64 @@ class ProcessWaits(Fact):
     waits: tuple[tuple[str, bool | None, int], ...]
     running: int
     oldest_untimed_s: float | None  # the oldest untimed futex wait, when dated
+
+
+# --- where threads wait: Python stacks (agent.stacks) ----------------------------------------
+
+
+@dataclass(frozen=True)
+class StackGroup(Fact):
+    """Threads of one process parked at the same Python line with the same wait."""
+
+    pid: int
+    threads: int
+    tids: tuple[int, ...]
+    wait: str  # "in futex with no timeout"
+    function: str  # the function of the program's own code where they wait
+    file: str  # py-spy's short name: "scheduler.py", "uvicorn/server.py"
+    line: int
+    callee: str | None  # what it called there ("Queue.get"); None: a call into C
+    code: str | None  # the source line
+    gil: int | None = None  # the TID among them that holds the GIL
+    names: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class NoPythonStack(Fact):
+    """Threads of a Python process with no Python frames: native helpers, I/O threads."""
+
+    pid: int
+    threads: int
+    waits: tuple[tuple[str, int], ...]  # (what they wait in, threads)
+
+
+@dataclass(frozen=True)
+class StacksUnread(Fact):
+    pid: int
+    why: str
+
+
+@dataclass(frozen=True)
+class LockAt(Fact):
+    tid: int
+    function: str
+    file: str
+    line: int
+    code: str | None
+
+
+@dataclass(frozen=True)
+class PyLockHint(Fact):
+    """Threads waiting, with no timeout, at lines that take locks, on two or more lock
+    words, since the same moment: a Python lock cycle's shape, not its proof."""
+
+    pid: int
+    waits: tuple[LockAt, ...]
+    words: int
+    since_wall: float | None  # when the first of them last ran (wall clock)
+
+
+@dataclass(frozen=True)
+class MoreStackGroups(Fact):
+    groups: int
+    threads: int

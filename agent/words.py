@@ -7,6 +7,7 @@ writes, so a phrase is changed here or nowhere.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterable, Sequence
 
 from . import evidence as ev
@@ -201,7 +202,56 @@ def render(f: ev.Fact) -> str:
         return f"held up by process {f.pid} ({f.comm}){_labels(f.labels)}: {culprit_why(f)}"
     if isinstance(f, ev.ProcessWaits):
         return process_waits(f)
+    if isinstance(f, ev.StackGroup):
+        return stack_group(f)
+    if isinstance(f, ev.NoPythonStack):
+        what = ", ".join(f"{n} {w}" for w, n in f.waits)
+        return f"{plural(f.threads, 'thread')} with no Python frames ({what})"
+    if isinstance(f, ev.StacksUnread):
+        return f"Python stacks of process {f.pid} not read: {f.why}"
+    if isinstance(f, ev.PyLockHint):
+        return lock_hint(f)
+    if isinstance(f, ev.LockAt):
+        return f"thread {f.tid} at {_at(f.code, f'`{f.function}`')} ({f.file}:{f.line})"
+    if isinstance(f, ev.MoreStackGroups):
+        return f"and {plural(f.groups, 'other stack')} ({plural(f.threads, 'thread')})"
     return f.kind.replace("_", " ")
+
+
+def _at(code: str | None, fallback: str) -> str:
+    return f"`{code}`" if code else fallback
+
+
+def stack_group(f: ev.StackGroup) -> str:
+    """ "14 threads at `Queue.get` (scheduler.py:212) in `event_loop`, in futex with no
+    timeout": the line of the program's own code, and what it called there."""
+    what = f"`{f.callee}`" if f.callee else _at(f.code, f"`{f.function}`")
+    gil = f", thread {f.gil} holds the GIL" if f.gil is not None else ""
+    who = ", ".join(f"{t} ({n})" if n else str(t) for t, n in zip(f.tids[:8], f.names[:8]))
+    more = f" and {len(f.tids) - 8} more" if len(f.tids) > 8 else ""
+    return (
+        f"{plural(f.threads, 'thread')} at {what} ({f.file}:{f.line}) in `{f.function}`, "
+        f"{f.wait}{gil}: {who}{more}"
+    )
+
+
+def lock_hint(f: ev.PyLockHint) -> str:
+    """ "2 threads wait at `with self.b` (sched.py:154) and `with self.a` (sched.py:160) on two
+    lock words since 05:13:06: a Python lock cycle?" """
+    sites: list[str] = []
+    for w in f.waits:
+        s = f"{_at(w.code, f'`{w.function}`')} ({w.file}:{w.line})"
+        if s not in sites:
+            sites.append(s)
+    where = " and ".join(sites) if len(sites) <= 2 else ", ".join(sites[:-1]) + f" and {sites[-1]}"
+    since = ""
+    if f.since_wall is not None:
+        since = " since " + time.strftime("%H:%M:%S", time.localtime(f.since_wall))
+    return (
+        f"{plural(len(f.waits), 'thread')} of process {f.pid} wait at {where} on "
+        f"{plural(f.words, 'lock word')}{since}, with no timeout: a Python lock cycle? "
+        "(Python locks record no owner, so this is a hint, not a proof)"
+    )
 
 
 def culprit_why(f: ev.Culprit) -> str:

@@ -38,6 +38,13 @@ BY_TYPE: dict[str, Any] = {
     "tuple[CycleLink, ...]": LINKS,
     "tuple[Fact, ...]": NESTED,
     "tuple[tuple[str, bool | None, int], ...]": (("futex", False, 3), ("epoll_wait", None, 1)),
+    "str | None": "with self.lock:",
+    "tuple[str, ...]": ("worker-0", "worker-1", "worker-2"),
+    "tuple[tuple[str, int], ...]": (("in epoll_wait with no timeout", 2),),
+    "tuple[LockAt, ...]": (
+        ev.LockAt(11, "evict", "sched.py", 154, "with self.b:"),
+        ev.LockAt(12, "update", "sched.py", 160, None),
+    ),
 }
 # Fields whose str is one of a few words.
 BY_NAME: dict[str, Any] = {

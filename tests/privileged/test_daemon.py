@@ -277,3 +277,12 @@ def test_daemon_proves_a_python_hang_without_an_owner(daemon: Daemon, name: str)
     print(f"{name}: deadlocked {took:.2f} s after READY (interval {INTERVAL} s)")  # -rA
     log = daemon.output()
     assert f"held up by process {culprit}" in log, log
+    # The flight record: the Python stacks at the change, with the line that takes the lock.
+    source = (REPO_ROOT / "tests" / "fixtures" / f"{fixture}.py").read_text().splitlines()
+    taking = ".acquire()" if name == "pylocks" else "with lock:  # a copy"
+    lineno = next(i for i, text in enumerate(source, 1) if taking in text)
+    at = f"({fixture}.py:{lineno})"
+    stack_lines = [ln for ln in log.splitlines() if at in ln and "thread" in ln]
+    assert stack_lines, f"no stack line at {at} in the daemon's log:\n{log}"
+    if name == "pylocks":
+        assert any("a Python lock cycle?" in ln for ln in stack_lines), log

@@ -1,0 +1,418 @@
+"""Python stacks of parked threads, read without stopping the process.
+
+The reader is py-spy (``py-spy dump --nonblocking --json``), run as a child process: it reads
+the target's memory with process_vm_readv and never attaches, so the target is not stopped
+and gets no signal (a blocking dump ptrace-stops every thread while it reads). A child process
+bounds what a reader can cost us: it is killed at its timeout, and a crash in it is one line
+in the report, never the verdict or the daemon.
+
+Threads with the same Python stack and the same wait form one group, told by the line where
+the program's own code waits: the innermost frame outside the standard library ("at
+`Queue.get` (scheduler.py:212) in `event_loop`"), not ``threading.py:320``, where every
+condition wait looks alike.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import evidence as ev
+from .model import ProcessSample, ThreadSample
+from .syscalls import FUTEX, syscall_name, wait_kind
+
+READ_TIMEOUT_S = 3.0  # per process; py-spy reads a 100-thread process in tens of ms
+MAX_FRAMES = 32  # per thread, innermost first: enough to reach the program's own code
+MAX_OUTPUT = 64 << 20  # bytes of JSON accepted from one dump (2,000 threads ~ 5 MiB)
+SAME_MOMENT_S = 1.0  # lock waits that began this close together began "at the same moment"
+
+
+@dataclass(frozen=True)
+class PyFrame:
+    function: str
+    file: str  # as the target sees it
+    short: str  # py-spy's short name: "server.py", "uvicorn/server.py"
+    line: int
+    code: str | None = None  # the source line, when the file could be read
+
+    @property
+    def stdlib(self) -> bool:
+        """Standard library or interpreter internals: where every wait of a kind looks alike."""
+        f = self.file
+        if f.startswith("<"):  # <frozen importlib._bootstrap>, <string>
+            return True
+        return "/lib/python3" in f and "-packages/" not in f
+
+
+@dataclass(frozen=True)
+class PyThread:
+    tid: int
+    name: str | None
+    owns_gil: bool
+    frames: tuple[PyFrame, ...]  # innermost first
+
+    def site(self) -> tuple[str | None, PyFrame] | None:
+        """(the function it called there, the frame) where the program's own code waits:
+        the innermost frame outside the standard library, else the innermost frame."""
+        if not self.frames:
+            return None
+        for i, f in enumerate(self.frames):
+            if not f.stdlib:
+                return (self.frames[i - 1].function if i else None), f
+        return None, self.frames[0]
+
+
+@dataclass(frozen=True)
+class StackRead:
+    """One process's Python threads by TID, or why they could not be read."""
+
+    pid: int
+    threads: Mapping[int, PyThread] = field(default_factory=dict)
+    error: str | None = None
+    seconds: float = 0.0
+
+
+def find_reader() -> str | None:
+    """py-spy next to our interpreter first (the venv's bin is often not on PATH under
+    systemd), then on PATH."""
+    beside = Path(sys.executable).parent / "py-spy"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    return shutil.which("py-spy")
+
+
+def is_python(pid: int, root: str = "/proc") -> bool:
+    """Whether the process runs a CPython interpreter: its executable or a mapped library is
+    named python (static builds map no libpython; embedded ones map no python binary)."""
+    try:
+        exe = os.path.basename(os.readlink(f"{root}/{pid}/exe"))
+    except OSError:
+        return False
+    if exe.startswith("python"):
+        return True
+    try:
+        with open(f"{root}/{pid}/maps") as f:
+            return any("libpython" in line for line in f)
+    except OSError:
+        return False
+
+
+class SourceLines:
+    """Source lines of the target's files, read through /proc/PID/root so that a process in a
+    container shows its own files. Bounded: the daemon keeps one for its life."""
+
+    def __init__(self, limit: int = 256) -> None:
+        self._files: OrderedDict[str, list[str] | None] = OrderedDict()
+        self._limit = limit
+
+    def line(self, pid: int, path: str, lineno: int) -> str | None:
+        if lineno < 1 or path.startswith("<"):
+            return None
+        key = f"/proc/{pid}/root{path}" if path.startswith("/") else path
+        if key not in self._files:
+            try:
+                with open(key, encoding="utf-8", errors="replace") as f:
+                    self._files[key] = f.read(4 << 20).splitlines()
+            except OSError:
+                self._files[key] = None
+            while len(self._files) > self._limit:
+                self._files.popitem(last=False)
+        lines = self._files[key]
+        if lines is None or lineno > len(lines):
+            return None
+        return lines[lineno - 1].strip() or None
+
+
+def parse_dump(pid: int, text: str, source: SourceLines | None = None) -> dict[int, PyThread]:
+    """py-spy's JSON (a list of threads) -> PyThread by OS thread id."""
+    out: dict[int, PyThread] = {}
+    for t in json.loads(text):
+        tid = t.get("os_thread_id")
+        if not isinstance(tid, int):
+            continue
+        frames = []
+        for f in (t.get("frames") or [])[:MAX_FRAMES]:
+            path, line = str(f.get("filename") or "?"), int(f.get("line") or 0)
+            frames.append(
+                PyFrame(
+                    function=str(f.get("name") or "?"),
+                    file=path,
+                    short=str(f.get("short_filename") or os.path.basename(path)),
+                    line=line,
+                    code=source.line(pid, path, line) if source else None,
+                )
+            )
+        out[tid] = PyThread(tid, t.get("thread_name"), bool(t.get("owns_gil")), tuple(frames))
+    return out
+
+
+def read_stacks(
+    pid: int,
+    timeout_s: float = READ_TIMEOUT_S,
+    reader: str | None = None,
+    source: SourceLines | None = None,
+) -> StackRead | None:
+    """The Python stacks of ``pid``, None when it runs no Python. Never raises: a reader
+    that is missing, fails or times out gives a StackRead with the reason."""
+    if not is_python(pid):
+        return None
+    exe = reader or find_reader()
+    if exe is None:
+        return StackRead(pid, error="py-spy is not installed (pip install py-spy)")
+    start = time.monotonic()
+    try:
+        done = subprocess.run(
+            [exe, "dump", "--nonblocking", "--json", "--pid", str(pid)],
+            capture_output=True,
+            timeout=timeout_s,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        return StackRead(pid, error=f"py-spy timed out after {timeout_s:g} s", seconds=timeout_s)
+    except OSError as e:
+        return StackRead(pid, error=f"py-spy could not run: {e.strerror or e}")
+    took = time.monotonic() - start
+    if done.returncode != 0:
+        why = done.stderr.decode(errors="replace").strip().splitlines()
+        return StackRead(pid, error=f"py-spy failed: {why[-1] if why else done.returncode}")
+    if len(done.stdout) > MAX_OUTPUT:
+        return StackRead(pid, error=f"py-spy wrote over {MAX_OUTPUT >> 20} MiB", seconds=took)
+    try:
+        threads = parse_dump(pid, done.stdout.decode(errors="replace"), source)
+    except (ValueError, TypeError, AttributeError) as e:
+        return StackRead(pid, error=f"py-spy's output was not understood: {e}", seconds=took)
+    return StackRead(pid, threads, seconds=took)
+
+
+# --- groups ----------------------------------------------------------------------------------
+
+
+def wait_words(t: ThreadSample | None) -> str:
+    """What a thread waits in, in the words a group is keyed by (not the fd or the futex word:
+    each waiter of a condition has its own)."""
+    if t is None:
+        return "gone"
+    if not t.blocked:
+        return "running"
+    if t.syscall is None or t.syscall < 0:
+        return "blocked"
+    how = "" if t.timed is None else " with a timeout" if t.timed else " with no timeout"
+    return f"in {syscall_name(t.syscall)}{how}"
+
+
+@dataclass(frozen=True)
+class StackGroup:
+    """Threads of one process with the same Python stack and the same wait."""
+
+    tids: tuple[int, ...]
+    names: tuple[str, ...]
+    wait: str
+    thread: PyThread  # one of them: the stack they share
+    gil: int | None = None  # the TID among them that holds the GIL
+
+    @property
+    def key(self) -> tuple[object, ...]:
+        return (self.wait, self.thread.frames)
+
+
+def group_stacks(
+    sample: ProcessSample, stacks: Mapping[int, PyThread]
+) -> tuple[list[StackGroup], list[int]]:
+    """Groups, largest first, and the TIDs of the process py-spy did not show (threads that
+    run no Python: native helpers, zmq's I/O threads)."""
+    by_tid = {t.tid: t for t in sample.threads}
+    keyed: dict[tuple[object, ...], list[PyThread]] = {}
+    for tid in sorted(stacks):
+        py = stacks[tid]
+        key = (wait_words(by_tid.get(tid)), tuple((f.file, f.line) for f in py.frames))
+        keyed.setdefault(key, []).append(py)
+    groups = []
+    for (wait, _), members in keyed.items():
+        gil = next((m.tid for m in members if m.owns_gil), None)
+        groups.append(
+            StackGroup(
+                tids=tuple(m.tid for m in members),
+                names=tuple(
+                    m.name or (by_tid[m.tid].name if m.tid in by_tid else "?") for m in members
+                ),
+                wait=str(wait),
+                thread=members[0],
+                gil=gil,
+            )
+        )
+    # The GIL holder first (everyone else may wait for it), then the largest groups.
+    groups.sort(key=lambda g: (g.gil is None, -len(g.tids), g.tids[0]))
+    return groups, sorted(set(by_tid) - set(stacks))
+
+
+# --- hints -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LockWaiter:
+    tid: int
+    frame: PyFrame  # the line that takes the lock
+    word: int
+    last_ran_ns: int
+
+
+def _takes_a_lock(f: PyFrame) -> bool:
+    """The source line acquires a lock: ``with x:`` or ``x.acquire(...)``. Python locks are
+    semaphores that record no owner, so the line is the only witness of what is held."""
+    code = f.code or ""
+    return code.startswith(("with ", "async with ")) or ".acquire(" in code
+
+
+def lock_waiters(sample: ProcessSample, stacks: Mapping[int, PyThread]) -> list[LockWaiter]:
+    """Threads parked, with no timeout, in a futex wait taken straight from a line of the
+    program's own code that acquires a lock."""
+    out = []
+    for t in sample.threads:
+        py = stacks.get(t.tid)
+        if (
+            py is None
+            or not py.frames
+            or not t.blocked
+            or wait_kind(t.syscall) != FUTEX
+            or t.timed is not False
+            or t.wait is None
+            or t.last_ran_ns is None
+        ):
+            continue
+        inner = py.frames[0]
+        if inner.stdlib or not _takes_a_lock(inner):
+            continue
+        out.append(LockWaiter(t.tid, inner, t.wait.uaddr, t.last_ran_ns))
+    return out
+
+
+def lock_cycle_hint(waiters: Sequence[LockWaiter]) -> list[LockWaiter]:
+    """The largest set of waiters on two or more distinct lock words whose waits began within
+    SAME_MOMENT_S of each other: the shape of a lock cycle, though not a proof of one (Python
+    locks have no owner to draw the cycle with). Empty when there is none."""
+    ordered = sorted(waiters, key=lambda w: w.last_ran_ns)
+    best: list[LockWaiter] = []
+    for i, first in enumerate(ordered):
+        window = [
+            w for w in ordered[i:] if w.last_ran_ns - first.last_ran_ns <= SAME_MOMENT_S * 1e9
+        ]
+        if len({w.word for w in window}) >= 2 and len(window) > len(best):
+            best = window
+    return best
+
+
+def read_many(
+    pids: Iterable[int], budget_s: float, source: SourceLines | None = None
+) -> dict[int, StackRead]:
+    """Stacks of several processes within ``budget_s`` in all: each read gets what is left
+    (at most READ_TIMEOUT_S); those past the budget get a line saying so."""
+    out: dict[int, StackRead] = {}
+    source = source or SourceLines()
+    deadline = time.monotonic() + budget_s
+    for pid in pids:
+        left = deadline - time.monotonic()
+        if left < 0.05:
+            out[pid] = StackRead(
+                pid, error=f"not read: the {budget_s:g} s budget for stacks was spent"
+            )
+            continue
+        read = read_stacks(pid, timeout_s=min(READ_TIMEOUT_S, left), source=source)
+        if read is not None:
+            out[pid] = read
+    return out
+
+
+# --- as evidence -----------------------------------------------------------------------------
+
+MAX_GROUPS = 12  # per process in words; --json has them all
+
+
+def stack_facts(
+    sample: ProcessSample,
+    read: StackRead,
+    wall: float,
+    mono_ns: int,
+    max_groups: int = MAX_GROUPS,
+) -> list[ev.Fact]:
+    """What the stacks of one process show, as records for agent.words: the groups (GIL
+    holder and largest first), the threads with no Python frames, and a lock-cycle hint."""
+    if read.error is not None:
+        return [ev.StacksUnread(read.pid, read.error)]
+    groups, native = group_stacks(sample, read.threads)
+    facts: list[ev.Fact] = []
+    for g in groups[:max_groups]:
+        site = g.thread.site()
+        if site is None:
+            continue
+        callee, frame = site
+        facts.append(
+            ev.StackGroup(
+                pid=sample.pid,
+                threads=len(g.tids),
+                tids=g.tids,
+                wait=g.wait,
+                function=frame.function,
+                file=frame.short,
+                line=frame.line,
+                callee=callee,
+                code=frame.code,
+                gil=g.gil,
+                names=g.names,
+            )
+        )
+    rest = groups[max_groups:]
+    if rest:
+        facts.append(ev.MoreStackGroups(len(rest), sum(len(g.tids) for g in rest)))
+    if native:
+        by_tid = {t.tid: t for t in sample.threads}
+        waits: dict[str, int] = {}
+        for tid in native:
+            w = wait_words(by_tid.get(tid))
+            waits[w] = waits.get(w, 0) + 1
+        facts.append(ev.NoPythonStack(sample.pid, len(native), tuple(sorted(waits.items()))))
+    cycle = lock_cycle_hint(lock_waiters(sample, read.threads))
+    if cycle:
+        first = min(w.last_ran_ns for w in cycle)
+        facts.append(
+            ev.PyLockHint(
+                pid=sample.pid,
+                waits=tuple(
+                    ev.LockAt(w.tid, w.frame.function, w.frame.short, w.frame.line, w.frame.code)
+                    for w in cycle
+                ),
+                words=len({w.word for w in cycle}),
+                since_wall=wall - (mono_ns - first) / 1e9,
+            )
+        )
+    return facts
+
+
+def stacks_json(sample: ProcessSample, read: StackRead) -> dict[str, object]:
+    """--json: every group with its whole stack (innermost first), and how the read went."""
+    if read.error is not None:
+        return {"error": read.error, "seconds": round(read.seconds, 3)}
+    groups, native = group_stacks(sample, read.threads)
+    return {
+        "seconds": round(read.seconds, 3),
+        "groups": [
+            {
+                "tids": list(g.tids),
+                "wait": g.wait,
+                "gil": g.gil,
+                "frames": [
+                    {"function": f.function, "file": f.file, "line": f.line, "code": f.code}
+                    for f in g.thread.frames
+                ],
+            }
+            for g in groups
+        ],
+        "no_python_frames": native,
+    }
