@@ -531,7 +531,8 @@ def test_unit_sets_nothing_that_breaks_the_agent(key: str) -> None:
         assert not FORBIDDEN[key](svc[key]), f"{key}={svc[key]}"
 
 
-# Syscalls the agent cannot run without: BPF, perf events, /proc reads, its HTTP server.
+# Syscalls the agent cannot run without: BPF, perf events, /proc reads, its HTTP server, and
+# the one py-spy (its child, under the same filter) reads Python stacks with.
 ESSENTIAL_SYSCALLS = {
     "bpf",
     "perf_event_open",
@@ -548,6 +549,7 @@ ESSENTIAL_SYSCALLS = {
     "clone3",
     "futex",
     "mount",
+    "process_vm_readv",
 }
 
 
@@ -559,7 +561,8 @@ def test_unit_syscall_filter_is_a_deny_list_that_spares_what_the_agent_uses() ->
     assert spec.startswith("~"), "an allow-list would have to know every syscall bcc makes"
     denied = set(spec[1:].split())
     assert not denied & ESSENTIAL_SYSCALLS
-    assert not denied & {"@debug", "@privileged", "@system-service", "@default", "@mount"}
+    # @ipc holds process_vm_readv (py-spy --nonblocking); @debug holds ptrace and perf_event_open.
+    assert not denied & {"@debug", "@ipc", "@privileged", "@system-service", "@default", "@mount"}
     analyze = shutil.which("systemd-analyze")
     if analyze is None:
         return

@@ -185,3 +185,107 @@ def test_metric_name_check_catches_a_wrong_name() -> None:
         "up",
     ]
     assert "hangwatch_nope_total" not in _exported()
+
+
+# ---- what the hang alerts and their runbooks tell people to run ----------------------------
+#
+# The first step for a hang is `hangwatch diagnose` (stacks of every parked thread, without
+# stopping the process) and the daemon's log line for the state change. A py-spy dump without
+# --nonblocking, or gdb, ptrace-stops every thread of a serving process: the texts must never
+# send anyone there first, and every py-spy dump they show must carry --nonblocking.
+
+HANG_ALERTS = {"HangwatchDeadlock", "HangwatchAllThreadsParked", "HangwatchGpuSpin"}
+HANG_RUNBOOKS = HANG_ALERTS | {"First, for every hang alert"}
+_DIAGNOSE_FIRST = re.compile(r"hangwatch diagnose --pid {{ \$labels\.\w+ }}")
+_STOPPERS = re.compile(r"py-spy|gdb", re.IGNORECASE)
+_CODE_SPAN = re.compile(r"`([^`]*)`")
+_FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.MULTILINE | re.DOTALL)
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z`*(\[])|\n\s*\n")
+
+
+def _hang_alerts() -> list[dict[str, Any]]:
+    return [alert for alert in _alerts() if alert["alert"] in HANG_ALERTS]
+
+
+def test_hang_alerts_are_the_workload_alerts() -> None:
+    # A new critical workload alert must join HANG_ALERTS, and so the checks below.
+    workload = {
+        alert["alert"]
+        for alert in _alerts()
+        if alert.get("labels", {}).get("severity") == "critical"
+        and "component" not in alert.get("labels", {})
+    }
+    assert workload == HANG_ALERTS
+
+
+@pytest.mark.parametrize("alert", _hang_alerts(), ids=lambda a: a["alert"])
+def test_hang_alert_says_hangwatch_diagnose_before_any_stack_dumper(alert: dict[str, Any]) -> None:
+    text = " ".join(alert["annotations"]["description"].split())
+    first = _DIAGNOSE_FIRST.search(text)
+    assert first, f"{alert['alert']}: no `hangwatch diagnose --pid {{{{ $labels.… }}}}`"
+    dumper = _STOPPERS.search(text)
+    assert dumper is None or first.start() < dumper.start(), (
+        f"{alert['alert']}: {dumper and dumper.group()} comes before hangwatch diagnose"
+    )
+    # The flight record, and the warning.
+    assert "journalctl -u hangwatch" in text, alert["alert"]
+    assert "--nonblocking" in text and "stop every thread" in text, alert["alert"]
+
+
+def _py_spy_dumps_without_nonblocking(text: str) -> list[str]:
+    """Each command (a code span or a fenced line) and each sentence that mentions a py-spy
+    dump but not --nonblocking."""
+    problems = []
+    for fence in _FENCE.findall(text):
+        problems += [ln for ln in fence.splitlines() if "py-spy dump" in ln]
+    prose = _FENCE.sub("", text)
+    problems += [s for s in _CODE_SPAN.findall(prose) if "py-spy dump" in s]
+    for sentence in _SENTENCE_END.split(prose):
+        if "py-spy dump" in sentence:
+            problems.append(" ".join(sentence.split()))
+    return [p for p in problems if "--nonblocking" not in p]
+
+
+def test_every_py_spy_dump_in_the_rules_is_nonblocking() -> None:
+    problems = []
+    for alert in _alerts():
+        for key, value in alert.get("annotations", {}).items():
+            text = " ".join(str(value).split())
+            problems += [
+                f"{alert['alert']} {key}: {p}" for p in _py_spy_dumps_without_nonblocking(text)
+            ]
+    assert not problems, "\n".join(problems)
+
+
+def test_every_py_spy_dump_in_the_runbooks_is_nonblocking() -> None:
+    problems = _py_spy_dumps_without_nonblocking(DEPLOY_DOC.read_text())
+    assert not problems, "\n".join(problems)
+
+
+def test_nonblocking_check_catches_a_blocking_dump() -> None:
+    assert _py_spy_dumps_without_nonblocking("Run `py-spy dump --pid 1`.") != []
+    assert _py_spy_dumps_without_nonblocking("Then take stacks with py-spy dump or gdb.") != []
+    assert _py_spy_dumps_without_nonblocking("```sh\npy-spy dump --native --pid 1\n```\n") != []
+    assert _py_spy_dumps_without_nonblocking("Use `py-spy dump --nonblocking --pid 1`.") == []
+    # Saying what a blocking dump does is fine, as long as it says how not to.
+    fine = "A py-spy dump without `--nonblocking` stops every thread. Use gdb later."
+    assert _py_spy_dumps_without_nonblocking(fine) == []
+
+
+def _runbook_sections() -> dict[str, str]:
+    text = _FENCE.sub(lambda m: m.group(0).replace("#", ""), DEPLOY_DOC.read_text())
+    parts = re.split(r"^### (.+)$", text, flags=re.MULTILINE)
+    return {parts[i].strip(): parts[i + 1].split("\n## ")[0] for i in range(1, len(parts), 2)}
+
+
+@pytest.mark.parametrize("heading", sorted(HANG_RUNBOOKS))
+def test_hang_runbook_says_hangwatch_diagnose_before_any_stack_dumper(heading: str) -> None:
+    sections = _runbook_sections()
+    assert heading in sections, f"docs/deploy.md has no ### {heading}"
+    text = sections[heading]
+    first = text.find("hangwatch diagnose")
+    assert first >= 0, f"{heading}: no hangwatch diagnose"
+    dumper = _STOPPERS.search(text)
+    assert dumper is None or first < dumper.start(), (
+        f"{heading}: {dumper and dumper.group()} comes before hangwatch diagnose"
+    )
