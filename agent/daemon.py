@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
+from functools import partial
 from types import FrameType
 from typing import Any
 
@@ -26,6 +27,7 @@ from .discovery import Discovery, Service
 from .errors import UsageError
 from .frontdoor import FrontDoorConfig
 from .model import GpuDevice, GpuReading, ProbeReading
+from .native import named_verdicts, native_caller
 from .observe import Scope, Tick
 from .procfs import ProcFS
 from .session import Session
@@ -246,6 +248,9 @@ class Daemon:
             old = self.states.get(key)
             if old != v.state:
                 self.states[key] = v.state
+                # Lock words named from memory at the change only: it reads /proc/PID/maps
+                # and symbol tables, too much to do every tick for every service.
+                (v,) = named_verdicts([v], tick.snapshot)
                 log.info(
                     "service %s pid %d: %s -> %s: %s",
                     key[0],
@@ -264,7 +269,14 @@ class Daemon:
         pids = [p.pid for p in v.processes if not p.gone and p.pid in snap.processes]
         reads = read_many(pids, budget, self.source_lines)
         for pid, read in reads.items():
-            for f in stack_facts(snap.processes[pid], read, snap.wall, snap.mono_ns):
+            facts = stack_facts(
+                snap.processes[pid],
+                read,
+                snap.wall,
+                snap.mono_ns,
+                native=partial(native_caller, pid),
+            )
+            for f in facts:
                 log.info("service %s pid %d: process %d: %s", name, v.pid, pid, render(f))
         return time.monotonic() - start
 

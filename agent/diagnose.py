@@ -6,7 +6,8 @@ import json
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 from typing import TextIO
 
 from . import session as session_mod
@@ -15,12 +16,13 @@ from .discovery import env_labels
 from .errors import UsageError
 from .evidence import NoPythonStack, as_json
 from .model import ProbeEvent, plural
+from .native import describe_address, named_verdicts, native_caller
 from .observe import Scope, Tick, describe_fd
 from .procfs import ProcFS
 from .session import Session
 from .settings import DURATION, PARK_THRESHOLD, Settings
 from .stacks import StackRead, read_many, stack_facts, stacks_json
-from .syscalls import syscall_name
+from .syscalls import FUTEX, syscall_name, wait_kind
 from .words import reasons, render
 
 # Stacks of all the processes of a report, in all: a server of 2,000 threads reads in well
@@ -288,7 +290,9 @@ def render_text(
             read = (stacks or {}).get(p.pid)
             python: set[int] = set()
             if read is not None:
-                facts = stack_facts(sample, read, snap.wall, snap.mono_ns)
+                facts = stack_facts(
+                    sample, read, snap.wall, snap.mono_ns, native=partial(native_caller, p.pid)
+                )
                 if read.error is None:
                     python = set(read.threads)
                     lines.append(
@@ -306,8 +310,11 @@ def render_text(
                 who = ", ".join(f"{t} ({names.get(t, '?')})" for t in tids[:8])
                 more = f" and {len(tids) - 8} more" if len(tids) > 8 else ""
                 since = _since(tick, g.since_ns)
+                group = replace(
+                    parked_group(g, snap.mono_ns), word=describe_address(p.pid, g.uaddr)
+                )
                 lines.append(
-                    f"    {render(parked_group(g, snap.mono_ns))}"
+                    f"    {render(group)}"
                     + (f", since {since}" if since else "")
                     + f": {who}{more}"
                 )
@@ -328,6 +335,9 @@ def render_text(
                         else " with no timeout"
                     )
                     what = f"in {syscall_name(t.syscall)}{how}"
+                    caller = native_caller(p.pid, t.tid) if wait_kind(t.syscall) == FUTEX else None
+                    if caller:
+                        what += f", called from {caller}"
                     fd = (fds or {}).get((p.pid, t.wait_fd)) if t.wait_fd is not None else None
                     if fd:
                         what += f" on {fd}"
@@ -399,6 +409,7 @@ def run(opts: DiagnoseOptions, out: TextIO = sys.stdout, log: TextIO = sys.stder
         verdicts = session.verdicts()
         observer = session.observer
         tick = observer.ticks[-1]
+    verdicts = named_verdicts(verdicts, tick.snapshot)
     stacks: dict[int, StackRead] = {}
     if opts.stacks:
         pids = [p.pid for v in verdicts for p in v.processes if not p.gone]

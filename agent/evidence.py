@@ -177,6 +177,7 @@ class ParkedGroup(Fact):
     owner_kind: str  # "mutex", "pi", "join", ... or "" when no owner is known
     owner: int  # 0: none
     age_s: float | None  # since its oldest wait began, when known
+    word: str | None = None  # what the word is (agent.native.describe_address), when read
 
 
 @dataclass(frozen=True)
@@ -186,6 +187,7 @@ class CycleLink(Fact):
     lock_kind: str
     uaddr: int
     owner: int
+    word: str | None = None  # what the word is (agent.native.describe_address), when read
 
 
 @dataclass(frozen=True)
@@ -311,6 +313,7 @@ class StackGroup(Fact):
     code: str | None  # the source line
     gil: int | None = None  # the TID among them that holds the GIL
     names: tuple[str, ...] = ()
+    native: str | None = None  # the first native caller outside libc, where it says more
 
 
 @dataclass(frozen=True)
@@ -340,12 +343,12 @@ class LockAt(Fact):
 @dataclass(frozen=True)
 class PyLockHint(Fact):
     """Threads waiting, with no timeout, at lines that take locks, on two or more lock
-    words, since the same moment: a Python lock cycle's shape, not its proof."""
+    words: a Python lock cycle's shape, not its proof."""
 
     pid: int
     waits: tuple[LockAt, ...]
     words: int
-    since_wall: float | None  # when the first of them last ran (wall clock)
+    since_wall: float | None  # when the last of them last ran: all wait since (wall clock)
 
 
 @dataclass(frozen=True)

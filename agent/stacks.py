@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,7 +32,6 @@ from .syscalls import FUTEX, syscall_name, wait_kind
 READ_TIMEOUT_S = 3.0  # per process; py-spy reads a 100-thread process in tens of ms
 MAX_FRAMES = 32  # per thread, innermost first: enough to reach the program's own code
 MAX_OUTPUT = 64 << 20  # bytes of JSON accepted from one dump (2,000 threads ~ 5 MiB)
-SAME_MOMENT_S = 1.0  # lock waits that began this close together began "at the same moment"
 
 
 @dataclass(frozen=True)
@@ -295,18 +294,11 @@ def lock_waiters(sample: ProcessSample, stacks: Mapping[int, PyThread]) -> list[
 
 
 def lock_cycle_hint(waiters: Sequence[LockWaiter]) -> list[LockWaiter]:
-    """The largest set of waiters on two or more distinct lock words whose waits began within
-    SAME_MOMENT_S of each other: the shape of a lock cycle, though not a proof of one (Python
-    locks have no owner to draw the cycle with). Empty when there is none."""
-    ordered = sorted(waiters, key=lambda w: w.last_ran_ns)
-    best: list[LockWaiter] = []
-    for i, first in enumerate(ordered):
-        window = [
-            w for w in ordered[i:] if w.last_ran_ns - first.last_ran_ns <= SAME_MOMENT_S * 1e9
-        ]
-        if len({w.word for w in window}) >= 2 and len(window) > len(best):
-            best = window
-    return best
+    """The waiters, when they wait on two or more distinct lock words: the shape of a lock
+    cycle, not a proof of one (Python locks have no owner to draw the cycle with). Empty
+    otherwise. Their waits need not begin together: on a real server one side of a cycle
+    was seen to reach its second lock seconds after the other (it waited for the GIL)."""
+    return list(waiters) if len({w.word for w in waiters}) >= 2 else []
 
 
 def read_many(
@@ -333,6 +325,7 @@ def read_many(
 # --- as evidence -----------------------------------------------------------------------------
 
 MAX_GROUPS = 12  # per process in words; --json has them all
+NATIVE_PER_GROUP = 8  # threads of a group whose native caller is read (a stack scan each)
 
 
 def stack_facts(
@@ -341,12 +334,15 @@ def stack_facts(
     wall: float,
     mono_ns: int,
     max_groups: int = MAX_GROUPS,
+    native: Callable[[int], str | None] | None = None,
 ) -> list[ev.Fact]:
     """What the stacks of one process show, as records for agent.words: the groups (GIL
-    holder and largest first), the threads with no Python frames, and a lock-cycle hint."""
+    holder and largest first), the threads with no Python frames, and a lock-cycle hint.
+    ``native``: a TID -> its first native caller outside libc, asked of a few threads of
+    each group that waits in futex (a C extension's lock says where it is only there)."""
     if read.error is not None:
         return [ev.StacksUnread(read.pid, read.error)]
-    groups, native = group_stacks(sample, read.threads)
+    groups, bare = group_stacks(sample, read.threads)
     facts: list[ev.Fact] = []
     for g in groups[:max_groups]:
         site = g.thread.site()
@@ -366,21 +362,22 @@ def stack_facts(
                 code=frame.code,
                 gil=g.gil,
                 names=g.names,
+                native=_natives(g, native),
             )
         )
     rest = groups[max_groups:]
     if rest:
         facts.append(ev.MoreStackGroups(len(rest), sum(len(g.tids) for g in rest)))
-    if native:
+    if bare:
         by_tid = {t.tid: t for t in sample.threads}
         waits: dict[str, int] = {}
-        for tid in native:
+        for tid in bare:
             w = wait_words(by_tid.get(tid))
             waits[w] = waits.get(w, 0) + 1
-        facts.append(ev.NoPythonStack(sample.pid, len(native), tuple(sorted(waits.items()))))
+        facts.append(ev.NoPythonStack(sample.pid, len(bare), tuple(sorted(waits.items()))))
     cycle = lock_cycle_hint(lock_waiters(sample, read.threads))
     if cycle:
-        first = min(w.last_ran_ns for w in cycle)
+        last = max(w.last_ran_ns for w in cycle)  # since then, all of them wait
         facts.append(
             ev.PyLockHint(
                 pid=sample.pid,
@@ -389,10 +386,19 @@ def stack_facts(
                     for w in cycle
                 ),
                 words=len({w.word for w in cycle}),
-                since_wall=wall - (mono_ns - first) / 1e9,
+                since_wall=wall - (mono_ns - last) / 1e9,
             )
         )
     return facts
+
+
+def _natives(g: StackGroup, native: Callable[[int], str | None] | None) -> str | None:
+    """The distinct native callers of a few of the group's threads (threads with one Python
+    stack can sit in different C functions: two ctypes calls from one Thread.run)."""
+    if native is None or not g.wait.startswith("in futex"):
+        return None
+    seen = [c for c in dict.fromkeys(native(t) for t in g.tids[:NATIVE_PER_GROUP]) if c]
+    return "; ".join(seen) or None
 
 
 def stacks_json(sample: ProcessSample, read: StackRead) -> dict[str, object]:

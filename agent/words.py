@@ -145,11 +145,13 @@ def render(f: ev.Fact) -> str:
         since = f" for {seconds(f.age_s)}" if f.age_s is not None else ""
         where = f" across {f.processes} processes" if f.processes > 1 else ""
         return (
-            f"{plural(f.threads, 'thread')} parked on one word {f.uaddr:#x} ({f.op})"
+            f"{plural(f.threads, 'thread')} parked on one word {_word(f.uaddr, f.word)} ({f.op})"
             f"{where}, {owner}{since}"
         )
     if isinstance(f, ev.CycleLink):
-        return f"{f.tid} ({f.name}) waits for {f.lock_kind} {f.uaddr:#x} held by {f.owner}"
+        return (
+            f"{f.tid} ({f.name}) waits for {f.lock_kind} {_word(f.uaddr, f.word)} held by {f.owner}"
+        )
     if isinstance(f, ev.LockCycle):
         links = "; ".join(render(x) for x in f.links)
         return f"lock cycle of {plural(len(f.links), 'thread')}: {links}"
@@ -218,6 +220,11 @@ def render(f: ev.Fact) -> str:
     return f.kind.replace("_", " ")
 
 
+def _word(uaddr: int, word: str | None) -> str:
+    """ "0x7f3a...40a0 (`abba_a` in libabba.so+0x40a0)": the address, and what it is."""
+    return f"{uaddr:#x} ({word})" if word else f"{uaddr:#x}"
+
+
 def _at(code: str | None, fallback: str) -> str:
     return f"`{code}`" if code else fallback
 
@@ -227,11 +234,12 @@ def stack_group(f: ev.StackGroup) -> str:
     timeout": the line of the program's own code, and what it called there."""
     what = f"`{f.callee}`" if f.callee else _at(f.code, f"`{f.function}`")
     gil = f", thread {f.gil} holds the GIL" if f.gil is not None else ""
+    native = f" (native: {f.native})" if f.native else ""
     who = ", ".join(f"{t} ({n})" if n else str(t) for t, n in zip(f.tids[:8], f.names[:8]))
     more = f" and {len(f.tids) - 8} more" if len(f.tids) > 8 else ""
     return (
         f"{plural(f.threads, 'thread')} at {what} ({f.file}:{f.line}) in `{f.function}`, "
-        f"{f.wait}{gil}: {who}{more}"
+        f"{f.wait}{native}{gil}: {who}{more}"
     )
 
 
@@ -246,10 +254,10 @@ def lock_hint(f: ev.PyLockHint) -> str:
     where = " and ".join(sites) if len(sites) <= 2 else ", ".join(sites[:-1]) + f" and {sites[-1]}"
     since = ""
     if f.since_wall is not None:
-        since = " since " + time.strftime("%H:%M:%S", time.localtime(f.since_wall))
+        since = ", all since " + time.strftime("%H:%M:%S", time.localtime(f.since_wall))
     return (
-        f"{plural(len(f.waits), 'thread')} of process {f.pid} wait at {where} on "
-        f"{plural(f.words, 'lock word')}{since}, with no timeout: a Python lock cycle? "
+        f"{plural(len(f.waits), 'thread')} of process {f.pid} wait with no timeout at {where} "
+        f"on {plural(f.words, 'lock word')}{since}: a Python lock cycle? "
         "(Python locks record no owner, so this is a hint, not a proof)"
     )
 

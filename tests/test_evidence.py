@@ -59,6 +59,8 @@ BY_NAME: dict[str, Any] = {
     "target": "/var/log/server.log",
     "comm": "python",
     "name": "worker",
+    "word": "`abba_a` in libabba.so+0x40a0",
+    "native": "`abba_ab` in libabba.so+0x1188",
 }
 
 
@@ -158,6 +160,7 @@ def test_as_json_rounds_floats_and_nests_facts() -> None:
         "lock_kind": "mutex",
         "uaddr": 0xA0,
         "owner": 12,
+        "word": None,
     }
     assert [x["tid"] for x in cycle["links"]] == [11, 12]
     assert ev.as_json(ev.AllParked(4, 1, 61.23456))["seconds"] == 61.235

@@ -1,0 +1,545 @@
+"""Where a native (C) thread waits, read from /proc without stopping the process.
+
+Two questions, answered from the outside: what a futex word is (``describe_address``: "`abba_a`
+in libabba.so+0x40a0", "the heap", "a thread stack") and which native code a thread blocked in
+a syscall came from (``caller_outside_libc``: "`abba_ab` in libabba.so+0x11a9"). Nothing here
+ptrace-attaches or sends a signal: the maps, the syscall line and the memory of a target are
+read through /proc (``/proc/PID/mem`` needs ptrace *access*, not an attach), and its objects'
+symbol tables from their files, through /proc/PID/map_files or /proc/PID/root so that a
+process in a container is read with its own files.
+
+Both are best effort and total: whatever cannot be read (the process exited, an object is not
+ELF, a word is not what it seems) gives None, never an exception, and every read is bounded.
+"""
+
+from __future__ import annotations
+
+import bisect
+import mmap
+import os
+import stat
+import struct
+import threading
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import Generic, TypeVar
+
+from elftools.common.exceptions import ELFError
+from elftools.elf.elffile import ELFFile
+
+from . import evidence as ev
+from .classify import ServiceVerdict
+from .model import Snapshot
+from .procfs import MemMap, ProcFS, parse_syscall
+
+T = TypeVar("T")
+
+STACK_SCAN_BYTES = 16 << 10  # of a blocked thread's stack: libc's wait paths are a few frames
+MAX_THREADS_SCANNED = 4096  # whose stack pointers are compared with an address
+MAX_SYMTAB_BYTES = 48 << 20  # of one symbol table (2M 64-bit entries); the rest is not read
+MAX_SECTIONS = 4096  # a linked object has tens; more is an object file or a malformed one
+MAX_NAME_BYTES = 1024  # of one symbol name (C++ names run long; a prefix still names it)
+CACHE_OBJECTS = 64  # parsed symbol tables kept: the daemon asks about the same objects
+CACHE_SYMBOLS = 4_000_000  # entries kept over all of them (~20 bytes each)
+PAGE = mmap.PAGESIZE
+
+STT_OBJECT, STT_FUNC = 1, 2
+SHN_UNDEF = 0
+# Not "native callers": the wait itself lives there, in every blocked thread alike.
+_LIBC_PREFIXES = ("libc.so", "libc-", "libpthread", "ld-linux", "ld-", "ld64.so")
+_FAILURES = (OSError, ELFError, ValueError, OverflowError, struct.error, IndexError)
+
+
+@dataclass(frozen=True)
+class NativeFrame:
+    """A native frame: ``object`` (a basename) at ``offset`` from its load base."""
+
+    object: str
+    offset: int
+    symbol: str | None
+    address: int
+
+    def __str__(self) -> str:
+        where = f"{self.object}+0x{self.offset:x}"
+        return f"`{self.symbol}` in {where}" if self.symbol else where
+
+
+class SymbolTable(Generic[T]):
+    """Symbols as sorted (start, end) ranges with a payload each (a name, or where to read it).
+
+    ``find`` answers the innermost range that contains an address: aliases and nested symbols
+    are looked at a few entries back from the bisection point, no further (bounded).
+    """
+
+    LOOK_BACK = 32
+
+    def __init__(self, entries: Iterable[tuple[int, int, T]]) -> None:
+        """``entries``: (start, size, payload); empty ranges (they cover nothing)
+        and ranges past 2**64 (garbage) are dropped."""
+        # Equal starts: the larger range first, so the narrower one is met first looking back.
+        rows = sorted(
+            (
+                (start, start + size, payload)
+                for start, size, payload in entries
+                if size > 0 and start + size < 1 << 64
+            ),
+            key=lambda r: (r[0], -r[1]),
+        )
+        self.starts = array("Q", (r[0] for r in rows))
+        self.ends = array("Q", (r[1] for r in rows))
+        self.payloads: list[T] = [r[2] for r in rows]
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def find(self, addr: int) -> T | None:
+        i = bisect.bisect_right(self.starts, addr) - 1
+        for j in range(i, max(i - self.LOOK_BACK, -1), -1):
+            if addr < self.ends[j]:
+                return self.payloads[j]
+        return None
+
+
+@dataclass(frozen=True)
+class Load:
+    """A PT_LOAD program header: file bytes [offset, offset+filesz) at [vaddr, vaddr+memsz)."""
+
+    offset: int
+    filesz: int
+    vaddr: int
+    memsz: int
+
+
+@dataclass(frozen=True)
+class _Elf:
+    loads: tuple[Load, ...]
+    symbols: SymbolTable[int]  # payload: the name's offset in the string table
+    strtab: tuple[int, int]  # the string table's (file offset, size)
+
+
+def _page_down(x: int) -> int:
+    return x - x % PAGE
+
+
+def elf_vaddr(loads: Sequence[Load], mapping: MemMap, addr: int) -> int | None:
+    """The ELF virtual address of ``addr``, given ``mapping``: the file mapping that holds it,
+    or the last file mapping before it (an anonymous mapping right after the file's holds the
+    part of its .bss past the file's last page). None outside the object's segments.
+    """
+    file_off = addr - mapping.start + mapping.offset
+    if mapping.start <= addr < mapping.end:
+        for s in loads:  # bytes of the file: the segment that holds this file offset
+            if s.offset <= file_off < s.offset + s.filesz:
+                return s.vaddr + file_off - s.offset
+    # Past the segment's file bytes (.bss): the load bias of the segment this mapping maps,
+    # then any segment's memory range (a linker may give .bss a PT_LOAD of its own).
+    for s in loads:
+        if _page_down(s.offset) <= mapping.offset < s.offset + max(s.filesz, 1):
+            v = file_off - s.offset + s.vaddr
+            return v if any(t.vaddr <= v < t.vaddr + t.memsz for t in loads) else None
+    return None
+
+
+def _read_symbols(elf: ELFFile, fd: int) -> tuple[SymbolTable[int], tuple[int, int]]:
+    """FUNC and OBJECT symbols of .symtab, else .dynsym, parsed from the raw section: a
+    library such as libtorch has a million symbols, too many for pyelftools' per-symbol
+    objects. Names stay in the file (read at lookup) so a cached table holds numbers only."""
+    count = elf.num_sections()
+    if count > MAX_SECTIONS:
+        return SymbolTable(()), (0, 0)  # not a linked object's header table: not worth it
+    headers = [elf.get_section(i).header for i in range(count)]
+    for wanted in ("SHT_SYMTAB", "SHT_DYNSYM"):
+        for sh in headers:
+            if sh.sh_type != wanted or sh.sh_link >= len(headers):
+                continue
+            strtab = headers[sh.sh_link]
+            if strtab.sh_type == "SHT_NOBITS":
+                continue
+            wide = elf.elfclass == 64
+            fmt = ("<" if elf.little_endian else ">") + ("IBBHQQ" if wide else "IIIBBH")
+            size = struct.calcsize(fmt)
+            data = os.pread(fd, min(sh.sh_size, MAX_SYMTAB_BYTES), sh.sh_offset)
+            data = data[: len(data) - len(data) % size]
+            rows = []
+            for entry in struct.iter_unpack(fmt, data):
+                if wide:
+                    name, info, _, shndx, value, sym_size = entry
+                else:
+                    name, value, sym_size, info, _, shndx = entry
+                if shndx != SHN_UNDEF and info & 0xF in (STT_OBJECT, STT_FUNC):
+                    rows.append((value, sym_size, name))
+            return SymbolTable(rows), (strtab.sh_offset, strtab.sh_size)
+    return SymbolTable(()), (0, 0)
+
+
+def _parse(fd: int) -> _Elf | None:
+    """The object's segments and symbols; None for a file that is not ELF or not readable as
+    one. Files come from the targets (a container's among them), so a malformed one must cost
+    us a None, whatever pyelftools raises on it."""
+    if os.pread(fd, 4, 0) != b"\x7fELF":
+        return None  # a shared memory file, a data file: no symbols to look for
+    try:
+        with open(fd, "rb", closefd=False) as stream:
+            elf = ELFFile(stream)
+            loads = tuple(
+                Load(p.header.p_offset, p.header.p_filesz, p.header.p_vaddr, p.header.p_memsz)
+                for p in elf.iter_segments()
+                if p.header.p_type == "PT_LOAD"
+            )
+            symbols, strtab = _read_symbols(elf, fd)
+    except Exception:
+        return None
+    return _Elf(loads, symbols, strtab)
+
+
+class _Cache:
+    """Parsed objects by (st_dev, st_ino, st_mtime_ns), least recently used out first."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._items: OrderedDict[tuple[int, int, int], _Elf | None] = OrderedDict()
+        self._symbols = 0
+
+    def get(self, fd: int) -> _Elf | None:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        key = (st.st_dev, st.st_ino, st.st_mtime_ns)
+        with self._lock:
+            if key in self._items:
+                self._items.move_to_end(key)
+                return self._items[key]
+        parsed = _parse(fd)  # outside the lock: two threads may parse one object, harmlessly
+        with self._lock:
+            if key not in self._items:
+                self._items[key] = parsed
+                self._symbols += len(parsed.symbols) if parsed else 0
+            while len(self._items) > CACHE_OBJECTS or (
+                self._symbols > CACHE_SYMBOLS and len(self._items) > 1
+            ):
+                _, old = self._items.popitem(last=False)
+                self._symbols -= len(old.symbols) if old else 0
+        return parsed
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+            self._symbols = 0
+
+
+_CACHE = _Cache()
+
+
+def _name_at(fd: int, elf: _Elf, name_off: int) -> str | None:
+    table_off, table_size = elf.strtab
+    if name_off >= table_size:
+        return None
+    raw = os.pread(fd, min(MAX_NAME_BYTES, table_size - name_off), table_off + name_off)
+    name = raw.split(b"\0", 1)[0].decode(errors="replace")
+    return name or None
+
+
+def _open_object(proc: ProcFS, pid: int, m: MemMap) -> int:
+    """An fd on the mapped file: map_files reaches it in the target's mount namespace, even
+    deleted; it needs CAP_SYS_ADMIN, so the target's root directory is the fallback."""
+    try:
+        return os.open(
+            os.path.join(proc.root, str(pid), "map_files", f"{m.start:x}-{m.end:x}"),
+            os.O_RDONLY | os.O_CLOEXEC,
+        )
+    except OSError:
+        root = os.path.join(proc.root, str(pid), "root")
+        return os.open(root + m.path, os.O_RDONLY | os.O_CLOEXEC)
+
+
+def _object_name(path: str) -> str:
+    if path.endswith(" (deleted)"):
+        path = path[: -len(" (deleted)")]
+    return os.path.basename(path)
+
+
+def _file_backed(m: MemMap) -> bool:
+    return m.inode != 0 and m.path.startswith("/")
+
+
+def _load_base(maps: Sequence[MemMap], m: MemMap) -> int:
+    """The lowest start of the mappings of ``m``'s file: offsets in names are from there."""
+    return min(
+        (x.start for x in maps if (x.dev, x.inode, x.path) == (m.dev, m.inode, m.path)),
+        default=m.start,
+    )
+
+
+def _symbol(proc: ProcFS, pid: int, m: MemMap, addr: int) -> tuple[str | None, bool]:
+    """The symbol that covers ``addr`` in ``m``'s object (``m`` holds ``addr`` or is the file
+    mapping just before the anonymous one that does), and whether ``addr`` is in the object's
+    segments at all. (None, True) when the file can be read but no symbol covers it."""
+    fd = _open_object(proc, pid, m)
+    try:
+        elf = _CACHE.get(fd)
+        if elf is None:
+            return None, m.start <= addr < m.end
+        v = elf_vaddr(elf.loads, m, addr)
+        if v is None:
+            return None, m.start <= addr < m.end
+        name_off = elf.symbols.find(v)
+        return (_name_at(fd, elf, name_off) if name_off is not None else None), True
+    finally:
+        os.close(fd)
+
+
+def _named(name: str | None, where: str) -> str:
+    return f"`{name}` in {where}" if name else where
+
+
+def _find_map(maps: Sequence[MemMap], starts: Sequence[int], addr: int) -> int | None:
+    i = bisect.bisect_right(starts, addr) - 1
+    return i if i >= 0 and addr < maps[i].end else None
+
+
+def _holds_a_thread_stack(proc: ProcFS, pid: int, m: MemMap) -> bool:
+    """Whether a thread's stack pointer is in ``m`` (glibc mmaps thread stacks anonymous)."""
+    for tid in proc.tids(pid)[:MAX_THREADS_SCANNED]:
+        line = proc.thread_syscall(pid, tid)
+        if line is not None and line.sp is not None and m.start <= line.sp < m.end:
+            return True
+    return False
+
+
+def describe_address(pid: int, addr: int, proc: ProcFS | None = None) -> str | None:
+    """What ``addr`` (a futex or lock word) is in process ``pid``: "`abba_a` in
+    libabba.so+0x40a0" (the ELF symbol that covers it, from .symtab else .dynsym, and its
+    offset from the object's load base), "libabba.so+0x40a0" (no symbol covers it), "the
+    heap", "a thread stack", "anonymous memory"; None when the maps cannot be read or
+    nothing is mapped there."""
+    proc = proc or ProcFS()
+    try:
+        maps = proc.maps(pid)
+        i = _find_map(maps, [m.start for m in maps], addr)
+        if i is None:
+            return None
+        m = maps[i]
+        if _file_backed(m):
+            if m.path.startswith("/dev/zero"):
+                return "shared anonymous memory"  # MAP_SHARED|MAP_ANONYMOUS shows as this
+            where = f"{_object_name(m.path)}+0x{addr - _load_base(maps, m):x}"
+            try:
+                name, _ = _symbol(proc, pid, m, addr)
+            except _FAILURES:
+                name = None  # the file cannot be read: its name and offset still say much
+            return _named(name, where)
+        if m.path == "[heap]":
+            return "the heap"
+        if m.path.startswith("[stack"):  # [stack], or [stack:TID] on kernels before 4.5
+            return "a thread stack"
+        if m.path and not m.path.startswith("[anon"):
+            return f"{m.path}+0x{addr - m.start:x}"  # [vdso], [vvar], ...
+        before = maps[i - 1] if i > 0 else None
+        if before is not None and before.end == m.start and _file_backed(before):
+            try:  # the .bss of the object mapped just before, past its file's last page
+                name, inside = _symbol(proc, pid, before, addr)
+            except _FAILURES:
+                name, inside = None, False
+            if inside:
+                return _named(
+                    name, f"{_object_name(before.path)}+0x{addr - _load_base(maps, before):x}"
+                )
+        if _holds_a_thread_stack(proc, pid, m):
+            return "a thread stack"
+        return "anonymous memory"
+    except _FAILURES:
+        return None
+
+
+# --- return addresses on a blocked thread's stack -----------------------------------------
+
+
+def _ff2_length(code: bytes, at: int) -> int | None:
+    """Length of the ``FF /2`` (near indirect call) whose opcode is ``code[at]``, from its
+    ModRM (and SIB) byte; None when it is not one. A REX prefix before it changes nothing
+    in the length measured from the opcode."""
+    if at + 1 >= len(code) or code[at] != 0xFF:
+        return None
+    modrm = code[at + 1]
+    mod, reg, rm = modrm >> 6, (modrm >> 3) & 7, modrm & 7
+    if reg != 2:
+        return None  # FF /4 is jmp, /6 push, /3 a far call: not what leaves a return address
+    if mod == 3:
+        return 2  # call *%reg
+    if rm == 4:  # a SIB byte follows
+        if at + 2 >= len(code):
+            return None
+        if mod == 0:
+            return 7 if code[at + 2] & 7 == 5 else 3  # base 101: disp32, no base register
+        return 4 if mod == 1 else 7
+    if mod == 0:
+        return 6 if rm == 5 else 2  # rm 101: RIP-relative disp32
+    return 3 if mod == 1 else 6
+
+
+def indirect_call_before(before: bytes) -> bool:
+    """Whether ``before`` (the bytes just before a return address) ends with an indirect
+    ``call`` (FF /2: at ret-2, -3, -4, -6 or -7, its length agreeing with its ModRM)."""
+    n = len(before)
+    return any(_ff2_length(before, n - k) == k for k in (2, 3, 4, 6, 7) if k <= n)
+
+
+def direct_call_target(before: bytes, ret: int) -> int | None:
+    """The target of the ``call rel32`` (E8) that ends at ``ret``, if ``before`` ends with one."""
+    if len(before) < 5 or before[-5] != 0xE8:
+        return None
+    return ret + int.from_bytes(before[-4:], "little", signed=True)
+
+
+def after_call(before: bytes, ret: int, is_code: Callable[[int], bool]) -> bool:
+    """Whether ``ret`` is a return address: preceded by a direct call into code (``is_code``
+    of its target) or by an indirect call. Words on a stack that merely point into code
+    (function pointers, stale values) rarely pass this."""
+    target = direct_call_target(before, ret)
+    if target is not None and is_code(target):
+        return True
+    return indirect_call_before(before)
+
+
+def _is_libc(path: str) -> bool:
+    name = _object_name(path)
+    return name.startswith(_LIBC_PREFIXES)
+
+
+def _read_sp_pc(proc: ProcFS, pid: int, tid: int) -> tuple[int, int] | None:
+    """sp and pc of /proc/PID/task/TID/syscall ('nr a1..a6 sp pc', or '-1 sp pc')."""
+    with open(os.path.join(proc.root, str(pid), "task", str(tid), "syscall"), "rb") as f:
+        text = f.read(512).decode("ascii", "replace")
+    line = parse_syscall(text)
+    if line is None or line.sp is None:
+        return None
+    return line.sp, int(text.split()[-1], 16)
+
+
+def caller_outside_libc(pid: int, tid: int, proc: ProcFS | None = None) -> NativeFrame | None:
+    """The innermost native frame of thread ``tid`` of ``pid`` that is not in libc, ld.so,
+    libpthread or the vDSO, for a thread blocked in a syscall: the code that called into the
+    wait ("`abba_ab` in libabba.so+0x11a9"). None when it cannot be told.
+
+    Read without stopping the thread: sp and pc from its syscall line, then up to 16 KiB of
+    its stack from /proc/PID/mem, scanned word by word for the first value that points into
+    executable code of another object and is preceded there by a call instruction (or pc
+    itself, when the syscall instruction is outside libc: static code, a runtime's stubs).
+    A scan, not an unwind: a stale return address left in a callee's frame can win, though
+    the call check makes it rare. A blocked thread's stack does not move while it sleeps, but one
+    that woke may be read mid-change: the answer is a hint, as everything sampled is.
+
+    The interpreter (python3.x or libpython) is native code like any other, so for a Python
+    thread this names a C function of CPython (lock acquisition, say); its Python stack, read
+    elsewhere (agent/stacks.py), says far more about where it waits.
+    """
+    proc = proc or ProcFS()
+    try:
+        regs = _read_sp_pc(proc, pid, tid)
+        if regs is None:
+            return None
+        sp, pc = regs
+        maps = proc.maps(pid)
+        starts = [m.start for m in maps]
+
+        def mapping(addr: int) -> MemMap | None:
+            i = _find_map(maps, starts, addr)
+            return maps[i] if i is not None else None
+
+        def is_code(addr: int) -> bool:
+            m = mapping(addr)
+            return m is not None and "x" in m.perms
+
+        def candidate(addr: int) -> MemMap | None:
+            m = mapping(addr)
+            if m is None or "x" not in m.perms or not _file_backed(m) or _is_libc(m.path):
+                return None  # [vdso] and [vsyscall] are not file-backed
+            return m
+
+        stack = mapping(sp)
+        if stack is None or "r" not in stack.perms:
+            return None
+        fd = os.open(os.path.join(proc.root, str(pid), "mem"), os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            # A syscall issued outside libc (static code, a runtime's own stubs) is the frame.
+            found = candidate(pc)
+            ret = pc
+            if found is None:
+                data = os.pread(fd, min(STACK_SCAN_BYTES, stack.end - sp), sp)
+                for (word,) in struct.iter_unpack("<Q", data[: len(data) - len(data) % 8]):
+                    m = candidate(word)
+                    if m is None:
+                        continue
+                    start = max(word - 8, m.start)
+                    if after_call(os.pread(fd, word - start, start), word, is_code):
+                        found, ret = m, word
+                        break
+        finally:
+            os.close(fd)
+        if found is None:
+            return None
+        try:  # ret - 1: the call itself, in the caller even when it is its last instruction
+            name, _ = _symbol(proc, pid, found, ret - 1)
+        except _FAILURES:
+            name = None
+        return NativeFrame(_object_name(found.path), ret - _load_base(maps, found), name, ret)
+    except _FAILURES:
+        return None
+
+
+# --- naming the words in evidence --------------------------------------------------------
+
+
+def name_words(
+    facts: Iterable[ev.Fact],
+    pid_of: Callable[[int], int | None],
+    describe: Callable[[int, int], str | None] | None = None,
+) -> list[ev.Fact]:
+    """The records, with the futex words of lock cycles and parked groups named where the
+    process's memory says what they are. ``pid_of``: a waiting TID -> its process."""
+    look = describe or describe_address
+    seen: dict[tuple[int, int], str | None] = {}
+
+    def word(pid: int | None, uaddr: int) -> str | None:
+        if pid is None:
+            return None
+        if (pid, uaddr) not in seen:
+            seen[(pid, uaddr)] = look(pid, uaddr)
+        return seen[(pid, uaddr)]
+
+    def link(x: ev.CycleLink) -> ev.CycleLink:
+        return x if x.word is not None else replace(x, word=word(pid_of(x.tid), x.uaddr))
+
+    def named(f: ev.Fact) -> ev.Fact:
+        if isinstance(f, ev.CycleLink):
+            return link(f)
+        if isinstance(f, ev.LockCycle):
+            return replace(f, links=tuple(link(x) for x in f.links))
+        return f
+
+    return [named(f) for f in facts]
+
+
+def native_caller(pid: int, tid: int, proc: ProcFS | None = None) -> str | None:
+    """The first native caller outside libc, in words, unless it is the Python interpreter
+    itself (every Python lock and GIL wait comes from there: the Python stack says more)."""
+    frame = caller_outside_libc(pid, tid, proc)
+    if frame is None or frame.object.startswith(("python", "libpython")):
+        return None
+    return str(frame)
+
+
+def named_verdicts(verdicts: list[ServiceVerdict], snap: Snapshot) -> list[ServiceVerdict]:
+    """The verdicts with the futex words of their lock cycles named from the processes'
+    memory ("`abba_a` in libabba.so+0x40a0"): the classifier works on numbers alone."""
+    pid_of = {t.tid: p.pid for p in snap.processes.values() for t in p.threads}.get
+    return [
+        replace(
+            v,
+            reasons=name_words(v.reasons, pid_of),
+            processes=[replace(p, reasons=name_words(p.reasons, pid_of)) for p in v.processes],
+        )
+        for v in verdicts
+    ]
