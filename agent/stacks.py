@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -34,6 +35,9 @@ MAX_FRAMES = 32  # per thread, innermost first: enough to reach the program's ow
 MAX_OUTPUT = 64 << 20  # bytes of JSON accepted from one dump (2,000 threads ~ 5 MiB)
 
 
+_STDLIB = re.compile(r"/lib(?:64)?/python3")
+
+
 @dataclass(frozen=True)
 class PyFrame:
     function: str
@@ -48,7 +52,8 @@ class PyFrame:
         f = self.file
         if f.startswith("<"):  # <frozen importlib._bootstrap>, <string>
             return True
-        return "/lib/python3" in f and "-packages/" not in f
+        # lib64 where sys.platlibdir says so (Fedora, RHEL, SUSE)
+        return bool(_STDLIB.search(f)) and "-packages/" not in f
 
 
 @dataclass(frozen=True)
@@ -113,9 +118,11 @@ class SourceLines:
         self._limit = limit
 
     def line(self, pid: int, path: str, lineno: int) -> str | None:
-        if lineno < 1 or path.startswith("<"):
+        # A relative name was relative to the target's directory at import time, which we
+        # cannot know: no line rather than a line of some other file.
+        if lineno < 1 or not path.startswith("/"):
             return None
-        key = f"/proc/{pid}/root{path}" if path.startswith("/") else path
+        key = f"/proc/{pid}/root{path}"
         if key not in self._files:
             try:
                 with open(key, encoding="utf-8", errors="replace") as f:
@@ -225,12 +232,14 @@ class StackGroup:
 def group_stacks(
     sample: ProcessSample, stacks: Mapping[int, PyThread]
 ) -> tuple[list[StackGroup], list[int]]:
-    """Groups, largest first, and the TIDs of the process py-spy did not show (threads that
-    run no Python: native helpers, zmq's I/O threads)."""
+    """Groups, largest first, and the TIDs of the process py-spy did not show with frames
+    (threads that run no Python: native helpers, zmq's I/O threads)."""
     by_tid = {t.tid: t for t in sample.threads}
     keyed: dict[tuple[object, ...], list[PyThread]] = {}
     for tid in sorted(stacks):
         py = stacks[tid]
+        if not py.frames:  # listed without frames: told with the threads py-spy did not show
+            continue
         key = (wait_words(by_tid.get(tid)), tuple((f.file, f.line) for f in py.frames))
         keyed.setdefault(key, []).append(py)
     groups = []
@@ -249,7 +258,8 @@ def group_stacks(
         )
     # The GIL holder first (everyone else may wait for it), then the largest groups.
     groups.sort(key=lambda g: (g.gil is None, -len(g.tids), g.tids[0]))
-    return groups, sorted(set(by_tid) - set(stacks))
+    shown = {tid for tid, py in stacks.items() if py.frames}
+    return groups, sorted(set(by_tid) - shown)
 
 
 # --- hints -----------------------------------------------------------------------------------
@@ -421,4 +431,9 @@ def stacks_json(sample: ProcessSample, read: StackRead) -> dict[str, object]:
             for g in groups
         ],
         "no_python_frames": native,
+        # Threads at lock lines on two or more words: a Python lock cycle's shape (a hint)
+        "lock_hint": [
+            {"tid": w.tid, "function": w.frame.function, "file": w.frame.file, "line": w.frame.line}
+            for w in lock_cycle_hint(lock_waiters(sample, read.threads))
+        ],
     }

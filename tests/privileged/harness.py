@@ -6,7 +6,9 @@ the command, its exit status, the JSON report and stderr, so a failure explains 
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 import subprocess
 import sys
@@ -149,3 +151,71 @@ class RunningDiagnose:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+
+
+class Untouched:
+    """Whether processes were stopped or signalled while a block ran: their TracerPid, read
+    every millisecond (a blocking stack dump holds a process for tens of ms), and every
+    signal generated for any of their threads, from the signal_generate tracepoint in a
+    tracefs instance of our own (it does not touch the global trace buffer)."""
+
+    TRACEFS = "/sys/kernel/tracing"
+
+    def __init__(self, pids: Iterable[int]) -> None:
+        self.pids = list(pids)
+        self.tracers: list[tuple[int, int]] = []  # (pid, TracerPid) seen nonzero
+        self.signals: list[tuple[int, int]] = []  # (signal, tid)
+        self._stop = threading.Event()
+        self._poll = threading.Thread(target=self._watch, name="untouched", daemon=True)
+        self._dir = f"{self.TRACEFS}/instances/hangwatch-test-{os.getpid()}"
+
+    def _tids(self) -> set[int]:
+        out = set(self.pids)
+        for pid in self.pids:
+            with contextlib.suppress(OSError):
+                out.update(int(t) for t in os.listdir(f"/proc/{pid}/task"))
+        return out
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            for pid in self.pids:
+                try:
+                    with open(f"/proc/{pid}/status") as f:
+                        tracer = next(int(x.split()[1]) for x in f if x.startswith("TracerPid:"))
+                except (OSError, StopIteration):
+                    continue
+                if tracer:
+                    self.tracers.append((pid, tracer))
+            time.sleep(0.001)
+
+    def __enter__(self) -> Untouched:
+        self.tids = self._tids()
+        os.mkdir(self._dir)
+        with open(f"{self._dir}/events/signal/signal_generate/enable", "w") as f:
+            f.write("1")
+        self._poll.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._poll.join()
+        tids = self.tids | self._tids()
+        try:
+            with open(f"{self._dir}/trace") as f:
+                for line in f:
+                    m = re.search(r"sig=(\d+) .*? pid=(\d+)", line)
+                    if m and int(m.group(2)) in tids:
+                        self.signals.append((int(m.group(1)), int(m.group(2))))
+        finally:
+            with open(f"{self._dir}/events/signal/signal_generate/enable", "w") as f:
+                f.write("0")
+            os.rmdir(self._dir)
+
+    @property
+    def touched(self) -> str | None:
+        """What touched them, or None."""
+        if self.tracers:
+            return f"ptrace-attached: {sorted(set(self.tracers))}"
+        if self.signals:
+            return f"signalled (signal, tid): {sorted(set(self.signals))}"
+        return None

@@ -31,7 +31,7 @@ from typing import Any
 import pytest
 
 from scripts import realsw
-from scripts.fixturelib import wait_until
+from scripts.fixturelib import REPO_ROOT, wait_until
 from tests.privileged import daemonlib
 from tests.privileged.daemonlib import (
     INTERVAL,
@@ -41,7 +41,7 @@ from tests.privileged.daemonlib import (
     running_daemon,
     value,
 )
-from tests.privileged.harness import Diagnosis, RunningDiagnose, diagnose_argv
+from tests.privileged.harness import Diagnosis, RunningDiagnose, Untouched, diagnose_argv
 from tests.realsw.servinglib import build_abba, serving_stack, weight_server
 
 # hangwatch attaches: root and bcc, as tests/privileged (conftest.needs_bpf)
@@ -305,11 +305,32 @@ def test_serving_native_abba_is_deadlocked(tmp_path: Path, abba_lib: Path) -> No
 def test_serving_abba_is_stalled_not_idle(tmp_path: Path) -> None:
     """Two scheduler threads hold one threading.Lock each and wait for the other's; a request
     waits for its answer while the front-end answers /health. No owner is readable: stalled
-    (deadlocked once a rule can prove it), never idle."""
+    (the scheduler's zmq threads wait in epoll, so no proof without an owner), never idle.
+    diagnose shows where: the scheduler's two acquiring lines, as a lock-cycle hint, and the
+    front-end's loop with the request it owes; and it never stops or signals the stack."""
     with serving_stack("abba", tmp_path, client=["--mode", "once"]) as st:
-        d = diagnose_hang(st.pid, time.monotonic())
+        scheduler = st.info.get_int("scheduler")
+        pids = [st.pid, scheduler, st.info.get_int("detokenizer")]
+        with Untouched(pids) as watch:
+            d = diagnose_hang(st.pid, time.monotonic())
+    assert watch.touched is None, d.explain(f"diagnose touched the stack: {watch.touched}")
     svc = expect(d, st.pid, "abba", "stalled", "deadlocked")
-    culprit_is(d, svc, st.info.get_int("scheduler"), "the scheduler, its workers in a cycle")
+    culprit_is(d, svc, scheduler, "the scheduler, its workers in a cycle")
+    source = (REPO_ROOT / "tests/realsw/serving/scheduler.py").read_text().splitlines()
+    acquiring = {
+        n for n, text in enumerate(source, 1) if re.search(r"with self\.\w+_lock:  # held by", text)
+    }
+    assert len(acquiring) == 2, "scheduler.py: want the two acquiring lines"
+    stacks = {p["pid"]: p.get("stacks") for p in svc["processes"]}
+    hint = (stacks.get(scheduler) or {}).get("lock_hint") or []
+    assert {h["line"] for h in hint} == acquiring, d.explain(
+        f"want a lock hint at scheduler.py lines {sorted(acquiring)}, got {hint}"
+    )
+    front = stacks.get(st.pid) or {}
+    assert any(g["tids"] == [st.pid] for g in front.get("groups", [])), d.explain(
+        "want the front-end's event loop thread among its stacks"
+    )
+    assert svc["unanswered_requests"] >= 1, d.explain("want the request the front-end owes")
 
 
 def test_serving_abba_retry_is_stalled(tmp_path: Path) -> None:

@@ -134,26 +134,32 @@ class Scheduler:
     # --- the hang shapes ------------------------------------------------------------------
 
     def hang_abba(self) -> None:
-        """Two worker threads take the KV-cache lock and the weights lock in opposite orders."""
-        kv_lock, weights_lock = threading.Lock(), threading.Lock()
-        meet = threading.Barrier(3)  # both workers hold their first lock, and we know their TIDs
-
-        def worker(first: threading.Lock, second: threading.Lock) -> None:
-            with first:
-                meet.wait()
-                with second:
-                    pass
-
+        """Two worker threads take the KV-cache lock and the weights lock in opposite orders,
+        in two methods, as a real scheduler would: eviction and a weight update."""
+        self.kv_lock, self.weights_lock = threading.Lock(), threading.Lock()
+        self.meet = threading.Barrier(3)  # both hold their first lock, and we know their TIDs
         workers = [
-            threading.Thread(target=worker, args=(kv_lock, weights_lock), name="tp-worker-0"),
-            threading.Thread(target=worker, args=(weights_lock, kv_lock), name="tp-worker-1"),
+            threading.Thread(target=self.evict_kv_cache, name="tp-worker-0"),
+            threading.Thread(target=self.update_weights, name="tp-worker-1"),
         ]
         for t in workers:
             t.start()
-        meet.wait()
+        self.meet.wait()
         self.announce_hang(tids=[t.native_id for t in workers])
         for t in workers:
             t.join()
+
+    def evict_kv_cache(self) -> None:
+        with self.kv_lock:
+            self.meet.wait()
+            with self.weights_lock:  # held by update_weights, which waits for kv_lock
+                pass
+
+    def update_weights(self) -> None:
+        with self.weights_lock:
+            self.meet.wait()
+            with self.kv_lock:  # held by evict_kv_cache, which waits for weights_lock
+                pass
 
     def hang_native(self) -> None:
         """The same cycle inside a C library: pthread mutexes, called through ctypes."""
