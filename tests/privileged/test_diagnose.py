@@ -164,6 +164,13 @@ def test_python_lock_cycle_with_main_joining_is_proven_deadlocked(diagnose: Diag
     kinds = [e["kind"] for e in svc["evidence"]]
     assert "no_waker" in kinds, d.explain(f"want the proof without an owner, got {kinds}")
     assert (svc.get("culprit") or {}).get("pid") == fx.pid, d.explain("the culprit")
+    # Where: both lock threads at the line that takes their second lock, named as a hint.
+    line = line_of("pylocks", ".acquire()")
+    stacks = d.process(svc, fx.pid)["stacks"] or {}
+    hint = stacks.get("lock_hint") or []
+    assert {(h["tid"], h["line"]) for h in hint} == {(t, line) for t in tids_of(fx)}, d.explain(
+        f"want both lock threads at pylocks.py:{line} in the lock hint"
+    )
 
 
 def test_a_child_forked_with_a_lock_held_is_proven_deadlocked(diagnose: Diagnose) -> None:
@@ -174,6 +181,43 @@ def test_a_child_forked_with_a_lock_held_is_proven_deadlocked(diagnose: Diagnose
         d = diagnose(fx.pid)
     svc = verdict(d, fx.pid, "deadlocked")
     assert (svc.get("culprit") or {}).get("pid") == child, d.explain("the child is the culprit")
+    line = line_of("fork_locked", "with lock:  # a copy")
+    groups = (d.process(svc, child)["stacks"] or {}).get("groups") or []
+    assert [g["frames"][0]["line"] for g in groups] == [line], d.explain(
+        f"want the child's one thread at fork_locked.py:{line}, where it takes the lock"
+    )
+
+
+def line_of(fixture: str, text: str) -> int:
+    """The line of a fixture's source that holds ``text`` (first match)."""
+    source = (REPO_ROOT / "tests" / "fixtures" / f"{fixture}.py").read_text().splitlines()
+    return next(n for n, line in enumerate(source, 1) if text in line)
+
+
+def tids_of(fx: Fixture) -> set[int]:
+    return set(fx.info.get_ints("tids"))
+
+
+def test_a_python_pool_of_2000_threads_is_grouped_and_never_hopeless(
+    diagnose: Diagnose,
+) -> None:
+    """2,000 workers in Queue.get and an I/O thread in select: one group at the worker's
+    line, no lock hint (each waits on a condition of its own, inside the standard library),
+    never deadlocked (the I/O thread can be woken from outside). The time it took is printed
+    (-rA) for the record; the benchmark measures it."""
+    n = 2000
+    with Fixture.py("py_pool", str(n), timeout=90) as fx:
+        d = diagnose(fx.pid, duration=3)
+    svc = verdict(d, fx.pid, "stalled", "idle", "progressing")
+    stacks = d.process(svc, fx.pid)["stacks"] or {}
+    groups = stacks.get("groups") or []
+    line = line_of("py_pool", "job = jobs.get()")
+    pool = [g for g in groups if any(f["line"] == line for f in g["frames"])]
+    assert [len(g["tids"]) for g in pool] == [n], d.explain(f"want one group of {n} workers")
+    assert stacks.get("lock_hint") == [], d.explain("a pool waiting for work is no lock cycle")
+    print(
+        f"py_pool {n}: diagnose --duration 3 took {d.seconds:.1f} s, stacks {stacks['seconds']} s"
+    )
 
 
 # --- progress and idleness -------------------------------------------------------------------
