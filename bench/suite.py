@@ -9,6 +9,8 @@ Parts (``--only PART``, or ``--only WORKLOAD`` for one row group of the overhead
   ringbuf    the highest bind+listen event rate the ring buffer sustains without drops
   startup    exec of `hangwatch run` to the first /metrics scrape with the daemon's results
   detection  a two-mutex lock cycle forming to /metrics saying deadlocked
+  stacks     reading the Python stacks of a pool of 100 and 2,000 parked threads (py-spy
+             --nonblocking), against one /proc sample of the same process (a tick's read)
 
 Needs root. Usage: python -m bench [--quick] [--markdown] [--only NAME] [--rounds N]
 """
@@ -46,7 +48,7 @@ INTERVAL = 1.0
 NOTHING = [{"name": "nothing", "cmdline": "^hangwatch-bench-matches-nothing$"}]
 WATCH_WORKLOADS = [{"name": "bench", "cmdline": WORKLOAD_REGEX}]
 
-PARTS = ("overhead", "resources", "ringbuf", "startup", "detection")
+PARTS = ("overhead", "resources", "ringbuf", "startup", "detection", "stacks")
 # Programs that return at once on the same tracepoints, no daemon: what the tracepoints
 # themselves cost, the floor under any program attached there.
 EMPTY = "empty programs"
@@ -411,6 +413,41 @@ def detection(rep: Report, quick: bool) -> None:
     )  # fmt: skip
 
 
+# --- stacks ----------------------------------------------------------------------------------
+
+
+def stacks(rep: Report, quick: bool) -> None:
+    """What a flight record costs, per process: read only at a change to stalled or
+    deadlocked and in diagnose, so a healthy host pays nothing for it."""
+    from agent.sampler import Sampler
+    from agent.stacks import SourceLines, read_stacks
+
+    reps = 3 if quick else 15
+    rows = []
+    for n in (100,) if quick else (100, 2000):
+        with Fixture.py("py_pool", str(n), timeout=90) as fx:
+            progress(f"stacks: {n} parked threads, {reps} reads")
+            sampler = Sampler()
+            base, read = [], []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                sampler.snapshot([fx.pid])
+                base.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                got = read_stacks(fx.pid, source=SourceLines())
+                read.append(time.perf_counter() - t0)
+                if got is None or got.error is not None or len(got.threads) < n:
+                    raise SystemExit(f"bench: stacks of {n} threads not read: {got}")
+        b, r = statistics.median(base), statistics.median(read)
+        rows.append([f"{n:,} threads", f"{b * 1e3:.1f}", f"{r * 1e3:.1f}", f"{r / b:.2f}"])
+    rep.table(
+        f"Python stacks of one process (py-spy --nonblocking, median of {reps}), against one "
+        "/proc sample of it",
+        ["parked pool", "/proc sample ms", "stacks ms", "ratio"],
+        rows,
+    )
+
+
 # --- main ------------------------------------------------------------------------------------
 
 
@@ -453,6 +490,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "ringbuf": lambda: ringbuf(rep, exe, args.quick),
         "startup": lambda: startup(rep, args.quick),
         "detection": lambda: detection(rep, args.quick),
+        "stacks": lambda: stacks(rep, args.quick),
     }
     for part in parts:
         steps[part]()

@@ -112,6 +112,7 @@ def test_the_built_in_default_is_valid_and_matches_known_servers():
         (f"targets: [{{name: a, comm: '{'(' * 2000}{')' * 2000}'}}]", "targets[0].comm: regular"),
         (f"targets: [{{name: a, comm: '{'x' * 2000}'}}]", "at most 1024"),
         ("bpf_stats: 1\ntargets: [{name: a, pids: [1]}]", "bpf_stats: want true or false, got 1"),
+        ("stacks: yes please\ntargets: [{name: a, pids: [1]}]", "stacks: want true or false"),
         ('"\\n": 1\ntargets: [{name: a, pids: [1]}]', "'\\n': unknown key"),  # found by fuzzing
         ("bpf_stat: true\ntargets: [{name: a, pids: [1]}]", "did you mean 'bpf_stats'"),
         ("[" * 5000, "not valid YAML: nested too deeply"),
@@ -283,3 +284,9 @@ def test_front_door_keys_raise_only_usage_errors(extra):
         fd = c.targets[0].front_doors
         assert (fd is None) == (not extra)
         assert fd is None or all(0 < p < 65536 for p in fd.ports)
+
+
+def test_stacks_are_logged_unless_turned_off():
+    assert load(None).stacks is True
+    assert load_text("targets: [{name: a, pids: [1]}]", "x").stacks is True
+    assert load_text("stacks: false\ntargets: [{name: a, pids: [1]}]", "x").stacks is False

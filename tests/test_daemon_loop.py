@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
+from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from agent import daemon as daemon_mod
+from agent.classify import ProcessVerdict, ServiceVerdict
 from agent.config import validate
 from agent.daemon import DRAIN_SLICE_S, Daemon
 from agent.procfs import ProcFS
+from tests import synth
 from tests.fakeprobe import FakeClock, RecordingProbe
 
 
@@ -47,3 +53,34 @@ def test_without_a_drain_the_wait_is_a_plain_sleep(tmp_path: Path) -> None:
     t0 = time.monotonic()
     d._wait_until(t0 + 0.2)
     assert time.monotonic() - t0 >= 0.2
+
+
+def test_stacks_are_read_only_when_a_service_turns_stalled_or_deadlocked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The flight record costs nothing while services are healthy or stay hung: stacks are
+    read once, at the change to stalled or deadlocked, and with ``stacks: false`` never."""
+    reads: list[list[int]] = []
+
+    def read_many(pids: Iterable[int], budget_s: float, source: object = None) -> dict:
+        reads.append(list(pids))
+        return {}
+
+    monkeypatch.setattr(daemon_mod, "read_many", read_many)
+    d = make(tmp_path, None)
+    tick = SimpleNamespace(snapshot=synth.snapshot(synth.process(10, synth.parked(10, 0xA0))))
+
+    def verdict(state: str) -> ServiceVerdict:
+        p = ProcessVerdict(10, "python", 1, 1, 5.0, state, [])
+        return ServiceVerdict(10, state, [], [], [p])
+
+    for state in ("progressing", "progressing", "idle", "stalled", "stalled", "deadlocked"):
+        d._log_changes([verdict(state)], tick)  # type: ignore[arg-type]
+    assert reads == [[10], [10]]  # at -> stalled and at -> deadlocked, not while it stayed
+
+    reads.clear()
+    d.cfg = replace(d.cfg, stacks=False)
+    d.states.clear()
+    for state in ("progressing", "stalled", "deadlocked"):
+        d._log_changes([verdict(state)], tick)  # type: ignore[arg-type]
+    assert reads == []
