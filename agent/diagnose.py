@@ -15,14 +15,15 @@ from .classify import ServiceVerdict, parked_group
 from .discovery import env_labels
 from .errors import UsageError
 from .evidence import NoPythonStack, as_json
+from .fdwords import sockets, waited_on
 from .model import ProbeEvent, plural
 from .native import describe_address, named_verdicts, native_caller
-from .observe import Scope, Tick, describe_fd
+from .observe import Scope, Tick
 from .procfs import ProcFS
 from .session import Session
 from .settings import DURATION, PARK_THRESHOLD, Settings
-from .stacks import StackRead, read_many, stack_facts, stacks_json
-from .syscalls import FUTEX, syscall_name, wait_kind
+from .stacks import StackRead, read_many, stack_facts, stacks_json, wait_words
+from .syscalls import FUTEX, wait_kind
 from .words import reasons, render
 
 # Stacks of all the processes of a report, in all: a server of 2,000 threads reads in well
@@ -247,10 +248,10 @@ def render_text(
     opts: DiagnoseOptions,
     events: Sequence[ProbeEvent],
     labels: Mapping[int, Mapping[str, str]] | None = None,
-    fds: Mapping[tuple[int, int], str] | None = None,
+    on: Mapping[tuple[int, int], str] | None = None,
     stacks: Mapping[int, StackRead] | None = None,
 ) -> str:
-    """The report in words; ``fds``: (pid, fd) -> what it is (wait_fds); ``stacks``: the
+    """The report in words; ``on``: (pid, tid) -> what it waits on (waits_on); ``stacks``: the
     Python stacks by PID: a process that has them is shown by them, line by line of its
     code, rather than by futex words and syscalls."""
     snap, graph = tick.snapshot, tick.graph
@@ -291,7 +292,12 @@ def render_text(
             python: set[int] = set()
             if read is not None:
                 facts = stack_facts(
-                    sample, read, snap.wall, snap.mono_ns, native=partial(native_caller, p.pid)
+                    sample,
+                    read,
+                    snap.wall,
+                    snap.mono_ns,
+                    native=partial(native_caller, p.pid),
+                    on=partial(_on, on or {}, p.pid),
                 )
                 if read.error is None:
                     python = set(read.threads)
@@ -322,25 +328,14 @@ def render_text(
             for t in sample.threads:
                 if t.tid in shown:
                     continue
-                if not t.blocked:
-                    what = "running"
-                elif t.syscall is None or t.syscall < 0:
-                    what = "blocked"
-                else:
-                    how = (
-                        ""
-                        if t.timed is None
-                        else " with a timeout"
-                        if t.timed
-                        else " with no timeout"
-                    )
-                    what = f"in {syscall_name(t.syscall)}{how}"
+                what = wait_words(t)
+                if t.blocked and t.syscall is not None and t.syscall >= 0:
                     caller = native_caller(p.pid, t.tid) if wait_kind(t.syscall) == FUTEX else None
                     if caller:
                         what += f", called from {caller}"
-                    fd = (fds or {}).get((p.pid, t.wait_fd)) if t.wait_fd is not None else None
-                    if fd:
-                        what += f" on {fd}"
+                    fds = (on or {}).get((p.pid, t.tid))
+                    if fds:
+                        what += f" on {fds}"
                 others.setdefault(what, []).append(t.tid)
             for what, tids in sorted(others.items()):
                 who = ", ".join(f"{t} ({names.get(t, '?')})" for t in tids[:8])
@@ -364,25 +359,23 @@ def render_text(
     return "\n".join(lines) + "\n"
 
 
-def wait_fds(proc: ProcFS, tick: Tick) -> dict[tuple[int, int], str]:
-    """(pid, fd) -> what each fd a thread waits on is: "fd 7, a socket to 10.0.0.2:5000",
-    "fd 0, a pipe", "fd 3, /var/log/x.log" (one readlink per waited-on fd)."""
+def _on(on: Mapping[tuple[int, int], str], pid: int, tid: int) -> str | None:
+    return on.get((pid, tid))
+
+
+def waits_on(proc: ProcFS, tick: Tick) -> dict[tuple[int, int], str]:
+    """(pid, tid) -> what each thread blocked on fds waits on: "a socket to 10.0.0.2:5000
+    (fd 7)", "an eventfd (fd 12), a socket (fd 14)" (agent.fdwords; read once, here)."""
     out = {}
     for p in tick.snapshot.processes.values():
-        conns = {c.inode: c for c in p.connections}
+        known: dict[int, str] | None = None
         for t in p.threads:
-            if t.wait_fd is None or (p.pid, t.wait_fd) in out:
-                continue
-            target = proc.fd_target(p.pid, t.wait_fd)
-            what = describe_fd(target, t.wait_fd)
-            if target and target.startswith("socket:["):
-                inner = target[8:-1]
-                c = conns.get(int(inner)) if inner.isdigit() else None
-                if c is not None:
-                    what = f"a socket to {c.remote_address}:{c.remote_port} (fd {t.wait_fd})"
-            elif target and not target.startswith(("pipe:", "socket:")):
-                what = f"{what} (fd {t.wait_fd})"
-            out[(p.pid, t.wait_fd)] = what
+            if t.blocked and t.syscall is not None and wait_kind(t.syscall) != FUTEX:
+                if known is None:
+                    known = sockets(proc, p.pid)
+                what = waited_on(proc, p.pid, t.tid, known)
+                if what:
+                    out[(p.pid, t.tid)] = what
     return out
 
 
@@ -428,5 +421,5 @@ def run(opts: DiagnoseOptions, out: TextIO = sys.stdout, log: TextIO = sys.stder
         json.dump(to_json(verdicts, tick, opts, events, labels, stacks), out, indent=2)
         out.write("\n")
     else:
-        out.write(render_text(verdicts, tick, opts, events, labels, wait_fds(proc, tick), stacks))
+        out.write(render_text(verdicts, tick, opts, events, labels, waits_on(proc, tick), stacks))
     return 0

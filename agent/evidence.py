@@ -314,6 +314,7 @@ class StackGroup(Fact):
     gil: int | None = None  # the TID among them that holds the GIL
     names: tuple[str, ...] = ()
     native: str | None = None  # the first native caller outside libc, where it says more
+    on: str | None = None  # the fds they wait on (agent.fdwords), when all wait on the same
 
 
 @dataclass(frozen=True)

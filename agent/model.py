@@ -101,7 +101,6 @@ class ThreadSample:
     timed: bool | None = None
     # Its futex wait is process-private (FUTEX_PRIVATE_FLAG): no other process can wake it.
     private_futex: bool | None = None
-    wait_fd: int | None = None  # the fd it waits on in read, recv, accept (agent.syscalls)
     wait: FutexWait | None = None
     lock: LockRead | None = None  # re-read at wait.uaddr
     refused: Refusal | None = None

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from . import evidence as ev
+from . import fdwords
 from .classify import (
     Evidence,
     ProcessFacts,
@@ -68,16 +69,10 @@ class Tick:
 
 
 def describe_fd(target: str | None, fd: int) -> str:
-    """What an fd is, in words, from its /proc/PID/fd link."""
-    if target is None:
-        return f"fd {fd}"
-    if target.startswith("socket:"):
-        return f"a socket (fd {fd})"
-    if target.startswith("pipe:"):
-        return f"a pipe (fd {fd})"
-    if target.startswith(("/dev/pts/", "/dev/tty")):
-        return f"the terminal {target}"
-    return target
+    """What an fd is, in words, from its /proc/PID/fd link: a file by its path alone."""
+    if target is not None and target.startswith("/") and not target.startswith("/dev/"):
+        return target
+    return fdwords.describe_fd(target, fd)
 
 
 class ListenHistory:

@@ -534,6 +534,13 @@ class ProcessMemory:
             return None
         return struct.unpack(f"<{count}I", data)
 
+    def read(self, addr: int, size: int) -> bytes | None:
+        """``size`` bytes at ``addr`` (fewer at the end of a mapping); None if unreadable."""
+        try:
+            return os.pread(self._fd, size, addr)
+        except (OSError, OverflowError):
+            return None
+
     def close(self) -> None:
         os.close(self._fd)
 

@@ -36,7 +36,7 @@ from .procfs import (
     SyscallLine,
     TcpSocket,
 )
-from .syscalls import futex_private, syscall_wait, wait_fd
+from .syscalls import futex_private, syscall_wait
 from .waitgraph import owner_candidates
 
 FUTEX_SYSCALLS = frozenset({SYS_FUTEX, SYS_FUTEX_WAIT, SYS_FUTEX_WAITV})
@@ -276,7 +276,6 @@ class Sampler:
             syscall=sc.nr if sc is not None else None,
             timed=w.timed if (w := syscall_wait(sc)) is not None else None,
             private_futex=futex_private(sc),
-            wait_fd=wait_fd(sc),
             wait=wait,
             lock=lock,
             refused=refused,

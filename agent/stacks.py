@@ -211,7 +211,8 @@ def wait_words(t: ThreadSample | None) -> str:
     if t.syscall is None or t.syscall < 0:
         return "blocked"
     how = "" if t.timed is None else " with a timeout" if t.timed else " with no timeout"
-    return f"in {syscall_name(t.syscall)}{how}"
+    op = f" {t.wait.op_name}" if t.wait is not None and wait_kind(t.syscall) == FUTEX else ""
+    return f"in {syscall_name(t.syscall)}{op}{how}"
 
 
 @dataclass(frozen=True)
@@ -345,11 +346,13 @@ def stack_facts(
     mono_ns: int,
     max_groups: int = MAX_GROUPS,
     native: Callable[[int], str | None] | None = None,
+    on: Callable[[int], str | None] | None = None,
 ) -> list[ev.Fact]:
     """What the stacks of one process show, as records for agent.words: the groups (GIL
     holder and largest first), the threads with no Python frames, and a lock-cycle hint.
     ``native``: a TID -> its first native caller outside libc, asked of a few threads of
-    each group that waits in futex (a C extension's lock says where it is only there)."""
+    each group that waits in futex (a C extension's lock says where it is only there).
+    ``on``: a TID -> the fds it waits on, told for a group whose threads all wait on the same."""
     if read.error is not None:
         return [ev.StacksUnread(read.pid, read.error)]
     groups, bare = group_stacks(sample, read.threads)
@@ -373,6 +376,7 @@ def stack_facts(
                 gil=g.gil,
                 names=g.names,
                 native=_natives(g, native),
+                on=_same_fds(g, on),
             )
         )
     rest = groups[max_groups:]
@@ -409,6 +413,13 @@ def _natives(g: StackGroup, native: Callable[[int], str | None] | None) -> str |
         return None
     seen = [c for c in dict.fromkeys(native(t) for t in g.tids[:NATIVE_PER_GROUP]) if c]
     return "; ".join(seen) or None
+
+
+def _same_fds(g: StackGroup, on: Callable[[int], str | None] | None) -> str | None:
+    if on is None:
+        return None
+    seen = {on(t) for t in g.tids[:NATIVE_PER_GROUP]}
+    return seen.pop() if len(seen) == 1 else None
 
 
 def stacks_json(sample: ProcessSample, read: StackRead) -> dict[str, object]:

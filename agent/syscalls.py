@@ -102,16 +102,3 @@ def futex_private(sc: SyscallLine | None) -> bool | None:
     if sc.nr == 455:
         return bool(sc.args[3] & FUTEX_PRIVATE_FLAG)
     return None
-
-
-# Syscalls whose first argument is the file descriptor the thread waits on.
-_FD_FIRST = frozenset({0, 1, 17, 19, 43, 45, 47, 288, 299})
-
-
-def wait_fd(sc: SyscallLine | None) -> int | None:
-    """The fd a thread blocked in read, recv, accept or write waits on; None otherwise
-    (poll and epoll wait on many, named by their own fd tables)."""
-    if sc is None or sc.nr not in _FD_FIRST or not sc.args:
-        return None
-    fd = sc.args[0]
-    return fd if fd < 1 << 31 else None

@@ -235,6 +235,7 @@ def stack_group(f: ev.StackGroup) -> str:
     what = f"`{f.callee}`" if f.callee else _at(f.code, f"`{f.function}`")
     gil = f", thread {f.gil} holds the GIL" if f.gil is not None else ""
     native = f" (native: {f.native})" if f.native else ""
+    native = f" on {f.on}{native}" if f.on else native
     who = ", ".join(f"{t} ({n})" if n else str(t) for t, n in zip(f.tids[:8], f.names[:8]))
     more = f" and {len(f.tids) - 8} more" if len(f.tids) > 8 else ""
     return (

@@ -61,6 +61,7 @@ BY_NAME: dict[str, Any] = {
     "name": "worker",
     "word": "`abba_a` in libabba.so+0x40a0",
     "native": "`abba_ab` in libabba.so+0x1188",
+    "on": "a socket to 10.0.0.2:5000 (fd 7)",
 }
 
 

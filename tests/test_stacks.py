@@ -223,7 +223,7 @@ def test_threads_with_the_same_stack_and_wait_are_one_group():
     groups, bare = group_stacks(sample, stacks)
     assert bare == []
     assert [g.tids for g in groups] == [(11, 12, 13)]
-    assert groups[0].wait == "in futex with no timeout"
+    assert groups[0].wait == "in futex WAIT with no timeout"
     assert groups[0].names == ("worker-11", "worker-12", "worker-13")
     assert groups[0].thread.frames == QUEUE_STACK
 
@@ -233,8 +233,8 @@ def test_the_same_stack_with_a_timed_and_an_untimed_wait_splits():
     stacks = {t: py(t, *QUEUE_STACK) for t in (11, 12)}
     groups, _ = group_stacks(sample, stacks)
     assert sorted((g.tids, g.wait) for g in groups) == [
-        ((11,), "in futex with no timeout"),
-        ((12,), "in futex with a timeout"),
+        ((11,), "in futex WAIT with no timeout"),
+        ((12,), "in futex WAIT with a timeout"),
     ]
 
 
@@ -272,8 +272,8 @@ def test_wait_words():
     assert wait_words(None) == "gone"
     assert wait_words(running(1)) == "running"
     assert wait_words(ThreadSample(1, "w", "S", 0)) == "blocked"
-    assert wait_words(untimed(1, 0x10)) == "in futex with no timeout"
-    assert wait_words(parked(1)) == "in futex"  # timed unknown
+    assert wait_words(untimed(1, 0x10)) == "in futex WAIT with no timeout"
+    assert wait_words(parked(1)) == "in futex WAIT"  # timed unknown
     assert wait_words(in_epoll(1)) == "in epoll_wait with no timeout"
 
 
@@ -447,7 +447,7 @@ def test_stack_facts_are_the_groups_the_native_threads_and_the_lock_hint():
         pid=10,
         threads=3,
         tids=(11, 12, 13),
-        wait="in futex with no timeout",
+        wait="in futex WAIT with no timeout",
         function="event_loop",
         file="scheduler.py",
         line=212,
@@ -479,7 +479,7 @@ def test_the_words_of_stack_facts():
     sample, read = scheduler()
     lines = reasons(stack_facts(sample, read, WALL, MONO))
     assert lines[1].startswith(
-        "3 threads at `Queue.get` (scheduler.py:212) in `event_loop`, in futex with no timeout"
+        "3 threads at `Queue.get` (scheduler.py:212) in `event_loop`, in futex WAIT with no timeout"
     )
     assert "11 (worker-0), 12 (worker-1), 13 (worker-2)" in lines[1]
     assert "`with self.b:` (sched.py:154) in `Scheduler.evict`" in lines[2]

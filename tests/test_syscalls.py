@@ -240,15 +240,3 @@ def test_a_thread_in_time_sleep_is_in_a_timed_clock_nanosleep() -> None:
     sc = parse_syscall(text)
     assert sc is not None, text
     assert syscall_wait(sc) == SyscallWait(230, "clock_nanosleep", SLEEP, True), text
-
-
-def test_the_fd_of_a_read_recv_or_accept_wait_is_its_first_argument() -> None:
-    from agent.syscalls import wait_fd
-
-    assert wait_fd(SyscallLine(0, (7, 0x1000, 64, 0, 0, 0))) == 7  # read
-    assert wait_fd(SyscallLine(45, (3, 0, 0, 0, 0, 0))) == 3  # recvfrom
-    assert wait_fd(SyscallLine(288, (5, 0, 0, 0, 0, 0))) == 5  # accept4
-    assert wait_fd(SyscallLine(232, (4, 0, 0, 0xFFFFFFFF, 0, 0))) is None  # epoll: many fds
-    assert wait_fd(SyscallLine(202, (0x1000, 128, 0, 0, 0, 0))) is None  # futex: a word
-    assert wait_fd(SyscallLine(0, (0xFFFFFFFFFFFFFFFF, 0, 0, 0, 0, 0))) is None
-    assert wait_fd(None) is None

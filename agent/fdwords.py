@@ -1,0 +1,133 @@
+"""What a thread blocked on file descriptors waits for, in words: the socket and its peer, the
+pipe, the eventfd or file behind each fd of its read, accept, poll, select or epoll_wait.
+
+Read at report time from /proc (the syscall's arguments, /proc/PID/fd links, an epoll set's
+fdinfo, and for poll and select the fd lists in the thread's memory, read-only): diagnose
+asks once per waiting thread, never per tick. Bounded: at most MAX_FDS fds named per wait.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Mapping
+
+from .procfs import ProcFS
+
+MAX_FDS = 4  # named per wait; the rest are counted
+MAX_POLL = 64  # pollfd entries read from a poll(2) list
+MAX_SELECT_BYTES = 128  # of a select(2) read set: fds up to 1024, FD_SETSIZE
+
+_ONE_FD = frozenset({0, 1, 17, 19, 43, 45, 47, 288, 299})  # read ... accept4, recvmmsg
+_EPOLL = frozenset({232, 281, 441})  # epoll_wait, epoll_pwait, epoll_pwait2
+_POLL = frozenset({7, 271})  # poll, ppoll
+_SELECT = frozenset({23, 270})  # select, pselect6
+
+
+def describe_fd(target: str | None, fd: int, sockets: Mapping[int, str] | None = None) -> str:
+    """One fd in words, from its /proc/PID/fd link; a socket by what ``sockets`` (inode ->
+    words, see Sockets) knows of it."""
+    if target is None:
+        return f"fd {fd}"
+    if target.startswith("socket:["):
+        inner = target[8:-1]
+        known = (sockets or {}).get(int(inner)) if inner.isdigit() else None
+        return f"{known or 'a socket'} (fd {fd})"
+    if target.startswith("pipe:"):
+        return f"a pipe (fd {fd})"
+    if target == "anon_inode:[eventfd]":
+        return f"an eventfd (fd {fd})"
+    if target == "anon_inode:[eventpoll]":
+        return f"an epoll set (fd {fd})"
+    if target.startswith("anon_inode:"):
+        return f"{target[11:].strip('[]')} (fd {fd})"
+    if target.startswith(("/dev/pts/", "/dev/tty")):
+        return f"the terminal {target}"
+    return f"{target} (fd {fd})"
+
+
+TCP_LISTEN = 10
+
+
+def sockets(proc: ProcFS, pid: int) -> dict[int, str]:
+    """Inode -> words for the sockets of the process's network namespace: TCP by peer or
+    listening port, unix sockets by their bound path (the side that connected has none)."""
+    out: dict[int, str] = {}
+    for s in proc.tcp_sockets(pid):
+        if s.state == TCP_LISTEN:
+            out[s.inode] = f"the listening socket on port {s.port}"
+        elif s.remote_port:
+            out[s.inode] = f"a socket to {s.remote_address}:{s.remote_port}"
+    for line in (proc._read(pid, "net", "unix") or "").splitlines()[1:]:
+        parts = line.split()
+        if len(parts) >= 8 and parts[6].isdigit():
+            path = parts[7].lstrip("@")
+            out[int(parts[6])] = f"the unix socket {path}"
+    return out
+
+
+def epoll_members(proc: ProcFS, pid: int, epfd: int) -> list[int]:
+    """The fds in an epoll set (its fdinfo's ``tfd:`` lines)."""
+    text = proc._read(pid, "fdinfo", epfd) or ""
+    out = []
+    for line in text.splitlines():
+        if line.startswith("tfd:"):
+            parts = line.split()
+            if len(parts) > 1 and parts[1].isdigit():
+                out.append(int(parts[1]))
+    return out
+
+
+def _read(proc: ProcFS, pid: int, addr: int, size: int) -> bytes | None:
+    mem = proc.open_memory(pid)
+    if mem is None:
+        return None
+    with mem:
+        return mem.read(addr, size)
+
+
+def poll_fds(proc: ProcFS, pid: int, addr: int, nfds: int) -> list[int]:
+    """The fds of a poll(2) list: struct pollfd {int fd; short events, revents;}."""
+    n = min(nfds, MAX_POLL)
+    data = _read(proc, pid, addr, 8 * n) if n > 0 else None
+    if data is None or len(data) < 8 * n:
+        return []
+    return [fd for (fd, _e, _r) in struct.iter_unpack("<ihh", data) if fd >= 0]
+
+
+def select_fds(proc: ProcFS, pid: int, nfds: int, readfds: int) -> list[int]:
+    """The fds of a select(2) read set (a bitmap, fd i at bit i)."""
+    size = min((nfds + 7) // 8, MAX_SELECT_BYTES)
+    data = _read(proc, pid, readfds, size) if readfds and size > 0 else None
+    if not data:
+        return []
+    return [i for i in range(len(data) * 8) if data[i // 8] >> (i % 8) & 1 and i < nfds]
+
+
+def waited_on(
+    proc: ProcFS,
+    pid: int,
+    tid: int,
+    known: Mapping[int, str] | None = None,
+) -> str | None:
+    """What the thread's blocking syscall waits on, in words; None when it waits on no fd or
+    nothing could be read. ``known``: the process's sockets (``sockets``), read once."""
+    sc = proc.thread_syscall(pid, tid)
+    if sc is None or not sc.args:
+        return None
+    nr, args = sc.nr, sc.args
+    if nr in _ONE_FD:
+        fds = [args[0]]
+    elif nr in _EPOLL:
+        fds = epoll_members(proc, pid, args[0])
+    elif nr in _POLL and len(args) > 1:
+        fds = poll_fds(proc, pid, args[0], args[1])
+    elif nr in _SELECT and len(args) > 1:
+        fds = select_fds(proc, pid, args[0], args[1])
+    else:
+        return None
+    fds = [fd for fd in fds if 0 <= fd < 1 << 31]
+    if not fds:
+        return None
+    named = [describe_fd(proc.fd_target(pid, fd), fd, known) for fd in fds[:MAX_FDS]]
+    more = f" and {len(fds) - MAX_FDS} more fds" if len(fds) > MAX_FDS else ""
+    return ", ".join(named) + more
