@@ -29,6 +29,12 @@ examples:
   hangwatch diagnose --pid 4242
   hangwatch diagnose --pid 4242 --pid 4343 --duration 10 --json
 
+where threads wait: each process is shown by its Python stacks, grouped by the line of its own
+code ("2000 threads at `Queue.get` (pool.py:24) in `serve`"), read with py-spy --nonblocking:
+the process is never stopped or signalled (a blocking py-spy dump or gdb -p stops every
+thread while it reads). Lock words are named by ELF symbol, native waits by their first caller
+outside libc, fd waits by what the fd is (a socket and its peer, a pipe, an eventfd).
+
 exit codes: 0 ok, 2 bad input (names it), 3 missing privilege or kernel feature (says how to fix)
 """
 
