@@ -15,6 +15,7 @@ ELF, a word is not what it seems) gives None, never an exception, and every read
 from __future__ import annotations
 
 import bisect
+import ctypes
 import mmap
 import os
 import stat
@@ -24,7 +25,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from elftools.common.exceptions import ELFError
 from elftools.elf.elffile import ELFFile
@@ -48,7 +49,18 @@ PAGE = mmap.PAGESIZE
 STT_OBJECT, STT_FUNC = 1, 2
 SHN_UNDEF = 0
 # Not "native callers": the wait itself lives there, in every blocked thread alike.
-_LIBC_PREFIXES = ("libc.so", "libc-", "libpthread", "ld-linux", "ld-", "ld64.so")
+# The C++ runtime too: std::condition_variable::wait and std::mutex live in libstdc++, and
+# every C++ wait passes through them (found on real torch: gloo's and c10d's waits).
+_LIBC_PREFIXES = (
+    "libc.so",
+    "libc-",
+    "libpthread",
+    "ld-linux",
+    "ld-",
+    "ld64.so",
+    "libstdc++",
+    "libgcc_s",
+)
 _FAILURES = (OSError, ELFError, ValueError, OverflowError, struct.error, IndexError)
 
 
@@ -63,7 +75,56 @@ class NativeFrame:
 
     def __str__(self) -> str:
         where = f"{self.object}+0x{self.offset:x}"
-        return f"`{self.symbol}` in {where}" if self.symbol else where
+        return f"`{short_name(self.symbol)}` in {where}" if self.symbol else where
+
+
+MAX_NAME = 120  # characters of a demangled name shown
+
+
+def short_name(symbol: str) -> str:
+    """A C++ symbol demangled, without its parameter list ("gloo::transport::tcp::
+    UnboundBuffer::waitRecv"), at most MAX_NAME characters; a C symbol as it is."""
+    name = demangle(symbol)
+    depth = 0
+    for i, ch in enumerate(name):
+        if ch == "<":
+            depth += 1
+        elif ch == ">":
+            depth = max(0, depth - 1)
+        elif ch == "(" and depth == 0 and i > 0 and not name[:i].endswith("operator"):
+            name = name[:i]
+            break
+    return name if len(name) <= MAX_NAME else name[: MAX_NAME - 1] + "…"
+
+
+_CXXABI: list[Any] = []  # [__cxa_demangle or None], looked up once
+
+
+def demangle(symbol: str) -> str:
+    """An Itanium C++ name demangled by the C++ runtime's own demangler (abi::__cxa_demangle,
+    the one c++filt uses); the name as it is when it is not one or no runtime is found."""
+    if not symbol.startswith("_Z"):
+        return symbol
+    if not _CXXABI:
+        try:
+            lib = ctypes.CDLL("libstdc++.so.6")
+            fn = lib.__cxa_demangle
+            fn.restype = ctypes.c_void_p
+            fn.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+            _CXXABI.append((fn, ctypes.CDLL(None).free))
+        except (OSError, AttributeError):
+            _CXXABI.append(None)
+    if _CXXABI[0] is None:
+        return symbol
+    fn, free = _CXXABI[0]
+    status = ctypes.c_int(-1)
+    out = fn(symbol.encode(), None, None, ctypes.byref(status))
+    if not out:
+        return symbol
+    try:
+        return ctypes.string_at(out).decode(errors="replace") if status.value == 0 else symbol
+    finally:
+        free(ctypes.c_void_p(out))
 
 
 class SymbolTable(Generic[T]):

@@ -34,6 +34,7 @@ from agent.native import (
     elf_vaddr,
     indirect_call_before,
     name_words,
+    short_name,
 )
 from agent.procfs import PID_MAX_LIMIT, SYS_FUTEX, MemMap, ProcFS
 from agent.words import render
@@ -395,3 +396,29 @@ def test_name_words_leaves_a_thread_of_no_known_process_unnamed() -> None:
     (cycle,) = name_words([ev.LockCycle((link,))], {}.get, lambda pid, a: "never asked")
     assert isinstance(cycle, ev.LockCycle)
     assert cycle.links[0].word is None
+
+
+@pytest.mark.parametrize(
+    ("symbol", "shown"),
+    [
+        ("abba_ab", "abba_ab"),  # C: as it is
+        (
+            "_ZNSt18condition_variable4waitERSt11unique_lockISt5mutexE",
+            "std::condition_variable::wait",
+        ),
+        (
+            "_ZN4gloo9transport3tcp13UnboundBuffer8waitRecvEPiNSt6chrono8durationIlSt5ratioILl1ELl1000EEEE",
+            "gloo::transport::tcp::UnboundBuffer::waitRecv",
+        ),
+        ("_ZNK3c1010TensorImpl4sizeEv", "c10::TensorImpl::size"),
+        ("_ZN3fooclEv", "foo::operator()"),  # the call operator keeps its parentheses
+        ("_Znotvalid", "_Znotvalid"),  # not a valid mangling: as it is
+    ],
+)
+def test_cxx_names_are_demangled_without_their_parameters(symbol: str, shown: str) -> None:
+    assert short_name(symbol) == shown
+
+
+def test_a_long_name_is_cut() -> None:
+    long = "_ZN" + "".join(f"{len(p)}{p}" for p in ["namespace" + str(i) for i in range(20)]) + "Ev"
+    assert len(short_name(long)) == 120 and short_name(long).endswith("…")
