@@ -25,6 +25,7 @@ from . import session as session_mod
 from .classify import DEADLOCKED, STALLED, ServiceVerdict
 from .discovery import Discovery, Service
 from .errors import UsageError
+from .fdwords import lookup, waits_on
 from .frontdoor import FrontDoorConfig
 from .model import GpuDevice, GpuReading, ProbeReading
 from .native import named_verdicts, native_caller
@@ -268,6 +269,7 @@ class Daemon:
         snap = tick.snapshot
         pids = [p.pid for p in v.processes if not p.gone and p.pid in snap.processes]
         reads = read_many(pids, budget, self.source_lines)
+        on = waits_on(self.proc, (snap.processes[pid] for pid in reads))
         for pid, read in reads.items():
             facts = stack_facts(
                 snap.processes[pid],
@@ -275,6 +277,7 @@ class Daemon:
                 snap.wall,
                 snap.mono_ns,
                 native=partial(native_caller, pid),
+                on=partial(lookup, on, pid),
             )
             for f in facts:
                 log.info("service %s pid %d: process %d: %s", name, v.pid, pid, render(f))

@@ -15,7 +15,7 @@ from .classify import ServiceVerdict, parked_group
 from .discovery import env_labels
 from .errors import UsageError
 from .evidence import NoPythonStack, as_json
-from .fdwords import sockets, waited_on
+from .fdwords import lookup, waits_on
 from .model import ProbeEvent, plural
 from .native import describe_address, named_verdicts, native_caller
 from .observe import Scope, Tick
@@ -297,7 +297,7 @@ def render_text(
                     snap.wall,
                     snap.mono_ns,
                     native=partial(native_caller, p.pid),
-                    on=partial(_on, on or {}, p.pid),
+                    on=partial(lookup, on or {}, p.pid),
                 )
                 if read.error is None:
                     python = set(read.threads)
@@ -359,26 +359,6 @@ def render_text(
     return "\n".join(lines) + "\n"
 
 
-def _on(on: Mapping[tuple[int, int], str], pid: int, tid: int) -> str | None:
-    return on.get((pid, tid))
-
-
-def waits_on(proc: ProcFS, tick: Tick) -> dict[tuple[int, int], str]:
-    """(pid, tid) -> what each thread blocked on fds waits on: "a socket to 10.0.0.2:5000
-    (fd 7)", "an eventfd (fd 12), a socket (fd 14)" (agent.fdwords; read once, here)."""
-    out = {}
-    for p in tick.snapshot.processes.values():
-        known: dict[int, str] | None = None
-        for t in p.threads:
-            if t.blocked and t.syscall is not None and wait_kind(t.syscall) != FUTEX:
-                if known is None:
-                    known = sockets(proc, p.pid)
-                what = waited_on(proc, p.pid, t.tid, known)
-                if what:
-                    out[(p.pid, t.tid)] = what
-    return out
-
-
 def run(opts: DiagnoseOptions, out: TextIO = sys.stdout, log: TextIO = sys.stderr) -> int:
     proc = ProcFS()
     validate(opts, proc)
@@ -421,5 +401,15 @@ def run(opts: DiagnoseOptions, out: TextIO = sys.stdout, log: TextIO = sys.stder
         json.dump(to_json(verdicts, tick, opts, events, labels, stacks), out, indent=2)
         out.write("\n")
     else:
-        out.write(render_text(verdicts, tick, opts, events, labels, waits_on(proc, tick), stacks))
+        out.write(
+            render_text(
+                verdicts,
+                tick,
+                opts,
+                events,
+                labels,
+                waits_on(proc, tick.snapshot.processes.values()),
+                stacks,
+            )
+        )
     return 0

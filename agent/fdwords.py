@@ -9,9 +9,11 @@ asks once per waiting thread, never per tick. Bounded: at most MAX_FDS fds named
 from __future__ import annotations
 
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
+from .model import ProcessSample
 from .procfs import ProcFS
+from .syscalls import FUTEX, wait_kind
 
 MAX_FDS = 4  # named per wait; the rest are counted
 MAX_POLL = 64  # pollfd entries read from a poll(2) list
@@ -131,3 +133,23 @@ def waited_on(
     named = [describe_fd(proc.fd_target(pid, fd), fd, known) for fd in fds[:MAX_FDS]]
     more = f" and {len(fds) - MAX_FDS} more fds" if len(fds) > MAX_FDS else ""
     return ", ".join(named) + more
+
+
+def waits_on(proc: ProcFS, samples: Iterable[ProcessSample]) -> dict[tuple[int, int], str]:
+    """(pid, tid) -> what each thread blocked on fds waits on, for every thread of
+    ``samples`` that is (a futex wait has no fd)."""
+    out = {}
+    for p in samples:
+        known: dict[int, str] | None = None
+        for t in p.threads:
+            if t.blocked and t.syscall is not None and wait_kind(t.syscall) != FUTEX:
+                if known is None:
+                    known = sockets(proc, p.pid)  # once per process, and only if needed
+                what = waited_on(proc, p.pid, t.tid, known)
+                if what:
+                    out[(p.pid, t.tid)] = what
+    return out
+
+
+def lookup(on: Mapping[tuple[int, int], str], pid: int, tid: int) -> str | None:
+    return on.get((pid, tid))
