@@ -14,7 +14,7 @@ from . import session as session_mod
 from .classify import ServiceVerdict, parked_group
 from .discovery import env_labels
 from .errors import UsageError
-from .evidence import NoPythonStack, as_json
+from .evidence import NoPythonStack, ParkedGroup, as_json
 from .fdwords import lookup, waits_on
 from .model import ProbeEvent, plural
 from .native import describe_address, named_verdicts, native_caller
@@ -266,7 +266,16 @@ def render_text(
         root = snap.processes.get(v.pid)
         comm = root.comm if root else "gone"
         lines.append(f"service {v.pid} ({comm}): {v.state.upper()}")
-        lines.extend(f"  - {r}" for r in v.words)
+        # Futex words with no owner say less than the stacks below, which show every one of
+        # those threads at its line: in the text they give way (--json keeps them).
+        reads = [(stacks or {}).get(p.pid) for p in v.processes if not p.gone]
+        shown_by_stacks = bool(reads) and all(r is not None and r.error is None for r in reads)
+        facts = [
+            f
+            for f in v.reasons
+            if not (shown_by_stacks and isinstance(f, ParkedGroup) and not f.owner)
+        ]
+        lines.extend(f"  - {r}" for r in reasons(facts))
         for p in sorted(v.processes, key=lambda x: x.pid):
             if p.gone:
                 lines.append(f"  process {p.pid}: exited while watched")

@@ -366,3 +366,48 @@ def test_diagnose_says_why_there_is_no_gpu_section(diagnose: Diagnose) -> None:
     assert gpu.get("ok") is False and "NVML not available" in (gpu.get("error") or ""), d.explain(
         "no GPU here: want the reason in the gpu section"
     )
+
+
+# --- the report in words ---------------------------------------------------------------------
+
+
+def diagnose_text(pid: int, duration: float = 2) -> Diagnosis:
+    run = RunningDiagnose(diagnose_argv([pid], threshold=5, duration=duration, json_out=False))
+    try:
+        return run.finish(60)
+    finally:
+        run.kill()
+
+
+def test_the_text_report_shows_python_threads_by_their_lines() -> None:
+    """A Python process is told by its stacks: the lock threads at the line that takes the
+    second lock, the hint naming it, the main thread at its join; raw futex words with no
+    owner give way to them."""
+    with Fixture.py("pylocks") as fx:
+        d = diagnose_text(fx.pid)
+    out = d.stdout
+    line = line_of("pylocks", ".acquire()")
+    assert d.returncode == 0, d.explain("diagnose failed")
+    assert "Python stacks (read in" in out and "without stopping it" in out, d.explain("stacks")
+    assert re.search(
+        rf"2 threads at `locks\[1 - i\]\.acquire\(\).*` \(pylocks\.py:{line}\) in "
+        r"`main\.<locals>\.worker`, in futex \w+ with no timeout",
+        out,
+    ), d.explain("want both lock threads at their acquiring line")
+    assert f"(pylocks.py:{line}) on 2 lock words" in out, d.explain("want the lock hint")
+    assert "`Thread.join`" in out, d.explain("want the main thread at its join")
+    assert "parked on one word" not in out, d.explain("ownerless words give way to stacks")
+
+
+def test_the_text_report_names_native_lock_words_by_symbol() -> None:
+    """A C mutex cycle: each lock word by the symbol that holds it in the executable."""
+    with Fixture.c("deadlock_mutex") as fx:
+        d = diagnose_text(fx.pid)
+    out = d.stdout
+    assert d.returncode == 0, d.explain("diagnose failed")
+    assert "DEADLOCKED" in out, d.explain("want deadlocked")
+    named = re.findall(
+        r"waits for mutex 0x[0-9a-f]+ \(`locks` in deadlock_mutex\+0x[0-9a-f]+\)", out
+    )
+    assert len(named) == 2, d.explain("want both links of the cycle named `locks`")
+    assert "Python stacks" not in out, d.explain("a C program has no Python stacks")

@@ -34,6 +34,8 @@ from agent.stacks import (
 )
 from agent.words import reasons
 from scripts.fixturelib import Fixture, tasks, wait_until
+from scripts.realsw import ptrace_stop
+from tests.privileged.harness import Untouched
 
 # The stuck service. It says READY once every parked thread has slept in futex for three
 # reads in a row: the queue workers in Queue.get, `evict` and `update` each at the line that
@@ -376,3 +378,24 @@ def test_time_to_read_a_hundred_parked_threads(tmp_path: Path):
         sample, _ = sample_of(fx.pid)
         groups, _ = group_stacks(sample, reads[-1].threads if reads[-1] else {})
         assert max(len(g.tids) for g in groups) == 100
+
+
+def test_the_untouched_watcher_sees_a_ptrace_stop_and_a_signal() -> None:
+    """The watcher the real-software test trusts to say "never stopped, never signalled"
+    must see both when they happen: a blocking dumper's ptrace stop, and a signal."""
+    target = subprocess.Popen(["sleep", "60"])
+    try:
+        with Untouched([target.pid]) as quiet:
+            time.sleep(0.2)
+        assert quiet.touched is None, quiet.touched
+        with Untouched([target.pid]) as stopped:
+            ptrace_stop(target.pid, seconds=0.05)
+        assert stopped.touched is not None and "ptrace" in stopped.touched
+        with Untouched([target.pid]) as signalled:
+            os.kill(target.pid, signal.SIGWINCH)  # sleep(1) ignores it
+            time.sleep(0.05)
+        assert signalled.touched is not None and "signalled" in signalled.touched
+        assert (signal.SIGWINCH, target.pid) in signalled.signals
+    finally:
+        target.kill()
+        target.wait()
