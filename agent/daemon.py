@@ -15,7 +15,6 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
-from functools import partial
 from types import FrameType
 from typing import Any
 
@@ -25,7 +24,7 @@ from . import session as session_mod
 from .classify import DEADLOCKED, STALLED, ServiceVerdict
 from .discovery import Discovery, Service
 from .errors import UsageError
-from .fdwords import lookup, waits_on
+from .fdwords import waits_on
 from .frontdoor import FrontDoorConfig
 from .model import GpuDevice, GpuReading, ProbeReading
 from .native import named_verdicts, native_caller
@@ -276,8 +275,8 @@ class Daemon:
                 read,
                 snap.wall,
                 snap.mono_ns,
-                native=partial(native_caller, pid),
-                on=partial(lookup, on, pid),
+                native=native_caller,
+                on=on,
             )
             for f in facts:
                 log.info("service %s pid %d: process %d: %s", name, v.pid, pid, render(f))

@@ -7,7 +7,6 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from functools import partial
 from typing import TextIO
 
 from . import session as session_mod
@@ -15,7 +14,7 @@ from .classify import ServiceVerdict, parked_group
 from .discovery import env_labels
 from .errors import UsageError
 from .evidence import NoPythonStack, ParkedGroup, as_json
-from .fdwords import lookup, waits_on
+from .fdwords import waits_on
 from .model import ProbeEvent, plural
 from .native import describe_address, named_verdicts, native_caller
 from .observe import Scope, Tick
@@ -305,8 +304,8 @@ def render_text(
                     read,
                     snap.wall,
                     snap.mono_ns,
-                    native=partial(native_caller, p.pid),
-                    on=partial(lookup, on or {}, p.pid),
+                    native=native_caller,
+                    on=on,
                 )
                 if read.error is None:
                     python = set(read.threads)

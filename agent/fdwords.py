@@ -149,7 +149,3 @@ def waits_on(proc: ProcFS, samples: Iterable[ProcessSample]) -> dict[tuple[int, 
                 if what:
                     out[(p.pid, t.tid)] = what
     return out
-
-
-def lookup(on: Mapping[tuple[int, int], str], pid: int, tid: int) -> str | None:
-    return on.get((pid, tid))

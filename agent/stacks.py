@@ -225,10 +225,6 @@ class StackGroup:
     thread: PyThread  # one of them: the stack they share
     gil: int | None = None  # the TID among them that holds the GIL
 
-    @property
-    def key(self) -> tuple[object, ...]:
-        return (self.wait, self.thread.frames)
-
 
 def group_stacks(
     sample: ProcessSample, stacks: Mapping[int, PyThread]
@@ -345,14 +341,15 @@ def stack_facts(
     wall: float,
     mono_ns: int,
     max_groups: int = MAX_GROUPS,
-    native: Callable[[int], str | None] | None = None,
-    on: Callable[[int], str | None] | None = None,
+    native: Callable[[int, int], str | None] | None = None,
+    on: Mapping[tuple[int, int], str] | None = None,
 ) -> list[ev.Fact]:
     """What the stacks of one process show, as records for agent.words: the groups (GIL
     holder and largest first), the threads with no Python frames, and a lock-cycle hint.
-    ``native``: a TID -> its first native caller outside libc, asked of a few threads of
-    each group that waits in futex (a C extension's lock says where it is only there).
-    ``on``: a TID -> the fds it waits on, told for a group whose threads all wait on the same."""
+    ``native``: (pid, tid) -> its first native caller outside libc, asked of a few threads
+    of each group that waits in futex (a C extension's lock says where it is only there).
+    ``on``: (pid, tid) -> the fds it waits on (fdwords.waits_on), told for a group whose
+    threads all wait on the same."""
     if read.error is not None:
         return [ev.StacksUnread(read.pid, read.error)]
     groups, bare = group_stacks(sample, read.threads)
@@ -375,8 +372,8 @@ def stack_facts(
                 code=frame.code,
                 gil=g.gil,
                 names=g.names,
-                native=_natives(g, native),
-                on=_same_fds(g, on),
+                native=_natives(sample.pid, g, native),
+                on=_same_fds(sample.pid, g, on),
             )
         )
     rest = groups[max_groups:]
@@ -406,19 +403,21 @@ def stack_facts(
     return facts
 
 
-def _natives(g: StackGroup, native: Callable[[int], str | None] | None) -> str | None:
+def _natives(
+    pid: int, g: StackGroup, native: Callable[[int, int], str | None] | None
+) -> str | None:
     """The distinct native callers of a few of the group's threads (threads with one Python
     stack can sit in different C functions: two ctypes calls from one Thread.run)."""
     if native is None or not g.wait.startswith("in futex"):
         return None
-    seen = [c for c in dict.fromkeys(native(t) for t in g.tids[:NATIVE_PER_GROUP]) if c]
+    seen = [c for c in dict.fromkeys(native(pid, t) for t in g.tids[:NATIVE_PER_GROUP]) if c]
     return "; ".join(seen) or None
 
 
-def _same_fds(g: StackGroup, on: Callable[[int], str | None] | None) -> str | None:
+def _same_fds(pid: int, g: StackGroup, on: Mapping[tuple[int, int], str] | None) -> str | None:
     if on is None:
         return None
-    seen = {on(t) for t in g.tids[:NATIVE_PER_GROUP]}
+    seen = {on.get((pid, t)) for t in g.tids[:NATIVE_PER_GROUP]}
     return seen.pop() if len(seen) == 1 else None
 
 
