@@ -33,7 +33,7 @@ from elftools.elf.elffile import ELFFile
 from . import evidence as ev
 from .classify import ServiceVerdict
 from .model import Snapshot
-from .procfs import MemMap, ProcFS, parse_syscall
+from .procfs import MemMap, ProcFS
 
 T = TypeVar("T")
 
@@ -469,16 +469,6 @@ def _is_libc(path: str) -> bool:
     return name.startswith(_LIBC_PREFIXES)
 
 
-def _read_sp_pc(proc: ProcFS, pid: int, tid: int) -> tuple[int, int] | None:
-    """sp and pc of /proc/PID/task/TID/syscall ('nr a1..a6 sp pc', or '-1 sp pc')."""
-    with open(os.path.join(proc.root, str(pid), "task", str(tid), "syscall"), "rb") as f:
-        text = f.read(512).decode("ascii", "replace")
-    line = parse_syscall(text)
-    if line is None or line.sp is None:
-        return None
-    return line.sp, int(text.split()[-1], 16)
-
-
 def caller_outside_libc(pid: int, tid: int, proc: ProcFS | None = None) -> NativeFrame | None:
     """The innermost native frame of thread ``tid`` of ``pid`` that is not in libc, ld.so,
     libpthread or the vDSO, for a thread blocked in a syscall: the code that called into the
@@ -498,10 +488,10 @@ def caller_outside_libc(pid: int, tid: int, proc: ProcFS | None = None) -> Nativ
     """
     proc = proc or ProcFS()
     try:
-        regs = _read_sp_pc(proc, pid, tid)
-        if regs is None:
+        line = proc.thread_syscall(pid, tid)
+        if line is None or line.sp is None or line.pc is None:
             return None
-        sp, pc = regs
+        sp, pc = line.sp, line.pc
         maps = proc.maps(pid)
         starts = [m.start for m in maps]
 
@@ -522,23 +512,28 @@ def caller_outside_libc(pid: int, tid: int, proc: ProcFS | None = None) -> Nativ
         stack = mapping(sp)
         if stack is None or "r" not in stack.perms:
             return None
-        fd = os.open(os.path.join(proc.root, str(pid), "mem"), os.O_RDONLY | os.O_CLOEXEC)
-        try:
+        mem = proc.open_memory(pid)
+        if mem is None:
+            return None
+        with mem:
             # A syscall issued outside libc (static code, a runtime's own stubs) is the frame.
             found = candidate(pc)
             ret = pc
             if found is None:
-                data = os.pread(fd, min(STACK_SCAN_BYTES, stack.end - sp), sp)
+                data = mem.read(sp, min(STACK_SCAN_BYTES, stack.end - sp))
+                if data is None:
+                    return None
                 for (word,) in struct.iter_unpack("<Q", data[: len(data) - len(data) % 8]):
                     m = candidate(word)
                     if m is None:
                         continue
                     start = max(word - 8, m.start)
-                    if after_call(os.pread(fd, word - start, start), word, is_code):
+                    before = mem.read(start, word - start)
+                    if before is None:
+                        return None  # as unreadable as the stack: no answer, not a guess
+                    if after_call(before, word, is_code):
                         found, ret = m, word
                         break
-        finally:
-            os.close(fd)
         if found is None:
             return None
         try:  # ret - 1: the call itself, in the caller even when it is its last instruction

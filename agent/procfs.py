@@ -52,6 +52,7 @@ class SyscallLine:
     nr: int  # -1: blocked, but not in a syscall
     args: tuple[int, ...]
     sp: int | None = None  # user stack pointer
+    pc: int | None = None  # user program counter: the instruction after the syscall
 
 
 @dataclass(frozen=True)
@@ -105,15 +106,16 @@ def parse_syscall(text: str) -> SyscallLine | None:
     if not parts or parts[0] == "running":
         return None
     if parts[0] == "-1":
-        sp = _uint(parts[-2], 16) if len(parts) >= 3 else None
-        return SyscallLine(-1, (), sp)
+        if len(parts) < 3:
+            return SyscallLine(-1, ())
+        return SyscallLine(-1, (), _uint(parts[-2], 16), _uint(parts[-1], 16))
     nr = _uint(parts[0], limit=1 << 16)
     if nr is None or len(parts) != 9:  # nr, six arguments, sp, pc
         return None
     args = tuple(_uint(a, 16) for a in parts[1:9])
     if any(a is None for a in args):
         return None
-    return SyscallLine(nr, tuple(a for a in args[:6] if a is not None), args[6])
+    return SyscallLine(nr, tuple(a for a in args[:6] if a is not None), args[6], args[7])
 
 
 def parse_exec_start_ms(text: str) -> float | None:

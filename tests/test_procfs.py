@@ -39,6 +39,9 @@ def test_parse_syscall_forms():
     sc = parse_syscall("202 0x5613a001c0a0 0x80 0x2 0x0 0x0 0x0 0x7ffd1000 0x7f00aa\n")
     assert sc is not None
     assert (sc.nr, sc.args[:3], sc.sp) == (202, (0x5613A001C0A0, 0x80, 2), 0x7FFD1000)
+    assert sc.pc == 0x7F00AA
+    idle = parse_syscall("-1 0x7ffd1000 0x401000\n")
+    assert idle is not None and (idle.sp, idle.pc) == (0x7FFD1000, 0x401000)
 
 
 def test_parse_exec_start():
