@@ -12,7 +12,7 @@ import struct
 from collections.abc import Iterable, Mapping
 
 from .model import ProcessSample
-from .procfs import ProcFS
+from .procfs import TCP_LISTEN, ProcFS
 from .syscalls import FUTEX, wait_kind
 
 MAX_FDS = 4  # named per wait; the rest are counted
@@ -47,9 +47,6 @@ def describe_fd(target: str | None, fd: int, sockets: Mapping[int, str] | None =
     return f"{target} (fd {fd})"
 
 
-TCP_LISTEN = 10
-
-
 def sockets(proc: ProcFS, pid: int) -> dict[int, str]:
     """Inode -> words for the sockets of the process's network namespace: TCP by peer or
     listening port, unix sockets by their bound path (the side that connected has none)."""
@@ -59,23 +56,8 @@ def sockets(proc: ProcFS, pid: int) -> dict[int, str]:
             out[s.inode] = f"the listening socket on port {s.port}"
         elif s.remote_port:
             out[s.inode] = f"a socket to {s.remote_address}:{s.remote_port}"
-    for line in (proc._read(pid, "net", "unix") or "").splitlines()[1:]:
-        parts = line.split()
-        if len(parts) >= 8 and parts[6].isdigit():
-            path = parts[7].lstrip("@")
-            out[int(parts[6])] = f"the unix socket {path}"
-    return out
-
-
-def epoll_members(proc: ProcFS, pid: int, epfd: int) -> list[int]:
-    """The fds in an epoll set (its fdinfo's ``tfd:`` lines)."""
-    text = proc._read(pid, "fdinfo", epfd) or ""
-    out = []
-    for line in text.splitlines():
-        if line.startswith("tfd:"):
-            parts = line.split()
-            if len(parts) > 1 and parts[1].isdigit():
-                out.append(int(parts[1]))
+    for inode, path in proc.unix_socket_paths(pid).items():
+        out[inode] = f"the unix socket {path}"
     return out
 
 
@@ -120,7 +102,7 @@ def waited_on(
     if nr in _ONE_FD:
         fds = [args[0]]
     elif nr in _EPOLL:
-        fds = epoll_members(proc, pid, args[0])
+        fds = proc.epoll_fds(pid, args[0])
     elif nr in _POLL and len(args) > 1:
         fds = poll_fds(proc, pid, args[0], args[1])
     elif nr in _SELECT and len(args) > 1:

@@ -178,6 +178,28 @@ def parse_net_tcp(text: str, family: str) -> list[TcpSocket]:
     return out
 
 
+def parse_net_unix(text: str) -> dict[int, str]:
+    """/proc/PID/net/unix: inode -> bound path of the unix sockets that have one (an
+    abstract name without its leading @); the side that connected has none."""
+    out: dict[int, str] = {}
+    for line in text.splitlines()[1:]:
+        parts = line.split()
+        if len(parts) >= 8 and parts[6].isdigit():
+            out[int(parts[6])] = parts[7].lstrip("@")
+    return out
+
+
+def parse_epoll_fds(fdinfo: str) -> list[int]:
+    """The fds in an epoll set, from its /proc/PID/fdinfo/FD (one ``tfd:`` line each)."""
+    out = []
+    for line in fdinfo.splitlines():
+        if line.startswith("tfd:"):
+            parts = line.split()
+            if len(parts) > 1 and parts[1].isdigit():
+                out.append(int(parts[1]))
+    return out
+
+
 def parse_port_range(text: str) -> tuple[int, int] | None:
     """/proc/sys/net/ipv4/ip_local_port_range: 'FIRST\tLAST'."""
     parts = text.split()
@@ -497,6 +519,14 @@ class ProcFS:
             return {}
         netns = None if theirs == self.net_namespace("self") else f"/proc/{pid}/ns/net"
         return read_tcp_info(ports, netns)
+
+    def unix_socket_paths(self, pid: int) -> dict[int, str]:
+        """Inode -> bound path of the unix sockets of the process's network namespace."""
+        return parse_net_unix(self._read(pid, "net", "unix") or "")
+
+    def epoll_fds(self, pid: int, epfd: int) -> list[int]:
+        """The fds in the process's epoll set ``epfd``."""
+        return parse_epoll_fds(self._read(pid, "fdinfo", epfd) or "")
 
     def tcp_sockets(self, pid: int) -> list[TcpSocket]:
         """TCP sockets of the process's network namespace (containers have their own)."""

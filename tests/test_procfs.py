@@ -13,8 +13,10 @@ from hypothesis import strategies as st
 from agent.model import FUTEX_WAIT, ProbeReading
 from agent.procfs import (
     ProcFS,
+    parse_epoll_fds,
     parse_exec_start_ms,
     parse_net_tcp,
+    parse_net_unix,
     parse_stat,
     parse_syscall,
 )
@@ -270,3 +272,25 @@ def test_last_ran_is_moved_from_the_scheduler_clock_to_monotonic(tmp_path):
     raw = ProcFS(str(root)).thread_exec_start_ms(10, 10)
     assert raw is not None and t is not None and t.last_ran_ns is not None
     assert t.last_ran_ns == min(int(raw * 1e6) + 123_000_000_000, now)
+
+
+def test_parse_net_unix_keeps_bound_paths_by_inode():
+    text = (
+        "Num       RefCount Protocol Flags    Type St Inode Path\n"
+        "0000000003d67bfb: 00000002 00000000 00010000 0001 01 31020 /tmp/run/scheduler\n"
+        "00000000994bc2a3: 00000003 00000000 00000000 0001 03   249\n"  # connected: no path
+        "0000000012345678: 00000002 00000000 00010000 0001 01 31021 @hidden\n"
+        "garbage\n"
+    )
+    assert parse_net_unix(text) == {31020: "/tmp/run/scheduler", 31021: "hidden"}
+
+
+def test_parse_epoll_fds_reads_each_tfd_line():
+    fdinfo = (
+        "pos:\t0\nflags:\t02000002\nmnt_id:\t15\nino:\t1057\n"
+        "tfd:       11 events:       19 data:                b  pos:0 ino:405 sdev:f\n"
+        "tfd:        9 events:       19 data:                9  pos:0 ino:405 sdev:f\n"
+        "tfd: x events: 19\n"
+    )
+    assert parse_epoll_fds(fdinfo) == [11, 9]
+    assert parse_epoll_fds("") == []
