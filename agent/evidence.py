@@ -305,7 +305,7 @@ class StackGroup(Fact):
     pid: int
     threads: int
     tids: tuple[int, ...]
-    wait: str  # "in futex with no timeout"
+    wait: str  # "in futex WAIT_BITSET with no timeout" (stacks.wait_words)
     function: str  # the function of the program's own code where they wait
     file: str  # py-spy's short name: "scheduler.py", "uvicorn/server.py"
     line: int

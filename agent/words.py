@@ -214,7 +214,7 @@ def render(f: ev.Fact) -> str:
     if isinstance(f, ev.PyLockHint):
         return lock_hint(f)
     if isinstance(f, ev.LockAt):
-        return f"thread {f.tid} at {_at(f.code, f'`{f.function}`')} ({f.file}:{f.line})"
+        return f"thread {f.tid} at {_lock_site(f)}"
     if isinstance(f, ev.MoreStackGroups):
         return f"and {plural(f.groups, 'other stack')} ({plural(f.threads, 'thread')})"
     return f.kind.replace("_", " ")
@@ -229,29 +229,33 @@ def _at(code: str | None, fallback: str) -> str:
     return f"`{code}`" if code else fallback
 
 
+def _lock_site(w: ev.LockAt) -> str:
+    """ "`with self.b:` (sched.py:154)": the line that takes the lock, else its function."""
+    return f"{_at(w.code, f'`{w.function}`')} ({w.file}:{w.line})"
+
+
 def stack_group(f: ev.StackGroup) -> str:
-    """ "14 threads at `Queue.get` (scheduler.py:212) in `event_loop`, in futex with no
-    timeout": the line of the program's own code, and what it called there."""
+    """ "14 threads at `Queue.get` (scheduler.py:212) in `event_loop`, in futex WAIT_BITSET
+    with no timeout": the line of the program's own code, and what it called there."""
     what = f"`{f.callee}`" if f.callee else _at(f.code, f"`{f.function}`")
-    gil = f", thread {f.gil} holds the GIL" if f.gil is not None else ""
+    on = f" on {f.on}" if f.on else ""
     native = f" (native: {f.native})" if f.native else ""
-    native = f" on {f.on}{native}" if f.on else native
+    gil = f", thread {f.gil} holds the GIL" if f.gil is not None else ""
     who = ", ".join(f"{t} ({n})" if n else str(t) for t, n in zip(f.tids[:8], f.names[:8]))
     more = f" and {len(f.tids) - 8} more" if len(f.tids) > 8 else ""
     return (
         f"{plural(f.threads, 'thread')} at {what} ({f.file}:{f.line}) in `{f.function}`, "
-        f"{f.wait}{native}{gil}: {who}{more}"
+        f"{f.wait}{on}{native}{gil}: {who}{more}"
     )
 
 
 def lock_hint(f: ev.PyLockHint) -> str:
-    """ "2 threads wait at `with self.b` (sched.py:154) and `with self.a` (sched.py:160) on two
-    lock words since 05:13:06: a Python lock cycle?" """
+    """ "2 threads of process 9 wait with no timeout at `with self.b:` (sched.py:154) and
+    `with self.a:` (sched.py:160) on 2 lock words, all since 05:13:06: a Python lock cycle?" """
     sites: list[str] = []
     for w in f.waits:
-        s = f"{_at(w.code, f'`{w.function}`')} ({w.file}:{w.line})"
-        if s not in sites:
-            sites.append(s)
+        if _lock_site(w) not in sites:
+            sites.append(_lock_site(w))
     where = " and ".join(sites) if len(sites) <= 2 else ", ".join(sites[:-1]) + f" and {sites[-1]}"
     since = ""
     if f.since_wall is not None:
