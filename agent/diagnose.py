@@ -23,7 +23,7 @@ from .session import Session
 from .settings import DURATION, PARK_THRESHOLD, Settings
 from .stacks import StackRead, read_many, stack_facts, stacks_json, wait_words
 from .syscalls import FUTEX, wait_kind
-from .words import reasons, render
+from .words import reasons, render, who
 
 # Stacks of all the processes of a report, in all: a server of 2,000 threads reads in well
 # under a second; a reader that hangs must not hold the engineer at the terminal.
@@ -321,8 +321,6 @@ def render_text(
                     continue
                 tids = [t for t in g.tids if t in own]
                 shown.update(tids)
-                who = ", ".join(f"{t} ({names.get(t, '?')})" for t in tids[:8])
-                more = f" and {len(tids) - 8} more" if len(tids) > 8 else ""
                 since = _since(tick, g.since_ns)
                 group = replace(
                     parked_group(g, snap.mono_ns), word=describe_address(p.pid, g.uaddr)
@@ -330,7 +328,7 @@ def render_text(
                 lines.append(
                     f"    {render(group)}"
                     + (f", since {since}" if since else "")
-                    + f": {who}{more}"
+                    + f": {who([(t, names.get(t, '?')) for t in tids])}"
                 )
             others: dict[str, list[int]] = {}
             for t in sample.threads:
@@ -346,9 +344,8 @@ def render_text(
                         what += f" on {fds}"
                 others.setdefault(what, []).append(t.tid)
             for what, tids in sorted(others.items()):
-                who = ", ".join(f"{t} ({names.get(t, '?')})" for t in tids[:8])
-                more = f" and {len(tids) - 8} more" if len(tids) > 8 else ""
-                lines.append(f"    {plural(len(tids), 'thread')} {what}: {who}{more}")
+                named = who([(t, names.get(t, "?")) for t in tids])
+                lines.append(f"    {plural(len(tids), 'thread')} {what}: {named}")
         lines.append("")
     lines.extend(gpu_lines(tick))
     probe = probe_summary(tick, events)

@@ -229,6 +229,16 @@ def _at(code: str | None, fallback: str) -> str:
     return f"`{code}`" if code else fallback
 
 
+SHOWN_THREADS = 8  # named in a line about threads; the rest are counted
+
+
+def who(threads: Sequence[tuple[int, str]]) -> str:
+    """ "11 (sched), 12 (io) and 3 more": (TID, name) pairs, the first few by name."""
+    named = ", ".join(f"{t} ({n})" if n else str(t) for t, n in threads[:SHOWN_THREADS])
+    rest = len(threads) - SHOWN_THREADS
+    return named + (f" and {rest} more" if rest > 0 else "")
+
+
 def _lock_site(w: ev.LockAt) -> str:
     """ "`with self.b:` (sched.py:154)": the line that takes the lock, else its function."""
     return f"{_at(w.code, f'`{w.function}`')} ({w.file}:{w.line})"
@@ -241,11 +251,9 @@ def stack_group(f: ev.StackGroup) -> str:
     on = f" on {f.on}" if f.on else ""
     native = f" (native: {f.native})" if f.native else ""
     gil = f", thread {f.gil} holds the GIL" if f.gil is not None else ""
-    who = ", ".join(f"{t} ({n})" if n else str(t) for t, n in zip(f.tids[:8], f.names[:8]))
-    more = f" and {len(f.tids) - 8} more" if len(f.tids) > 8 else ""
     return (
         f"{plural(f.threads, 'thread')} at {what} ({f.file}:{f.line}) in `{f.function}`, "
-        f"{f.wait}{on}{native}{gil}: {who}{more}"
+        f"{f.wait}{on}{native}{gil}: {who(list(zip(f.tids, f.names)))}"
     )
 
 
