@@ -219,3 +219,10 @@ class Untouched:
         if self.signals:
             return f"signalled (signal, tid): {sorted(set(self.signals))}"
         return None
+
+
+def line_of(path: str, text: str) -> int:
+    """The number of the first line of ``path`` (relative to the repository) holding
+    ``text``: tests name a fixture's line by what it says, not by a number."""
+    source = (REPO_ROOT / path).read_text().splitlines()
+    return next(n for n, line in enumerate(source, 1) if text in line)

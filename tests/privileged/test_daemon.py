@@ -29,6 +29,7 @@ from tests.privileged.daemonlib import (
     value,
     wait_until,
 )
+from tests.privileged.harness import line_of
 
 THRESHOLD = 2
 CONFIG = f"""
@@ -278,9 +279,8 @@ def test_daemon_proves_a_python_hang_without_an_owner(daemon: Daemon, name: str)
     log = daemon.output()
     assert f"held up by process {culprit}" in log, log
     # The flight record: the Python stacks at the change, with the line that takes the lock.
-    source = (REPO_ROOT / "tests" / "fixtures" / f"{fixture}.py").read_text().splitlines()
     taking = ".acquire()" if name == "pylocks" else "with lock:  # a copy"
-    lineno = next(i for i, text in enumerate(source, 1) if taking in text)
+    lineno = line_of(f"tests/fixtures/{fixture}.py", taking)
     at = f"({fixture}.py:{lineno})"
     stack_lines = [ln for ln in log.splitlines() if at in ln and "thread" in ln]
     assert stack_lines, f"no stack line at {at} in the daemon's log:\n{log}"

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from scripts.fixturelib import REPO_ROOT, Fixture, tasks
+from tests.privileged import harness
 from tests.privileged.harness import Diagnosis, RunningDiagnose, diagnose_argv
 
 Diagnose = Callable[..., Diagnosis]
@@ -189,9 +190,8 @@ def test_a_child_forked_with_a_lock_held_is_proven_deadlocked(diagnose: Diagnose
 
 
 def line_of(fixture: str, text: str) -> int:
-    """The line of a fixture's source that holds ``text`` (first match)."""
-    source = (REPO_ROOT / "tests" / "fixtures" / f"{fixture}.py").read_text().splitlines()
-    return next(n for n, line in enumerate(source, 1) if text in line)
+    """The line of a Python fixture's source that holds ``text`` (first match)."""
+    return harness.line_of(f"tests/fixtures/{fixture}.py", text)
 
 
 def tids_of(fx: Fixture) -> set[int]:
