@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import errno
 import mmap
 import os
 import stat
 import struct
 import threading
+import time
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
@@ -30,6 +32,7 @@ from typing import Any, Generic, TypeVar
 from elftools.common.exceptions import ELFError
 from elftools.elf.elffile import ELFFile
 
+from . import confined
 from . import evidence as ev
 from .classify import ServiceVerdict
 from .model import Snapshot
@@ -303,16 +306,59 @@ def _name_at(fd: int, elf: _Elf, name_off: int) -> str | None:
 
 
 def _open_object(proc: ProcFS, pid: int, m: MemMap) -> int:
-    """An fd on the mapped file: map_files reaches it in the target's mount namespace, even
-    deleted; it needs CAP_SYS_ADMIN, so the target's root directory is the fallback."""
+    """An fd on the mapped file. map_files reaches the mapping's own file (even deleted, in
+    the target's mount namespace) and needs CAP_SYS_ADMIN; without it, the path from the
+    maps is opened as the target would open it (agent.confined: inside its root, with its
+    rights), never as root through /proc/PID/root, where its symlinks would lead us out."""
     try:
         return os.open(
             os.path.join(proc.root, str(pid), "map_files", f"{m.start:x}-{m.end:x}"),
             os.O_RDONLY | os.O_CLOEXEC,
         )
     except OSError:
-        root = os.path.join(proc.root, str(pid), "root")
-        return os.open(root + m.path, os.O_RDONLY | os.O_CLOEXEC)
+        return _OBJECTS.open(proc, pid, m.path)
+
+
+class _ConfinedObjects:
+    """fds on objects opened by agent.confined (a child process each time), kept a while by
+    (proc root, pid, start time, path): a diagnosis asks about the same few objects many times."""
+
+    def __init__(self, limit: int = CACHE_OBJECTS, ttl_s: float = 60.0) -> None:
+        self._items: OrderedDict[tuple[str, int, int, str], tuple[float, int]] = OrderedDict()
+        self._limit, self._ttl = limit, ttl_s
+        self._lock = threading.Lock()
+
+    def open(self, proc: ProcFS, pid: int, path: str) -> int:
+        st = proc.stat(pid)
+        if st is None:
+            raise OSError(errno.ESRCH, "the process is gone")
+        key = (proc.root, pid, st.start_ticks, path)  # a reused PID is another process
+        now = time.monotonic()
+        with self._lock:
+            hit = self._items.get(key)
+            if hit is not None and now - hit[0] < self._ttl:
+                self._items.move_to_end(key)
+                return os.dup(hit[1])
+        got = confined.open_objects(pid, [path], proc_root=proc.root).get(path)
+        if not isinstance(got, int):
+            raise OSError(errno.EACCES, got or "not opened")
+        with self._lock:
+            old = self._items.pop(key, None)
+            if old is not None:
+                os.close(old[1])
+            self._items[key] = (now, got)
+            while len(self._items) > self._limit:
+                os.close(self._items.popitem(last=False)[1][1])
+        return os.dup(got)
+
+    def clear(self) -> None:
+        with self._lock:
+            for _, fd in self._items.values():
+                os.close(fd)
+            self._items.clear()
+
+
+_OBJECTS = _ConfinedObjects()
 
 
 def _object_name(path: str) -> str:

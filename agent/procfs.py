@@ -29,6 +29,22 @@ TCP_ESTABLISHED = 0x01
 U64 = 1 << 64
 
 
+def printable(text: str, limit: int = 1024) -> str:
+    """``text`` with every character that is not printable (control characters, newlines,
+    bidirectional overrides: Unicode's categories C and Z but the space) escaped as ``\\xNN`` or
+    ``\\uNNNN``, and cut at ``limit`` characters. For what a target names itself (its comm,
+    thread names, file names, function names): our report and our log are read in a terminal,
+    and a name must not rewrite either (an escape sequence, a line that looks like ours)."""
+    if len(text) > limit:
+        text = text[:limit] + "..."
+    if text.isprintable():
+        return text
+    return "".join(
+        c if c.isprintable() else f"\\x{ord(c):02x}" if ord(c) < 256 else f"\\u{ord(c):04x}"
+        for c in text
+    )
+
+
 def _uint(text: str, base: int = 10, limit: int = U64) -> int | None:
     """A non-negative integer below ``limit``, or None."""
     try:
@@ -97,7 +113,8 @@ def parse_stat(text: str) -> ProcStat | None:
     pid, ppid, start = _uint(text[:lp].strip(), limit=1 << 31), _uint(rest[1]), _uint(rest[19])
     if not pid or ppid is None or ppid >= 1 << 31 or start is None:
         return None
-    return ProcStat(pid=pid, comm=text[lp + 1 : rp], state=rest[0], ppid=ppid, start_ticks=start)
+    comm = printable(text[lp + 1 : rp], limit=64)
+    return ProcStat(pid=pid, comm=comm, state=rest[0], ppid=ppid, start_ticks=start)
 
 
 def parse_syscall(text: str) -> SyscallLine | None:
@@ -185,7 +202,7 @@ def parse_net_unix(text: str) -> dict[int, str]:
     for line in text.splitlines()[1:]:
         parts = line.split()
         if len(parts) >= 8 and parts[6].isdigit():
-            out[int(parts[6])] = parts[7].lstrip("@")
+            out[int(parts[6])] = printable(parts[7].lstrip("@"))
     return out
 
 
@@ -486,7 +503,7 @@ class ProcFS:
                 mtime = os.stat(path).st_mtime  # follows the link to the open file itself
             except OSError:
                 continue
-            out.append(WrittenFd(int(name), link, mtime))
+            out.append(WrittenFd(int(name), printable(link), mtime))
         return out
 
     def has_posix_timers(self, pid: int) -> bool:
@@ -497,7 +514,7 @@ class ProcFS:
     def fd_target(self, pid: int, fd: int) -> str | None:
         """What an fd points to: a path, 'socket:[inode]', 'pipe:[inode]', ..."""
         try:
-            return os.readlink(os.path.join(self.root, str(pid), "fd", str(fd)))
+            return printable(os.readlink(os.path.join(self.root, str(pid), "fd", str(fd))))
         except OSError:
             return None
 

@@ -21,18 +21,23 @@ import shutil
 import subprocess
 import sys
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import confined
 from . import evidence as ev
+from .confined import FileLines
 from .model import ProcessSample, ThreadSample
+from .procfs import printable
 from .syscalls import FUTEX, syscall_name, wait_kind
 
 READ_TIMEOUT_S = 3.0  # per process; py-spy reads a 100-thread process in tens of ms
 MAX_FRAMES = 32  # per thread, innermost first: enough to reach the program's own code
 MAX_OUTPUT = 64 << 20  # bytes of JSON accepted from one dump (2,000 threads ~ 5 MiB)
+# What py-spy inherits of our environment: nothing but a PATH (it reads none of it, and our
+# environment is none of its business).
+READER_ENV = {"PATH": "/usr/bin:/bin", "LC_ALL": "C.UTF-8"}
 
 
 _STDLIB = re.compile(r"/lib(?:64)?/python3")
@@ -44,7 +49,8 @@ class PyFrame:
     file: str  # as the target sees it
     short: str  # py-spy's short name: "server.py", "uvicorn/server.py"
     line: int
-    code: str | None = None  # the source line, when the file could be read
+    code: str | None = None  # the source line, when the target could read its file
+    code_withheld: str | None = None  # why there is no line (agent.confined's words)
 
     @property
     def stdlib(self) -> bool:
@@ -110,54 +116,106 @@ def is_python(pid: int, root: str = "/proc") -> bool:
 
 
 class SourceLines:
-    """Source lines of the target's files, read through /proc/PID/root so that a process in a
-    container shows its own files. Bounded: the daemon keeps one for its life."""
+    """The source lines a dump's frames point at, read as the target would read them: inside
+    its root, with its rights (agent.confined), one batch per process read. Nothing is kept
+    between reads: rights are checked again each time, and a PID reused by another tenant's
+    process can never be shown the first one's files."""
 
-    def __init__(self, limit: int = 256) -> None:
-        self._files: OrderedDict[str, list[str] | None] = OrderedDict()
-        self._limit = limit
+    def __init__(
+        self,
+        read: Callable[[int, Mapping[str, Collection[int]]], Mapping[str, FileLines]] = (
+            confined.read_lines
+        ),
+    ) -> None:
+        self._read = read
 
-    def line(self, pid: int, path: str, lineno: int) -> str | None:
-        # A relative name was relative to the target's directory at import time, which we
-        # cannot know: no line rather than a line of some other file.
-        if lineno < 1 or not path.startswith("/"):
-            return None
-        key = f"/proc/{pid}/root{path}"
-        if key not in self._files:
-            try:
-                with open(key, encoding="utf-8", errors="replace") as f:
-                    self._files[key] = f.read(4 << 20).splitlines()
-            except OSError:
-                self._files[key] = None
-            while len(self._files) > self._limit:
-                self._files.popitem(last=False)
-        lines = self._files[key]
-        if lines is None or lineno > len(lines):
-            return None
-        return lines[lineno - 1].strip() or None
+    def of(self, pid: int, frames: Iterable[tuple[str, int]]) -> dict[str, FileLines]:
+        """(file, line) pairs -> what each file gave. Names that are not files at all
+        (``<frozen importlib._bootstrap>``, ``<string>``) are not asked for."""
+        wanted: dict[str, set[int]] = {}
+        out: dict[str, FileLines] = {}
+        for path, line in frames:
+            if path.startswith("<"):
+                out[path] = FileLines(withheld=NOT_A_FILE, short=path)
+            else:
+                wanted.setdefault(path, set()).add(line)
+        if wanted:
+            out.update(self._read(pid, wanted))
+        return out
+
+
+NOT_A_FILE = "not a file"
+
+
+def short_of(path: str) -> str:
+    """A short name with no file system to ask (the file gave nothing): its base name."""
+    return path if path.startswith("<") else os.path.basename(path) or path
 
 
 def parse_dump(pid: int, text: str, source: SourceLines | None = None) -> dict[int, PyThread]:
-    """py-spy's JSON (a list of threads) -> PyThread by OS thread id."""
-    out: dict[int, PyThread] = {}
+    """py-spy's JSON (a list of threads) -> PyThread by OS thread id, each frame with its
+    source line where ``source`` could read it as the target would."""
+    raw: dict[int, tuple[object, bool, list[tuple[str, str, int]]]] = {}
     for t in json.loads(text):
         tid = t.get("os_thread_id")
         if not isinstance(tid, int):
             continue
-        frames = []
-        for f in (t.get("frames") or [])[:MAX_FRAMES]:
-            path, line = str(f.get("filename") or "?"), int(f.get("line") or 0)
+        listed = [
+            (
+                printable(str(f.get("name") or "?")),
+                str(f.get("filename") or "?"),
+                int(f.get("line") or 0),
+            )
+            for f in (t.get("frames") or [])[:MAX_FRAMES]
+        ]
+        raw[tid] = (t.get("thread_name"), bool(t.get("owns_gil")), listed)
+    files = (
+        source.of(pid, {(path, line) for _, _, fs in raw.values() for _, path, line in fs})
+        if source
+        else {}
+    )
+    out: dict[int, PyThread] = {}
+    for tid, (name, gil, fs) in raw.items():
+        frames: list[PyFrame] = []
+        for function, path, line in fs:
+            got = files.get(path)
+            code = got.lines.get(line) if got else None
             frames.append(
                 PyFrame(
-                    function=str(f.get("name") or "?"),
-                    file=path,
-                    short=str(f.get("short_filename") or os.path.basename(path)),
+                    function=function,
+                    file=printable(path),
+                    short=printable(got.short if got and got.short else short_of(path)),
                     line=line,
-                    code=source.line(pid, path, line) if source else None,
+                    code=printable(code) if code is not None else None,
+                    code_withheld=(got.withheld or confined.NO_LINE)
+                    if got and code is None
+                    else None,
                 )
             )
-        out[tid] = PyThread(tid, t.get("thread_name"), bool(t.get("owns_gil")), tuple(frames))
+        out[tid] = PyThread(
+            tid, printable(name) if isinstance(name, str) else None, gil, tuple(frames)
+        )
     return out
+
+
+# py-spy's own words for the failures it is known to report, and ours for each. Anything
+# else is told by its exit status alone: its messages can quote bytes of a file it opened by
+# a name the target chose (an ELF header it could not parse), so they are never shown as is.
+_READER_ERRORS = (
+    ("permission denied", "permission denied"),
+    ("operation not permitted", "operation not permitted"),
+    ("no such process", "the process is gone"),
+    ("failed to find python version", "no Python interpreter found in it"),
+    ("failed to find a python interpreter", "no Python interpreter found in it"),
+)
+
+
+def reader_error(stderr: bytes, status: int) -> str:
+    text = stderr.decode(errors="replace").lower()
+    for needle, words in _READER_ERRORS:
+        if needle in text:
+            return f"py-spy failed: {words}"
+    return f"py-spy failed with exit status {status}"
 
 
 def read_stacks(
@@ -176,10 +234,16 @@ def read_stacks(
     start = time.monotonic()
     try:
         done = subprocess.run(
-            [exe, "dump", "--nonblocking", "--json", "--pid", str(pid)],
+            # --full-filenames: py-spy would otherwise shorten names by testing for
+            # __init__.py as root through /proc/PID/root (unconfined); SourceLines does it
+            # with the target's view and rights instead.
+            [exe, "dump", "--nonblocking", "--json", "--full-filenames", "--pid", str(pid)],
+            stdin=subprocess.DEVNULL,
             capture_output=True,
             timeout=timeout_s,
             check=False,
+            cwd="/",
+            env=READER_ENV,
         )
     except subprocess.TimeoutExpired:
         return StackRead(pid, error=f"py-spy timed out after {timeout_s:g} s", seconds=timeout_s)
@@ -187,8 +251,7 @@ def read_stacks(
         return StackRead(pid, error=f"py-spy could not run: {e.strerror or e}")
     took = time.monotonic() - start
     if done.returncode != 0:
-        why = done.stderr.decode(errors="replace").strip().splitlines()
-        return StackRead(pid, error=f"py-spy failed: {why[-1] if why else done.returncode}")
+        return StackRead(pid, error=reader_error(done.stderr, done.returncode))
     if len(done.stdout) > MAX_OUTPUT:
         return StackRead(pid, error=f"py-spy wrote over {MAX_OUTPUT >> 20} MiB", seconds=took)
     try:
@@ -434,7 +497,13 @@ def stacks_json(sample: ProcessSample, read: StackRead) -> dict[str, object]:
                 "wait": g.wait,
                 "gil": g.gil,
                 "frames": [
-                    {"function": f.function, "file": f.file, "line": f.line, "code": f.code}
+                    {
+                        "function": f.function,
+                        "file": f.file,
+                        "line": f.line,
+                        "code": f.code,
+                        **({"code_withheld": f.code_withheld} if f.code is None else {}),
+                    }
                     for f in g.thread.frames
                 ],
             }

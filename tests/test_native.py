@@ -16,7 +16,7 @@ import select
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -200,6 +200,46 @@ def test_a_tree_without_memory_gives_none(tmp_path: Path) -> None:
     assert describe_address(42, 0x7F0000000010, proc) == "libx.so+0x10"  # named from maps
     assert describe_address(42, 0x7FFD00000100, proc) == "a thread stack"
     assert describe_address(42, 0x1000, proc) is None
+
+
+def _tree_with_an_object(tmp_path: Path, place: Callable[[Path], None]) -> tuple[ProcFS, int]:
+    """A process 42 (our own credentials) with no map_files, whose maps name /opt/libx.so at
+    0x7f0000000000; ``place`` puts something at that name in its root. Returns the tree and
+    the address of ``malloc`` if libx.so were the C library."""
+    libc = Path("/usr/lib/x86_64-linux-gnu/libc.so.6")
+    with open(libc, "rb") as f:
+        dynsym = ELFFile(f).get_section_by_name(".dynsym")
+        assert dynsym is not None
+        malloc = next(s["st_value"] for s in dynsym.iter_symbols() if s.name == "malloc")
+    size = libc.stat().st_size
+    (tmp_path / "42").mkdir()
+    (tmp_path / "42" / "status").write_text(Path("/proc/self/status").read_text())
+    (tmp_path / "42" / "stat").write_text(Path("/proc/self/stat").read_text())
+    (tmp_path / "42" / "maps").write_text(
+        f"7f0000000000-{0x7F0000000000 + size:x} r-xp 00000000 fe:00 7 /opt/libx.so\n"
+    )
+    (tmp_path / "42" / "root" / "opt").mkdir(parents=True)
+    place(tmp_path / "42" / "root" / "opt" / "libx.so")
+    return ProcFS(str(tmp_path)), 0x7F0000000000 + malloc
+
+
+@pytest.mark.skipif(
+    not Path("/usr/lib/x86_64-linux-gnu/libc.so.6").exists(), reason="needs x86-64 glibc"
+)
+def test_an_object_is_read_inside_the_targets_root(tmp_path: Path) -> None:
+    """Without map_files, the maps' path is opened inside the target's root: a copy of libc
+    there is read (its symbols name the address), an absolute symlink to the agent's own libc
+    leads nowhere (it resolves inside the target's root, where /usr/lib has nothing)."""
+    libc = Path("/usr/lib/x86_64-linux-gnu/libc.so.6")
+    inside = tmp_path / "inside"
+    inside.mkdir()
+    proc, addr = _tree_with_an_object(inside, lambda p: p.write_bytes(libc.read_bytes()))
+    named = describe_address(42, addr, proc) or ""
+    assert named.endswith(f"` in libx.so+0x{addr - 0x7F0000000000:x}") and "malloc" in named
+    escape = tmp_path / "escape"
+    escape.mkdir()
+    proc, addr = _tree_with_an_object(escape, lambda p: p.symlink_to(libc))
+    assert describe_address(42, addr, proc) == f"libx.so+0x{addr - 0x7F0000000000:x}"
 
 
 # --- a real deadlock -----------------------------------------------------------------------

@@ -19,6 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from agent import evidence as ev
+from agent.confined import FileLines
 from agent.model import ProcessSample, ThreadSample
 from agent.stacks import (
     MAX_FRAMES,
@@ -552,38 +553,61 @@ def test_a_thread_py_spy_shows_with_no_frames_is_still_told():
 # --- SourceLines ------------------------------------------------------------------------------
 
 
-def test_source_lines_are_read_through_the_process_root(tmp_path: Path):
+def test_source_lines_are_read_as_the_target_reads_them(tmp_path: Path):
     src = tmp_path / "app.py"
     src.write_text("import os\n\n    with self.lock:   \n")
-    lines = SourceLines()
     me = os.getpid()
-    assert lines.line(me, str(src), 1) == "import os"
-    assert lines.line(me, str(src), 3) == "with self.lock:"
-    assert lines.line(me, str(src), 2) is None  # blank
-    assert lines.line(me, str(src), 4) is None  # past the end
-    assert lines.line(me, str(src), 0) is None
-    assert lines.line(me, "<frozen importlib._bootstrap>", 1) is None
-    assert lines.line(me, "<string>", 1) is None
-    assert lines.line(me, str(tmp_path / "missing.py"), 1) is None
-    # Read as the target sees it: through /proc/PID/root, not our own root.
-    assert lines.line(2**22 + 1, str(src), 1) is None  # no such process
+    got = SourceLines().of(
+        me,
+        [
+            (str(src), 1),
+            (str(src), 3),
+            (str(src), 2),
+            (str(src), 4),
+            ("<frozen importlib._bootstrap>", 1),
+            ("<string>", 1),
+            (str(tmp_path / "missing.py"), 1),
+            ("relative.py", 1),
+        ],
+    )
+    assert got[str(src)].lines == {1: "import os", 3: "with self.lock:"}  # blank, past end: no
+    assert got[str(src)].withheld is None and got[str(src)].short == "app.py"
+    assert got["<string>"].withheld == "not a file" and got["<string>"].short == "<string>"
+    assert got[str(tmp_path / "missing.py")].withheld == "no such file in the target's root"
+    assert got["relative.py"].withheld == "relative file name"
+    gone = SourceLines().of(2**22 + 1, [(str(src), 1)])  # no such process: nothing read
+    assert gone[str(src)] == FileLines(withheld="the target is gone")
 
 
-def test_source_lines_are_bounded(tmp_path: Path):
-    files = []
-    for i in range(5):
-        f = tmp_path / f"m{i}.py"
-        f.write_text(f"old = {i}\n")
-        files.append(f)
-    lines = SourceLines(limit=2)
-    me = os.getpid()
-    for f in files:
-        assert lines.line(me, str(f), 1) == f"old = {files.index(f)}"
-    assert len(lines._files) <= 2
-    for i, f in enumerate(files):
-        f.write_text(f"new = {i}\n")
-    assert lines.line(me, str(files[4]), 1) == "old = 4"  # kept: still cached
-    assert lines.line(me, str(files[0]), 1) == "new = 0"  # let go: read again
+def test_a_dump_says_why_a_frame_has_no_line(tmp_path: Path):
+    src = tmp_path / "server.py"
+    src.write_text("import queue\n")
+    text = DUMP.replace("/srv/app/server.py", str(src))
+    threads = parse_dump(os.getpid(), text, SourceLines())
+    frames = {(f.file, f.line): f for t in threads.values() for f in t.frames}
+    assert frames[(str(src), 4)].code is None
+    assert frames[(str(src), 4)].code_withheld == "no such line"
+    assert all(f.code_withheld is None for f in frames.values() if f.code is not None)
+
+
+def test_names_a_target_chose_are_made_printable():
+    text = json.dumps(
+        [
+            {
+                "os_thread_id": 7,
+                "thread_name": "evil\x1b]0;owned\x07",
+                "owns_gil": False,
+                "frames": [
+                    {"name": "f\nhangwatch: fake line", "filename": "/a\u202eb.py", "line": 1}
+                ],
+            }
+        ]
+    )
+    t = parse_dump(1, text)[7]
+    f = t.frames[0]
+    assert t.name == "evil\\x1b]0;owned\\x07"
+    assert f.function == "f\\x0ahangwatch: fake line" and "\n" not in f.function
+    assert f.file == "/a\\u202eb.py" and f.short == "a\\u202eb.py"
 
 
 @pytest.fixture
@@ -610,7 +634,8 @@ def test_a_relative_file_is_never_read_from_our_own_cwd(tmp_path: Path, sleeper,
     (ours / "job.py").write_text("ours = 1\n")
     (tmp_path / "its-cwd" / "job.py").write_text("theirs = 1\n")
     monkeypatch.chdir(ours)
-    assert SourceLines().line(sleeper.pid, "job.py", 1) in ("theirs = 1", None)
+    got = SourceLines().of(sleeper.pid, [("job.py", 1)])["job.py"]
+    assert got == FileLines(withheld="relative file name")
 
 
 # --- read_stacks with a stand-in reader -------------------------------------------------------
@@ -632,6 +657,7 @@ def test_a_python_process_is_read_with_a_nonblocking_dump(tmp_path: Path):
         "dump",
         "--nonblocking",
         "--json",
+        "--full-filenames",
         "--pid",
         str(os.getpid()),
     ]
@@ -641,7 +667,27 @@ def test_a_reader_that_fails_says_why(tmp_path: Path):
     exe = reader(tmp_path, 'echo "Error: Permission denied (os error 13)" >&2\nexit 1')
     read = read_stacks(os.getpid(), reader=exe)
     assert read is not None and read.threads == {}
-    assert read.error is not None and "Permission denied (os error 13)" in read.error
+    assert read.error == "py-spy failed: permission denied"
+
+
+def test_a_readers_other_words_are_never_shown(tmp_path: Path):
+    """py-spy may quote what it read of a file the target named (an ELF header it could not
+    parse): only its known failures are told, in our words, and the rest by status."""
+    exe = reader(tmp_path, 'echo "Error: Invalid magic number: 0x54455243455350" >&2\nexit 1')
+    read = read_stacks(os.getpid(), reader=exe)
+    assert read is not None and read.error == "py-spy failed with exit status 1"
+
+
+def test_the_reader_inherits_nothing_of_ours(tmp_path: Path, monkeypatch):
+    seen = tmp_path / "seen"
+    monkeypatch.setenv("HANGWATCH_TEST_SECRET", "s3cr3t")
+    exe = reader(tmp_path, f'{{ env; echo "cwd=$(pwd)"; ls -l /proc/$$/fd; }} > {seen}\necho "[]"')
+    with open(tmp_path / "held", "w"):  # an fd of ours
+        read_stacks(os.getpid(), reader=exe)
+    told = seen.read_text()
+    assert "s3cr3t" not in told
+    assert "cwd=/\n" in told  # not ours
+    assert "held" not in told  # none of our fds
 
 
 def test_a_reader_that_fails_silently_gives_its_status(tmp_path: Path):

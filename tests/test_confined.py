@@ -1,0 +1,239 @@
+"""agent/confined.py: a name the target chose resolves inside its root, and nowhere else.
+
+The rule is the kernel's RESOLVE_IN_ROOT: ``..`` stops at the root, an absolute symlink starts
+again from it, a magic link is refused. The walk used where openat2 is missing must agree
+with the kernel on every tree and name, and neither may ever reach a file outside the root.
+No root needed: openat2 and the walk work for any user.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from agent import confined
+from agent.confined import Credentials, credentials, open_in_root, openat2_in_root, walk_in_root
+
+STATUS = """Name:\tpython3
+Umask:\t0022
+State:\tS (sleeping)
+Uid:\t1000\t1001\t1002\t1003
+Gid:\t2000\t2001\t2002\t2003
+FDSize:\t64
+Groups:\t4 24 27
+"""
+
+
+def test_credentials_are_the_file_system_ids_and_groups() -> None:
+    assert credentials(STATUS) == Credentials(1003, 2003, (4, 24, 27))
+    assert credentials(STATUS.replace("Groups:\t4 24 27", "Groups:\t")) == Credentials(1003, 2003)
+
+
+@pytest.mark.parametrize(
+    "broken",
+    [
+        STATUS.replace("Uid:\t1000\t1001\t1002\t1003\n", ""),
+        STATUS.replace("Gid:\t2000\t2001\t2002\t2003", "Gid:\t2000"),
+        STATUS.replace("Groups:\t4 24 27", "Groups:\t4 x"),
+        "",
+    ],
+)
+def test_credentials_that_cannot_be_read_are_none(broken: str) -> None:
+    assert credentials(broken) is None
+
+
+@contextmanager
+def opened(path: Path) -> Iterator[int]:
+    fd = os.open(path, os.O_PATH | os.O_DIRECTORY)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def identity(fd: int) -> tuple[int, int]:
+    try:
+        st = os.fstat(fd)
+        return st.st_dev, st.st_ino
+    finally:
+        os.close(fd)
+
+
+def resolve(how, root_fd: int, path: str) -> tuple[int, int] | str:
+    """(dev, ino) of what ``path`` leads to, or "error"."""
+    try:
+        return identity(how(root_fd, path))
+    except OSError:
+        return "error"
+
+
+@pytest.fixture
+def world(tmp_path: Path) -> tuple[Path, Path]:
+    """A root with a few files, symlinks that try to leave it, and a secret just outside."""
+    root = tmp_path / "root"
+    (root / "app").mkdir(parents=True)
+    (root / "etc").mkdir()
+    (root / "app" / "ok.py").write_text("ok\n")
+    (root / "etc" / "passwd").write_text("theirs\n")
+    secret = tmp_path / "secret"
+    secret.write_text("ours\n")
+    (root / "app" / "abs").symlink_to(secret)  # absolute, to the outside
+    (root / "app" / "dots").symlink_to("../../../secret")  # relative, climbing out
+    (root / "app" / "etc").symlink_to("/etc")  # absolute, to the root's own /etc
+    (root / "app" / "proc").symlink_to("/proc/self/root")  # through a magic link, as text
+    (root / "loop").symlink_to("loop")
+    return root, secret
+
+
+@pytest.mark.parametrize("how", [openat2_in_root, walk_in_root], ids=["openat2", "walk"])
+def test_names_resolve_inside_the_root(world: tuple[Path, Path], how) -> None:
+    root, secret = world
+    with opened(root) as fd:
+        mine = resolve(how, fd, "/app/ok.py")
+        assert mine == identity(os.open(root / "app" / "ok.py", os.O_PATH))
+        theirs = identity(os.open(root / "etc" / "passwd", os.O_PATH))
+        assert resolve(how, fd, "/app/etc/passwd") == theirs  # /etc of the root, not ours
+        assert resolve(how, fd, "/../../../../etc/passwd") == theirs  # .. stops at the root
+        assert resolve(how, fd, "/app/../app/./ok.py") == mine
+        for escape in (
+            "/app/abs",
+            "/app/dots",
+            str(secret),
+            "/../secret",
+            "/app/../../secret",
+            "/app/proc/" + str(secret).lstrip("/"),
+        ):
+            assert resolve(how, fd, escape) == "error", escape
+        with pytest.raises(OSError) as loop:
+            how(fd, "/loop")
+        assert loop.value.errno == errno.ELOOP
+
+
+def test_a_magic_link_is_never_followed(world: tuple[Path, Path]) -> None:
+    """/proc/self/root inside the name: the kernel refuses it (NO_MAGICLINKS); the walk reads
+    it as text ("/"), which resolves inside the root again."""
+    root, _ = world
+    with opened(root) as fd:
+        me = f"/proc/{os.getpid()}/root/etc/passwd"
+        assert resolve(openat2_in_root, fd, me) == "error"
+        assert resolve(walk_in_root, fd, me) == "error"  # the root has no /proc
+
+
+# --- the walk agrees with the kernel, on any tree -------------------------------------------
+
+NAMES = ["a", "b", "c"]
+component = st.sampled_from([*NAMES, "..", "."])
+link_target = st.lists(component, min_size=1, max_size=4).flatmap(
+    lambda parts: st.sampled_from(["/".join(parts), "/" + "/".join(parts)])
+)
+tree = st.dictionaries(
+    st.lists(st.sampled_from(NAMES), min_size=1, max_size=3).map(tuple),
+    st.one_of(st.just("dir"), st.just("file"), link_target),
+    max_size=12,
+)
+
+
+def build(base: Path, spec: dict[tuple[str, ...], str]) -> None:
+    for parts, kind in sorted(spec.items(), key=lambda kv: len(kv[0])):
+        where = base.joinpath(*parts)
+        if not where.parent.is_dir() or where.is_symlink() or where.exists():
+            continue
+        if kind == "dir":
+            where.mkdir()
+        elif kind == "file":
+            where.write_text("/".join(parts))
+        else:
+            where.symlink_to(kind)
+
+
+@settings(max_examples=300, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(spec=tree, outside=tree, name=st.lists(component, min_size=1, max_size=6))
+def test_the_walk_agrees_with_openat2_and_never_leaves(
+    tmp_path_factory: pytest.TempPathFactory, spec, outside, name
+) -> None:
+    base = tmp_path_factory.mktemp("w")
+    root = base / "root"
+    root.mkdir()
+    build(root, spec)
+    build(base, outside)  # beside the root: what an escape would reach
+    inside = set()
+    for dirpath, dirnames, filenames in os.walk(root):
+        for n in [*dirnames, *filenames, "."]:
+            st_ = os.lstat(os.path.join(dirpath, n))
+            inside.add((st_.st_dev, st_.st_ino))
+    path = "/" + "/".join(name)
+    with opened(root) as fd:
+        kernel, walked = resolve(openat2_in_root, fd, path), resolve(walk_in_root, fd, path)
+    assert walked == kernel, path
+    assert walked == "error" or walked in inside, path
+
+
+def test_open_in_root_falls_back_to_the_walk(world: tuple[Path, Path], monkeypatch) -> None:
+    root, _ = world
+
+    def no_openat2(root_fd: int, path: str) -> int:
+        raise OSError(errno.ENOSYS, "no openat2")
+
+    monkeypatch.setattr(confined, "openat2_in_root", no_openat2)
+    with opened(root) as fd:
+        assert resolve(open_in_root, fd, "/app/etc/passwd") == identity(
+            os.open(root / "etc" / "passwd", os.O_PATH)
+        )
+        assert resolve(open_in_root, fd, "/app/abs") == "error"
+
+
+def test_only_a_regular_file_is_opened(tmp_path: Path) -> None:
+    """A FIFO would block an open for reading; a device's open can act. Neither is opened."""
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "file").write_text("x\n")
+    (tmp_path / "dir").mkdir()
+    with opened(tmp_path) as fd:
+        for name in ("fifo", "dir"):
+            pfd = open_in_root(fd, name)
+            try:
+                with pytest.raises(OSError):
+                    confined.reopen_regular(pfd)
+            finally:
+                os.close(pfd)
+        pfd = open_in_root(fd, "file")
+        try:
+            with os.fdopen(confined.reopen_regular(pfd)) as f:
+                assert f.read() == "x\n"
+        finally:
+            os.close(pfd)
+
+
+def test_lines_of_our_own_files(tmp_path: Path) -> None:
+    """The whole path, child and all, on a file we may read; a FIFO is withheld, not opened
+    (the read would never end), and a huge file is not read."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "mod.py").write_text("one\n\n  three  \n")
+    os.mkfifo(tmp_path / "fifo")
+    big = tmp_path / "big.py"
+    with open(big, "wb") as f:
+        f.truncate(confined.MAX_FILE_BYTES + 1)
+    got = confined.read_lines(
+        os.getpid(),
+        {str(pkg / "mod.py"): [1, 2, 3, 9], str(tmp_path / "fifo"): [1], str(big): [1]},
+    )
+    assert got[str(pkg / "mod.py")] == confined.FileLines(
+        {1: "one", 3: "three"}, None, "pkg/mod.py"
+    )
+    assert got[str(tmp_path / "fifo")].withheld == confined.NOT_REGULAR
+    assert got[str(big)].withheld == confined.TOO_LARGE
+
+
+def test_short_names_stop_at_the_topmost_package() -> None:
+    files = {"/srv/a/__init__.py", "/srv/a/b/__init__.py"}
+    assert confined.short_name("/srv/a/b/c.py", files.__contains__) == "a/b/c.py"
+    assert confined.short_name("/srv/x/c.py", files.__contains__) == "c.py"
+    assert confined.short_name("/c.py", files.__contains__) == "c.py"
