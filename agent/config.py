@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import difflib
 import ipaddress
+import os
 import re
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib import resources
@@ -229,10 +231,53 @@ def default_text() -> str:
     return resources.files("agent").joinpath("default-config.yaml").read_text()
 
 
+def untrusted(path: str) -> str | None:
+    """Why a file that steers the agent (its config, the web config and the TLS files it
+    names) cannot be trusted, or None. The agent runs as root, so a file that someone else
+    could change would let them steer it (which processes to read, which key to serve): as
+    sshd does, the file and every directory above it (as written and once resolved) must be
+    owned by root or by the agent's own user and writable by no one else. A directory that
+    others may write is accepted with the sticky bit (/tmp: they cannot replace what they do
+    not own) or on a read-only mount (a Kubernetes ConfigMap's 0777 directories)."""
+    us = {0, os.geteuid()}
+    full = os.path.abspath(path)
+    seen: set[str] = set()
+    for start in (full, os.path.realpath(full)):
+        here = start
+        while here not in seen:
+            seen.add(here)
+            try:
+                st = os.stat(here)
+            except OSError:
+                return None  # the open that follows says why it cannot be read
+            if st.st_uid not in us:
+                return f"{here} is owned by uid {st.st_uid}, not by root"
+            if st.st_mode & 0o022 and not (
+                (stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX)
+                or os.statvfs(here).f_flag & os.ST_RDONLY
+            ):
+                return f"{here} is writable by others (mode {stat.S_IMODE(st.st_mode):04o})"
+            if here == "/":
+                break
+            here = os.path.dirname(here)
+    return None
+
+
+def check_trusted(path: str, what: str) -> None:
+    why = untrusted(path)
+    if why is not None:
+        raise UsageError(
+            f"{what} {path}: {why}; refusing it: anyone who can change it could steer hangwatch",
+            "make it and its directories owned by root and not writable by others "
+            "(chown root, chmod go-w)",
+        )
+
+
 def load(path: str | None) -> Config:
     """The config at ``path``, or the built-in default."""
     if path is None:
         return load_text(default_text(), "built-in default")
+    check_trusted(path, "config")
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read(MAX_CONFIG_BYTES + 1)

@@ -32,7 +32,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import yaml
 
-from .config import unknown_key
+from .config import check_trusted, unknown_key
 from .errors import UsageError, show
 
 TOP_KEYS = ("tls_server_config", "basic_auth_users")
@@ -130,6 +130,7 @@ def _file(raw: Mapping[Any, Any], key: str, base: str) -> str:
     path = os.path.join(base, value)  # relative to the web config file, as Prometheus does
     if not os.path.isfile(path):
         raise _err(f"tls_server_config.{key}", f"{show(value)} is not a readable file")
+    check_trusted(path, f"web config: tls_server_config.{key}")
     return path
 
 
@@ -220,6 +221,7 @@ def parse(text: str, source: str, base: str = ".") -> WebConfig:
 
 
 def load(path: str) -> WebConfig:
+    check_trusted(path, "web config")
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read(1 << 20)

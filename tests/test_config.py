@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -290,3 +292,58 @@ def test_stacks_are_logged_unless_turned_off():
     assert load(None).stacks is True
     assert load_text("targets: [{name: a, pids: [1]}]", "x").stacks is True
     assert load_text("stacks: false\ntargets: [{name: a, pids: [1]}]", "x").stacks is False
+
+
+# --- a file that steers a root agent must be root's alone -----------------------------------
+
+SMALL = "targets:\n  - name: x\n    pids: [1]\n"
+
+
+def test_a_config_others_may_write_is_refused_and_named(tmp_path):
+    cfg = tmp_path / "hangwatch.yaml"
+    cfg.write_text(SMALL)
+    cfg.chmod(0o666)
+    with pytest.raises(UsageError) as e:
+        load(str(cfg))
+    assert str(cfg) in str(e.value) and "writable by others (mode 0666)" in str(e.value)
+    assert "chmod go-w" in str(e.value)
+    cfg.chmod(0o644)
+    assert load(str(cfg)).targets[0].name == "x"
+
+
+def test_a_directory_others_may_write_is_refused_unless_sticky(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    cfg = shared / "hangwatch.yaml"
+    cfg.write_text(SMALL)
+    shared.chmod(0o777)  # anyone could put another file in its place
+    with pytest.raises(UsageError) as e:
+        load(str(cfg))
+    assert f"{shared} is writable by others (mode 0777)" in str(e.value)
+    shared.chmod(0o1777)  # /tmp: others may not replace what they do not own
+    assert load(str(cfg)).targets[0].name == "x"
+
+
+def test_a_symlink_is_judged_where_it_lives_and_where_it_leads(tmp_path):
+    real = tmp_path / "real"
+    real.mkdir()
+    (real / "hangwatch.yaml").write_text(SMALL)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "hangwatch.yaml").symlink_to(real / "hangwatch.yaml")
+    shared.chmod(0o777)  # the link itself could be pointed elsewhere
+    with pytest.raises(UsageError, match="shared is writable by others"):
+        load(str(shared / "hangwatch.yaml"))
+    shared.chmod(0o755)
+    real.chmod(0o777)  # where it leads: the file could be replaced
+    with pytest.raises(UsageError, match="real is writable by others"):
+        load(str(shared / "hangwatch.yaml"))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file away needs root")
+def test_a_config_owned_by_another_user_is_refused(tmp_path):
+    cfg = tmp_path / "hangwatch.yaml"
+    cfg.write_text(SMALL)
+    os.chown(cfg, 4242, 4242)
+    with pytest.raises(UsageError, match="is owned by uid 4242, not by root"):
+        load(str(cfg))

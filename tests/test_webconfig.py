@@ -77,6 +77,25 @@ def test_a_full_web_config_loads(certs: Path) -> None:
     assert web.users == {"prometheus": HASH.encode()}
 
 
+def test_a_key_file_others_may_write_is_refused_and_named(certs: Path, tmp_path: Path) -> None:
+    """The key the agent serves with, and the web config naming it, are root's alone."""
+    shutil.copy(certs / "tls.crt", tmp_path / "tls.crt")
+    shutil.copy(certs / "tls.key", tmp_path / "tls.key")
+    path = tmp_path / "web.yml"
+    path.write_text("tls_server_config:\n  cert_file: tls.crt\n  key_file: tls.key\n")
+    (tmp_path / "tls.key").chmod(0o662)
+    with pytest.raises(UsageError) as e:
+        load(str(path))
+    assert "tls_server_config.key_file" in str(e.value)
+    assert f"{tmp_path / 'tls.key'} is writable by others" in str(e.value)
+    (tmp_path / "tls.key").chmod(0o600)
+    path.chmod(0o646)
+    with pytest.raises(UsageError, match=r"web config .*web\.yml is writable by others"):
+        load(str(path))
+    path.chmod(0o644)
+    assert load(str(path)).tls is not None
+
+
 def test_an_empty_web_config_is_plain_http() -> None:
     web = parse("", "web.yml")
     assert web.tls is None and not web.users
