@@ -8,6 +8,8 @@ import subprocess
 from .errors import KernelFeatureError
 
 CAP_DAC_READ_SEARCH = 2
+CAP_SETGID = 6
+CAP_SETUID = 7
 CAP_SYS_PTRACE = 19
 CAP_SYS_ADMIN = 21
 CAP_PERFMON = 38
@@ -73,7 +75,8 @@ def check(
     Must run before bcc is imported: bcc fixes its tracefs path at import time.
     """
     with open("/proc/self/status") as f:
-        lacking = missing_caps(effective_caps(f.read()))
+        caps = effective_caps(f.read())
+    lacking = missing_caps(caps)
     if lacking:
         raise KernelFeatureError(f"missing capability {', '.join(lacking)}", HOW)
     if not os.path.exists(btf_path):
@@ -82,6 +85,13 @@ def check(
             "hangwatch needs Linux >= 5.8 built with CONFIG_DEBUG_INFO_BTF=y",
         )
     notices = []
+    if not (caps >> CAP_SETUID & 1 and caps >> CAP_SETGID & 1):
+        # Optional: agent.confined reads a target's source lines as that target, and only
+        # a process that may change its uid and groups can become another user.
+        notices.append(
+            "no CAP_SETUID and CAP_SETGID: source lines of processes run by other users are "
+            "not shown (the agent reads them only with the target's own rights)"
+        )
     if not _tracefs_ready(tracefs_dirs):
         # Minimal hosts and containers often lack the mount; we are privileged, so fix it.
         for fs, where in (("debugfs", "/sys/kernel/debug"), ("tracefs", "/sys/kernel/tracing")):

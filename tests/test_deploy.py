@@ -486,6 +486,7 @@ def test_unit_runs_the_daemon_and_restarts_on_failure() -> None:
 def test_unit_gives_exactly_the_capabilities_the_agent_needs() -> None:
     svc = unit()["Service"]
     need = {"CAP_BPF", "CAP_PERFMON", "CAP_SYS_PTRACE", "CAP_DAC_READ_SEARCH"}
+    need |= {"CAP_SETUID", "CAP_SETGID"}  # source lines read with the target's rights
     assert set(svc["CapabilityBoundingSet"].split()) == need
     assert set(svc["AmbientCapabilities"].split()) == need
     assert svc["User"] == "root"
