@@ -428,22 +428,30 @@ def stacks(rep: Report, quick: bool) -> None:
         with Fixture.py("py_pool", str(n), timeout=90) as fx:
             progress(f"stacks: {n} parked threads, {reps} reads")
             sampler = Sampler()
-            base, read = [], []
+            base, bare, read = [], [], []
             for _ in range(reps):
                 t0 = time.perf_counter()
                 sampler.snapshot([fx.pid])
                 base.append(time.perf_counter() - t0)
+                # Without source lines: what the child that reads them as the target costs.
+                t0 = time.perf_counter()
+                read_stacks(fx.pid, source=None)
+                bare.append(time.perf_counter() - t0)
                 t0 = time.perf_counter()
                 got = read_stacks(fx.pid, source=SourceLines())
                 read.append(time.perf_counter() - t0)
                 if got is None or got.error is not None or len(got.threads) < n:
                     raise SystemExit(f"bench: stacks of {n} threads not read: {got}")
-        b, r = statistics.median(base), statistics.median(read)
-        rows.append([f"{n:,} threads", f"{b * 1e3:.1f}", f"{r * 1e3:.1f}", f"{r / b:.2f}"])
+                if not any(f.code for t in got.threads.values() for f in t.frames):
+                    raise SystemExit(f"bench: stacks of {n} threads read without a source line")
+        b, s, r = (statistics.median(x) for x in (base, bare, read))
+        rows.append(
+            [f"{n:,} threads", f"{b * 1e3:.1f}", f"{s * 1e3:.1f}", f"{r * 1e3:.1f}", f"{r / b:.2f}"]
+        )
     rep.table(
         f"Python stacks of one process (py-spy --nonblocking, median of {reps}), against one "
         "/proc sample of it",
-        ["parked pool", "/proc sample ms", "stacks ms", "ratio"],
+        ["parked pool", "/proc sample ms", "stacks, no lines ms", "stacks ms", "ratio"],
         rows,
     )
 
