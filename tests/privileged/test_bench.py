@@ -57,4 +57,4 @@ def test_bench_suite_quick_reports_every_row() -> None:
     assert re.search(rf"highest sustained rate with 0 drops: (below )?{NUM} events/s", out), msg
     assert re.search(rf"^1\s+{NUM}\s+{NUM}$", out, re.M), msg  # startup: 1 run, median, max
     assert re.search(rf"^1\s+{NUM}\s+{NUM}\s+max <= 2 s\s+(met|NOT met)$", out, re.M), msg
-    assert re.search(rf"^100 threads\s+{NUM}\s+{NUM}\s+{NUM}$", out, re.M), msg  # stacks
+    assert re.search(rf"^100 threads\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}$", out, re.M), msg  # stacks
