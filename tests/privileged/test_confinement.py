@@ -17,9 +17,11 @@ log; the target's own readable line must, and each withheld frame says why.
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
+import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
@@ -27,9 +29,10 @@ from pathlib import Path
 
 import pytest
 
-from scripts.fixturelib import Fixture
+from scripts.fixturelib import REPO_ROOT, Fixture
 from tests.privileged.daemonlib import INTERVAL, free_port, running_daemon, value, wait_until
 from tests.privileged.harness import RunningDiagnose, diagnose_argv
+from tests.privileged.test_security import CAPS, with_caps
 
 PYTHON = "/usr/bin/python3"  # the system's: present in the chroot through its /usr
 NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
@@ -195,3 +198,29 @@ def test_a_target_cannot_make_the_daemons_flight_record_read_it(
     assert not world.leaked(log), log
     # Both targets' own files are read and shown; the names that point elsewhere are not.
     assert log.count(f"`{PARKED_LINE}`") >= 2, log
+
+
+def test_an_agent_that_cannot_become_the_target_shows_no_line(world: World) -> None:
+    """The documented four capabilities without CAP_SETUID and CAP_SETGID, as a user that owns
+    nothing: the verdict stands, no line of the target's files is shown (not even its own:
+    the agent cannot check the target's rights, so it does not read), each frame says why,
+    and diagnose says so once."""
+    with world.nobody() as nobody:
+        parked(nobody.pid, 1 + len(world.names))
+        r = subprocess.run(
+            [*with_caps(CAPS), *diagnose_argv([nobody.pid], threshold=1, duration=2)],
+            cwd=REPO_ROOT,
+            env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+    msg = f"exit {r.returncode}\nstderr:\n{r.stderr}\nstdout:\n{r.stdout}"
+    assert r.returncode == 0, msg
+    assert not world.leaked(r.stdout + r.stderr), msg
+    assert "no CAP_SETUID and CAP_SETGID" in r.stderr, msg
+    frames = stack_frames(json.loads(r.stdout), nobody.pid)
+    for name in world.names:
+        assert frames[name]["code"] is None, msg
+        assert frames[name]["code_withheld"] == "the agent cannot take the target's credentials"
