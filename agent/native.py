@@ -5,8 +5,9 @@ in libabba.so+0x40a0", "the heap", "a thread stack") and which native code a thr
 a syscall came from (``caller_outside_libc``: "`abba_ab` in libabba.so+0x11a9"). Nothing here
 ptrace-attaches or sends a signal: the maps, the syscall line and the memory of a target are
 read through /proc (``/proc/PID/mem`` needs ptrace *access*, not an attach), and its objects'
-symbol tables from their files, through /proc/PID/map_files or /proc/PID/root so that a
-process in a container is read with its own files.
+symbol tables from their files, through /proc/PID/map_files or else opened as the target
+would open them (agent.confined), so that a process in a container is read with its own files
+and never with more rights than its own.
 
 Both are best effort and total: whatever cannot be read (the process exited, an object is not
 ELF, a word is not what it seems) gives None, never an exception, and every read is bounded.
