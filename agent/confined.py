@@ -426,7 +426,8 @@ def _run_child(
     }
     try:
         child = subprocess.Popen(
-            [sys.executable, "-I", "-m", "agent.confined"],
+            # -I: none of our environment or cwd steers it; -B: it writes no bytecode
+            [sys.executable, "-I", "-B", "-m", "agent.confined"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
