@@ -22,9 +22,9 @@ read goes through here:
   ``MAX_LINE_CHARS`` of a line returned.
 
 What comes back is only what the target could have read itself, and a short reason for each
-name that gave nothing (``WITHHELD``), for the JSON report to say why a line is missing.
+name that gave nothing (the phrases below), for the JSON report to say why a line is missing.
 
-The child is this module run as ``python -I -m agent.confined``: its request on stdin, its
+The child is this module run as ``python -I -B -m agent.confined``: its request on stdin, its
 answer on stdout (JSON), file descriptors (for ELF objects) over a socket pair. It imports
 nothing from the rest of the agent, and nothing after it has dropped its rights.
 """
@@ -50,6 +50,8 @@ MAX_LINE_CHARS = 400  # of one line returned
 MAX_FILES = 512  # names in one batch
 MAX_SYMLINKS = 40  # in one resolution, as the kernel's own limit
 MAX_FDS_PER_MESSAGE = 200  # below SCM_MAX_FD (253)
+# All a child of ours inherits of our environment (this one, and py-spy): a PATH.
+CHILD_ENV = {"PATH": "/usr/bin:/bin", "LC_ALL": "C.UTF-8"}
 
 # Why a name gave no line (the JSON's "code_withheld"): one short phrase each.
 RELATIVE = "relative file name"
@@ -216,8 +218,17 @@ def reopen_regular(path_fd: int) -> int:
     return os.open(f"/proc/self/fd/{path_fd}", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
 
 
+def open_regular(root_fd: int, path: str) -> int:
+    """An O_RDONLY fd on the regular file ``path`` names inside ``root_fd``."""
+    pfd = open_in_root(root_fd, path)
+    try:
+        return reopen_regular(pfd)
+    finally:
+        os.close(pfd)
+
+
 def _reason(e: OSError) -> str:
-    if isinstance(e, _NotRegular):
+    if isinstance(e, _NotRegular) or e.errno == errno.EISDIR:
         return NOT_REGULAR
     if e.errno in (errno.EACCES, errno.EPERM):
         return NOT_READABLE
@@ -225,8 +236,6 @@ def _reason(e: OSError) -> str:
         return NOT_FOUND
     if e.errno == errno.ELOOP:
         return LOOP
-    if e.errno == errno.EISDIR:
-        return NOT_REGULAR
     return FAILED
 
 
@@ -288,15 +297,9 @@ def take_credentials(who: Credentials) -> None:
 
 def _read_file(root_fd: int, path: str) -> tuple[list[str] | None, str | None]:
     try:
-        pfd = open_in_root(root_fd, path)
+        fd = open_regular(root_fd, path)
     except OSError as e:
         return None, _reason(e)
-    try:
-        fd = reopen_regular(pfd)
-    except OSError as e:
-        return None, _reason(e)
-    finally:
-        os.close(pfd)
     try:
         with os.fdopen(fd, "rb") as f:
             data = f.read(MAX_FILE_BYTES + 1)
@@ -355,11 +358,7 @@ def _serve_objects(root_fd: int, paths: Sequence[str], sock: socket.socket) -> l
     try:
         for path in paths[:MAX_FILES]:
             try:
-                pfd = open_in_root(root_fd, path)
-                try:
-                    fds.append(reopen_regular(pfd))
-                finally:
-                    os.close(pfd)
+                fds.append(open_regular(root_fd, path))
                 out.append(None)
             except OSError as e:
                 out.append(_reason(e))
@@ -433,7 +432,7 @@ def _run_child(
             stderr=subprocess.DEVNULL,
             pass_fds=(t.root_fd, *extra_fds),
             cwd="/",
-            env={"PATH": "/usr/bin:/bin", "LC_ALL": "C.UTF-8"},
+            env=CHILD_ENV,
         )
     except OSError:
         return FAILED

@@ -352,12 +352,6 @@ class _ConfinedObjects:
                 os.close(self._items.popitem(last=False)[1][1])
         return os.dup(got)
 
-    def clear(self) -> None:
-        with self._lock:
-            for _, fd in self._items.values():
-                os.close(fd)
-            self._items.clear()
-
 
 _OBJECTS = _ConfinedObjects()
 

@@ -35,9 +35,6 @@ from .syscalls import FUTEX, syscall_name, wait_kind
 READ_TIMEOUT_S = 3.0  # per process; py-spy reads a 100-thread process in tens of ms
 MAX_FRAMES = 32  # per thread, innermost first: enough to reach the program's own code
 MAX_OUTPUT = 64 << 20  # bytes of JSON accepted from one dump (2,000 threads ~ 5 MiB)
-# What py-spy inherits of our environment: nothing but a PATH (it reads none of it, and our
-# environment is none of its business).
-READER_ENV = {"PATH": "/usr/bin:/bin", "LC_ALL": "C.UTF-8"}
 
 
 _STDLIB = re.compile(r"/lib(?:64)?/python3")
@@ -243,7 +240,7 @@ def read_stacks(
             timeout=timeout_s,
             check=False,
             cwd="/",
-            env=READER_ENV,
+            env=confined.CHILD_ENV,  # it reads none of ours
         )
     except subprocess.TimeoutExpired:
         return StackRead(pid, error=f"py-spy timed out after {timeout_s:g} s", seconds=timeout_s)
