@@ -48,6 +48,12 @@ OPTIONAL_SYSCALLS = {
     "write": "HAVE_WRITE",
     "writev": "HAVE_WRITEV",
     "pwrite64": "HAVE_PWRITE64",
+    # Answers sent without write(2): Python's socket.send/sendall, asyncio's transports.
+    "sendto": "HAVE_SENDTO",
+    "sendmsg": "HAVE_SENDMSG",
+    "sendmmsg": "HAVE_SENDMMSG",
+    "sendfile64": "HAVE_SENDFILE64",
+    "splice": "HAVE_SPLICE",
 }
 # Other tracepoints compiled in only where the kernel has them: (category, name) -> -D flag.
 OPTIONAL_TRACEPOINTS = {("sched", "sched_process_exec"): "HAVE_SCHED_PROCESS_EXEC"}

@@ -85,6 +85,8 @@ BENCHES = (
     Bench("getppid", "getppid(2)", 3_000_000, 20_000, (EMPTY, "unwatched")),
     Bench("write", "write(2) of 1 byte to /dev/null", 1_000_000, 20_000,
           (EMPTY, "unwatched", "watched")),
+    Bench("send", "send(2) of 1 byte on a unix socketpair, and its recv(2)", 1_000_000, 20_000,
+          (EMPTY, "unwatched", "watched")),
     Bench("gil", "Python, 4 threads contending for the GIL, per step", 20_000_000, 200_000,
           ("watched",)),
 )  # fmt: skip

@@ -8,6 +8,8 @@
  *   workloads mutex N          uncontended pthread_mutex_lock/unlock: no syscall at all
  *   workloads getppid N        getppid(2), the cheapest syscall there is
  *   workloads write N          write(2) of one byte to /dev/null
+ *   workloads send N           send(2) of one byte on a unix datagram socketpair, and the
+ *                              recv(2) that drains it (recv is not traced)
  *   workloads futex-rate R S   about R EAGAIN futex calls per second for S seconds
  *   workloads park N           N threads parked on a condvar nobody signals, until killed
  *   workloads bind-listen R S  about R socket+bind+listen+close per second for S seconds
@@ -197,6 +199,9 @@ int main(int argc, char **argv)
 		return 2;
 	}
 	int devnull = strcmp(mode, "write") == 0 ? open("/dev/null", O_WRONLY) : -1;
+	int pair[2] = {-1, -1};
+	if (strcmp(mode, "send") == 0 && socketpair(AF_UNIX, SOCK_DGRAM, 0, pair) != 0)
+		die("socketpair");
 	char go[16];
 	if (!fgets(go, sizeof go, stdin))
 		return 1;
@@ -223,6 +228,11 @@ int main(int argc, char **argv)
 		for (long i = 0; i < n; i++)
 			if (write(devnull, "x", 1) != 1)
 				die("write");
+	} else if (strcmp(mode, "send") == 0) {
+		char c;
+		for (long i = 0; i < n; i++)
+			if (send(pair[0], "x", 1, 0) != 1 || recv(pair[1], &c, 1, 0) != 1)
+				die("send");
 	} else if (strcmp(mode, "pingpong") == 0) {
 		printf("%.1f\n", pingpong(n));
 		return 0;

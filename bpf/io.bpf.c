@@ -5,10 +5,14 @@
  *   event at sys_exit. Only AF_INET/AF_INET6 binds are kept.
  * accept, accept4 (watched processes): successful calls counted per tgid in
  *   accepts, at sys_exit only: a blocked accept is already visible in /proc.
- * write, writev, pwrite64 (watched processes): the fd is kept in the thread's
- *   entry in `threads` at sys_enter; at sys_exit the bytes written, the call and
- *   its time go to fd_writes[(tgid, fd)]. Unwatched processes pay one inlined
- *   bitmap test at each end.
+ * write, writev, pwrite64, and the calls that answer over a socket or copy into
+ *   an fd without write(2): sendto (send(2) on x86-64 and arm64 is sendto),
+ *   sendmsg, sendmmsg, sendfile64, splice (watched processes): the fd written is
+ *   kept in the thread's entry in `threads` at sys_enter; at sys_exit the bytes
+ *   written, the call and its time go to fd_writes[(tgid, fd)]. sendmmsg returns
+ *   messages, not bytes: each message counts as one byte (the count says only that
+ *   something was sent). Unwatched processes pay one inlined bitmap test at each
+ *   end.
  *
  * Part of one object: follows maps.bpf.h (see there). Each tracepoint pair is
  * compiled in only when agent/probe.py found it (-DHAVE_*).
@@ -197,4 +201,25 @@ TRACEPOINT_PROBE(syscalls, sys_exit_pwrite64)
 {
 	return write_exit(args->ret);
 }
+#endif
+
+/* The calls below write to one fd as write(2) does; only the argument naming it differs. */
+#define WRITE_PAIR(name, fdarg)                                                       \
+	TRACEPOINT_PROBE(syscalls, sys_enter_##name) { return write_enter((s32)args->fdarg); } \
+	TRACEPOINT_PROBE(syscalls, sys_exit_##name) { return write_exit(args->ret); }
+
+#ifdef HAVE_SENDTO
+WRITE_PAIR(sendto, fd)
+#endif
+#ifdef HAVE_SENDMSG
+WRITE_PAIR(sendmsg, fd)
+#endif
+#ifdef HAVE_SENDMMSG
+WRITE_PAIR(sendmmsg, fd)
+#endif
+#ifdef HAVE_SENDFILE64
+WRITE_PAIR(sendfile64, out_fd)
+#endif
+#ifdef HAVE_SPLICE
+WRITE_PAIR(splice, fd_out)
 #endif

@@ -199,6 +199,36 @@ def test_writes_counted_per_fd_for_watched_process_only(open_probes: OpenProbes)
     assert_nothing_lost(r)
 
 
+def test_answers_without_write_counted_per_fd(open_probes: OpenProbes) -> None:
+    """send (sendto), sendall, sendmsg, sendfile and splice count as writes to their fd:
+    servers answer with them (Python's socket.send, asyncio transports, static files)."""
+    probes = open_probes()
+    seen = Seen(probes)
+    with Fixture.py("send_calls") as fx:
+        probes.watch([fx.pid])
+        fx.send("go")
+        fx.wait_for("DONE")
+        fds = {k: fx.info.get_int(k) for k in ("send", "sendmsg", "sendfile", "splice")}
+        seen.until(
+            lambda s: (
+                fds["splice"] in s.last.writes.get(fx.pid, {})
+                and 1 in s.last.writes.get(fx.pid, {})
+            ),
+            "the splice and the DONE line",
+        )
+    mine = seen.last.writes[fx.pid]
+    got = {k: (mine[fd].bytes, mine[fd].calls) for k, fd in fds.items() if fd in mine}
+    # send 100 + sendall 50 (one call each here); sendmsg 7 + 9 in one call; sendfile 13;
+    # splice 11
+    assert got == {
+        "send": (150, 2),
+        "sendmsg": (16, 1),
+        "sendfile": (13, 1),
+        "splice": (11, 1),
+    }, mine
+    assert_nothing_lost(seen.last)
+
+
 # --- PI deadlocks: every process -----------------------------------------------------------
 
 
@@ -290,7 +320,7 @@ def test_full_per_process_maps_are_counted() -> None:
 def test_program_stats_count_runs_once_enabled(open_probes: OpenProbes) -> None:
     probes = open_probes()
     names = set(probes.program_stats())
-    for syscall in ("futex", "bind", "listen", "write", "writev", "pwrite64"):
+    for syscall in ("futex", "bind", "listen", "write", "writev", "pwrite64", "sendto"):
         assert {f"sys_enter_{syscall}", f"sys_exit_{syscall}"} <= names, names
     assert {"sys_exit_accept", "sys_exit_accept4"} <= names, names
     restore = probes.enable_stats()
