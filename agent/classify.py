@@ -43,6 +43,7 @@ class ProcessVerdict:
     gpu_spin: bool = False  # host parked past the threshold while its GPUs stay pegged
     worked: bool = False  # did work of its own in the window (not merely under the threshold)
     waits: ev.ProcessWaits | None = None  # what its threads wait in
+    no_waker: bool = False  # deadlocked because no thread of it can be woken (agent.hopeless)
 
     @property
     def words(self) -> list[str]:
@@ -174,11 +175,11 @@ def classify_process(facts: ProcessFacts, threshold_s: float) -> ProcessVerdict:
         v.reasons.append(ev.CyclesStable(len(facts.cycles), among_threads=True))
         return v
     if facts.hopeless:
-        v.state = DEADLOCKED
+        v.state, v.no_waker = DEADLOCKED, True
         v.reasons.append(no_waker(s, facts.waits))
         return v
     gpu = facts.gpu
-    host_work = bool(prog.working_tids or prog.write_bytes or prog.received_bytes)
+    host_work = bool(prog.working_tids or prog.wrote_out or prog.received_bytes)
     if (
         gpu is not None
         and not host_work
@@ -205,10 +206,17 @@ def classify_process(facts: ProcessFacts, threshold_s: float) -> ProcessVerdict:
         unanswered_requests(s, facts.front_door_ports),
     )
     v.reasons.extend(why)
+    if prog.heartbeat:
+        v.reasons.append(heartbeat(prog))
     idle_gpu = gpu_idle({s.pid: gpu}) if gpu is not None else None
     if idle_gpu:
         v.reasons.append(idle_gpu)
     return v
+
+
+def heartbeat(prog: ProcessProgress) -> ev.Heartbeat:
+    logged = (prog.write_bytes or 0) - prog.answered_bytes
+    return ev.Heartbeat(logged, prog.written_to or "a file", prog.window_ns / 1e9)
 
 
 def no_waker(s: ProcessSample, waits: ev.ProcessWaits | None) -> ev.NoWaker:
@@ -329,6 +337,7 @@ def classify_service(
         v.reasons.extend(evidence.cycles)
     elif v.state in (STALLED, IDLE):
         v.reasons.extend(evidence.parked)
+        v.reasons.extend(heartbeat(f.progress) for f in procs if f.progress.heartbeat)
     if v.state in (STALLED, DEADLOCKED):
         v.culprit = find_culprit(v, procs)
         if v.culprit is not None:

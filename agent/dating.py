@@ -6,7 +6,9 @@ nothing; what the kernel kept can. For a service that did nothing in the window,
 recent of these dates its last progress:
 
 * a file, terminal or pipe it holds open for writing, out of the service (its log): the
-  mtime, which every write moves;
+  mtime, which every write moves; except where a process of the service was seen writing
+  heartbeats to it (agent.progress): then the mtime dates the last status line, not the
+  last work (vLLM's EngineCore logs its warning to the stdout it shares with the API server);
 * a TCP connection to a peer outside the service: when data was last sent on it, and, on
   connections that are not requests at a front door, when data was last received
   (tcp_info: weights streamed in, a peer rank's data);
@@ -24,7 +26,7 @@ from its last output instead (docs/how-it-works.md, "What hangwatch cannot see")
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from . import evidence as ev
 from .egress import CLIENT, LEAVES, ServiceEnds
@@ -41,12 +43,16 @@ def last_progress(
     now_ns: int,
     wall: float,
     window_start_ns: int,
+    heartbeats: Collection[str] = (),
 ) -> ev.LastProgress | None:
     """The most recent dated progress of the service's processes, or None if nothing is
-    dated. ``now_ns``/``wall``: the snapshot's monotonic and wall clocks."""
+    dated. ``now_ns``/``wall``: the snapshot's monotonic and wall clocks; ``heartbeats``:
+    the fd links (/proc/PID/fd text) the service's processes were seen writing heartbeats to."""
     found: list[ev.LastProgress] = []
     for s in samples:
         for w in proc.written_fds(s.pid):
+            if w.target in heartbeats:
+                continue
             if ends.destination(w.target) in LEAVES:
                 found.append(ev.LastProgress("write", w.target, s.pid, max(0.0, wall - w.mtime)))
         for c in s.connections:

@@ -56,6 +56,17 @@ class WroteOut(Fact):
 
 
 @dataclass(frozen=True)
+class Heartbeat(Fact):
+    """Small writes to files by a process that did nothing else in the window (no CPU above
+    the floor, no data in, no answer to a client, no GPU work): a status line on a timer,
+    not progress (agent.progress)."""
+
+    bytes: int
+    to: str  # the file written most, as its fd link names it
+    window_s: float
+
+
+@dataclass(frozen=True)
 class ReceivedIn(Fact):
     """Data received from outside the service (not requests on a front door): weights, a
     peer rank on another host."""

@@ -25,7 +25,7 @@ from .classify import (
     unanswered_requests,
 )
 from .dating import last_progress
-from .egress import LEAVES, ServiceEnds, received_from_outside
+from .egress import CLIENT, LEAVES, ServiceEnds, received_from_outside
 from .frontdoor import FrontDoorConfig, FrontDoors, front_doors
 from .gpuverdict import GpuHistory, gpu_active
 from .hopeless import hopeless
@@ -73,6 +73,17 @@ def describe_fd(target: str | None, fd: int) -> str:
     if target is not None and target.startswith("/") and not target.startswith("/dev/"):
         return target
     return fdwords.describe_fd(target, fd)
+
+
+@dataclass(frozen=True)
+class Written:
+    """A process's writes in a window that left the service: in all (None: no probe), to
+    clients, and the file (or terminal, or pipe out) written most."""
+
+    total: int | None
+    answered: int = 0
+    most_to: str | None = None
+    files: tuple[str, ...] = ()  # the fd links written, not to clients
 
 
 class ListenHistory:
@@ -151,6 +162,8 @@ class Observer:
         self._fd_names: dict[tuple[int, int], str] = {}  # (pid, fd) -> link when last written
         self._fd_seen: dict[tuple[int, int], int] = {}  # (pid, fd) -> last_ns when named
         self._demand_ns: dict[int, int] = {}  # root -> when work last waited at its doors
+        # (pid, start) -> fd links it wrote heartbeats to (agent.progress): not dated from.
+        self._heartbeat_files: dict[tuple[int, int], set[str]] = {}
 
     def discover(self) -> list[int]:
         """Find the services' processes now and point the probe at them."""
@@ -193,6 +206,11 @@ class Observer:
             and not self.sampler.proc.has_posix_timers(pid)
         )
         self.tracker.update(snap)
+        self._heartbeat_files = {
+            k: v
+            for k, v in self._heartbeat_files.items()
+            if (p := snap.processes.get(k[0])) is not None and p.start_ticks == k[1]
+        }
         self._note_demand(snap)
         self.sockets.prune()
         self.gpu_history.update(gpu, self.ticks[-1].gpu if self.ticks else None, snap.mono_ns)
@@ -255,6 +273,7 @@ class Observer:
                     accepts = latest.reading.accepts[pid] - old_tick.reading.accepts.get(pid, 0)
                 gpu = self.gpu_history.facts(pid, latest.gpu, old_tick.gpu, snap.mono_ns)
                 old_sample = old.processes.get(pid)
+                written = self._written_out(pid, latest.reading, old_tick.reading, ends)
                 progress = window_progress(
                     old_sample,
                     sample,
@@ -262,9 +281,15 @@ class Observer:
                     self.park,
                     accepts=accepts,
                     gpu=gpu_active(gpu) if gpu is not None and gpu.active else None,
-                    written_out=self._written_out(pid, latest.reading, old_tick.reading, ends),
+                    written_out=written.total,
                     received=received_from_outside(old_sample, sample, ends, doors.ports),
+                    answered=written.answered,
+                    written_to=written.most_to,
                 )
+                if progress.heartbeat:
+                    # Its mtimes tell of the heartbeat, not of work: never date from them.
+                    key = (pid, sample.start_ticks)
+                    self._heartbeat_files.setdefault(key, set()).update(written.files)
                 facts.append(
                     ProcessFacts(
                         sample=sample,
@@ -335,6 +360,9 @@ class Observer:
     ) -> Callable[[], ev.LastProgress | None]:
         """Dates the service's last progress (agent.dating) when the classifier asks: only
         for a quiet service that is not idle, so an idle server costs no fd walk a tick."""
+        beats = set().union(
+            *(self._heartbeat_files.get((p.pid, p.start_ticks), ()) for p in samples)
+        )
         return lambda: last_progress(
             self.sampler.proc,
             samples,
@@ -343,6 +371,7 @@ class Observer:
             snap.mono_ns,
             snap.wall,
             window_start_ns,
+            beats,
         )
 
     def _pipes_read_by(self, samples: Sequence[ProcessSample]) -> Callable[[int], bool]:
@@ -360,19 +389,32 @@ class Observer:
 
     def _written_out(
         self, pid: int, latest: ProbeReading, old: ProbeReading, ends: ServiceEnds
-    ) -> int | None:
-        """Bytes the process wrote in the window that left the service (agent.egress), by the
-        probe's count per fd; None without a probe."""
+    ) -> Written:
+        """What the process wrote in the window that left the service (agent.egress), by the
+        probe's count per fd (total None without a probe)."""
         if self.probe is None:
-            return None
+            return Written(None)
         before = old.writes.get(pid, {})
-        total = 0
+        total = answered = 0
+        files: dict[str, int] = {}
+        links: list[str] = []
         for fd, w in latest.writes.get(pid, {}).items():
             prev = before.get(fd)
             delta = w.bytes - (prev.bytes if prev is not None else 0)
-            if delta > 0 and ends.destination(self._fd_names.get((pid, fd))) in LEAVES:
-                total += delta
-        return total
+            name = self._fd_names.get((pid, fd))
+            where = ends.destination(name)
+            if delta <= 0 or where not in LEAVES:
+                continue
+            total += delta
+            if where == CLIENT:
+                answered += delta
+            else:
+                key = describe_fd(name, fd)
+                files[key] = files.get(key, 0) + delta
+                if name is not None:
+                    links.append(name)
+        most = max(files, key=lambda k: files[k]) if files else None
+        return Written(total, answered, most, tuple(links))
 
     def _name_written_fds(self, reading: ProbeReading) -> None:
         """Name each fd when it is written (a log closed later is still named), and only

@@ -4,6 +4,16 @@ Progress is work, not wake-ups: a thread that wakes on a timer and parks again
 uses almost no CPU, so it stays parked. Each signal is one field of
 ``ProcessProgress``; the daemon's probes (writes per fd, accepts) and the GPU
 source feed the same fields, so the classifier has one place to look.
+
+A write to a file is progress only with work behind it. Real engines write on a timer
+while they wait: Ray's autoscaler monitor appends its cluster status to monitor.log every
+5 s, the raylet rewrites debug_state.txt (16-20 KB) every 10 s, vLLM's EngineCore logs "No
+available shared memory broadcast block found in 60 seconds" each minute its Worker does
+not answer, and its API server logs a stats line every 10 s for a while after the last
+request. So small file writes (``HEARTBEAT_MAX_BYTES`` in a window) by a process that did
+nothing else in the window (no thread above the CPU floor, no data from outside, no answer
+to a client, no GPU work) are a heartbeat, not progress. A loading log comes with the CPU
+or the data of the load, a checkpoint with its bytes, and answers to clients always count.
 """
 
 from __future__ import annotations
@@ -14,6 +24,10 @@ from . import evidence as ev
 from .model import ProcessSample, Snapshot, ThreadSample
 
 NS = 1_000_000_000
+# Most a process may write to files in one window, with no other work, and still be taken
+# for a heartbeat: the raylet's debug_state.txt rewrite is 16-20 KB; a log line, a few
+# hundred bytes. More than this is data, whatever else the process did.
+HEARTBEAT_MAX_BYTES = 256 * 1024
 
 
 @dataclass(frozen=True)
@@ -45,6 +59,10 @@ class ProcessProgress:
     # Bytes written to files, terminals and clients outside the service (agent.egress);
     # None: not measurable.
     write_bytes: int | None = None
+    # Of those, the bytes sent to clients (TCP peers outside the service): answers.
+    answered_bytes: int = 0
+    # The file written most in the window, as its fd link names it (for a heartbeat's words).
+    written_to: str | None = None
     # Data received from outside the service, not requests at a front door (tcp_info of its
     # other connections: weights streamed from storage, a peer rank on another host).
     received_bytes: int = 0
@@ -55,8 +73,24 @@ class ProcessProgress:
     notes: tuple[str, ...] = ()
 
     @property
+    def heartbeat(self) -> bool:
+        """Its only work in the window was a small write to a file: a status write on a
+        timer (see the module docstring), not progress."""
+        logged = (self.write_bytes or 0) - self.answered_bytes
+        return (
+            0 < logged <= HEARTBEAT_MAX_BYTES
+            and not self.answered_bytes
+            and not (self.working_tids or self.received_bytes or self.gpu)
+        )
+
+    @property
+    def wrote_out(self) -> bool:
+        """Wrote outside the service in the window, heartbeats aside."""
+        return bool(self.write_bytes) and not self.heartbeat
+
+    @property
     def did_work(self) -> bool:
-        return bool(self.working_tids or self.write_bytes or self.received_bytes or self.gpu)
+        return bool(self.working_tids or self.wrote_out or self.received_bytes or self.gpu)
 
     def signals(self) -> list[ev.Fact]:
         """The evidence of each progress signal seen."""
@@ -64,8 +98,8 @@ class ProcessProgress:
         secs = self.window_ns / NS
         if self.working_tids:
             out.append(ev.CpuWork(len(self.working_tids), self.cpu_ns / NS, secs))
-        if self.write_bytes:
-            out.append(ev.WroteOut(self.write_bytes, secs))
+        if self.wrote_out:
+            out.append(ev.WroteOut(self.write_bytes or 0, secs))
         if self.received_bytes:
             out.append(ev.ReceivedIn(self.received_bytes, secs))
         if self.accepts:
@@ -175,11 +209,14 @@ def window_progress(
     gpu: ev.GpuActive | None = None,
     written_out: int | None = None,
     received: int = 0,
+    answered: int = 0,
+    written_to: str | None = None,
 ) -> ProcessProgress:
     """Progress of one process between two snapshots ``window_ns`` apart. ``accepts`` is
     what the probe counted in the window; ``gpu`` says what the GPU did, if it was active;
     ``written_out`` is what it wrote outside the service in the window, by the probe's
-    writes per fd (without a probe: /proc/PID/io, which counts every write); ``received``
+    writes per fd (without a probe: /proc/PID/io, which counts every write), ``answered``
+    the part of it sent to clients and ``written_to`` the file written most; ``received``
     what it received from outside (see ProcessProgress.received_bytes)."""
     notes: tuple[str, ...] = ()
     if old is not None and old.start_ticks != new.start_ticks:
@@ -207,6 +244,8 @@ def window_progress(
         working_tids=tuple(working),
         write_bytes=written,
         received_bytes=received,
+        answered_bytes=answered,
+        written_to=written_to,
         accepts=accepts,
         gpu=gpu,
         notes=notes,

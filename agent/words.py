@@ -75,6 +75,11 @@ def render(f: ev.Fact) -> str:
         return f"{plural(f.threads, 'thread')} used CPU ({f.cpu_s:.2f} CPU-s in {f.window_s:.1f} s)"
     if isinstance(f, ev.WroteOut):
         return f"wrote {size(f.bytes)} to files or clients in {f.window_s:.1f} s"
+    if isinstance(f, ev.Heartbeat):
+        return (
+            f"wrote only {size(f.bytes)} to {f.to} in {f.window_s:.1f} s and did nothing else: "
+            "a status write, not progress"
+        )
     if isinstance(f, ev.ReceivedIn):
         return f"received {size(f.bytes)} from outside the service in {f.window_s:.1f} s"
     if isinstance(f, ev.Accepted):

@@ -41,7 +41,9 @@ def facts(
         window_ns=5 * 10**9,
         working_tids=(pid * 100,) if work == "cpu" else (),
         cpu_ns=4 * 10**9 if work == "cpu" else 0,
-        write_bytes=4096 if work == "write" else None,
+        write_bytes={"write": 4096, "answer": 4096, "bigwrite": 2**20}.get(work or ""),
+        answered_bytes=4096 if work == "answer" else 0,
+        written_to="/var/log/engine.log" if work in ("write", "bigwrite") else None,
     )
     return ProcessFacts(
         sample, prog, n if parked_n is None else parked_n, parked_s, cycles, front_door_ports=doors
@@ -54,9 +56,31 @@ def test_cycle_wins_over_work():
 
 
 def test_work_in_the_window_is_progressing_with_the_signal_in_words():
-    v = classify_process(facts(work="write"), 60)
+    v = classify_process(facts(work="answer"), 60)
     assert v.state == PROGRESSING
     assert any("wrote 4.0 KiB" in r for r in v.words)
+    v = classify_process(facts(work="bigwrite"), 60)
+    assert v.state == PROGRESSING
+    assert any("wrote 1.0 MiB" in r for r in v.words)
+
+
+def test_a_small_file_write_and_nothing_else_is_a_heartbeat_not_progress():
+    """Ray's monitor.log every 5 s, vLLM's EngineCore warning each minute: a status line
+    on a timer from a process that does nothing else does not make it progress."""
+    v = classify_process(facts(work="write", parked_s=61), 60)
+    assert v.state == STALLED
+    assert any(
+        "wrote only 4.0 KiB to /var/log/engine.log in 5.0 s and did nothing else" in r
+        for r in v.words
+    ), v.words
+    # The same write beside CPU work is the work's log: progress
+    cpu = facts(work="cpu", parked_s=61)
+    p = cpu.progress
+    with_log = cpu.__class__(
+        **{**cpu.__dict__, "progress": p.__class__(**{**p.__dict__, "write_bytes": 4096})}
+    )
+    v = classify_process(with_log, 60)
+    assert v.state == PROGRESSING and any("wrote 4.0 KiB" in r for r in v.words), v.words
 
 
 def test_all_parked_past_threshold_is_stalled():
@@ -153,7 +177,7 @@ def test_service_whose_root_exited_is_reported_gone():
     st.lists(
         st.tuples(
             st.booleans(),
-            st.sampled_from([None, "cpu", "write"]),
+            st.sampled_from([None, "cpu", "answer", "bigwrite", "write"]),
             st.floats(0, 1e4),
             st.booleans(),
         ),
@@ -176,7 +200,7 @@ def test_service_state_follows_the_precedence(procs, threshold):
     v = classify_service(10, fs, threshold)
     if any(c for c, *_ in procs):
         assert v.state == DEADLOCKED
-    elif any(w for _, w, *_ in procs):
+    elif any(w not in (None, "write") for _, w, *_ in procs):  # a heartbeat is not work
         assert v.state == PROGRESSING
     elif any(listen for *_, listen in procs):
         assert v.state == IDLE

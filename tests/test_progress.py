@@ -162,7 +162,14 @@ def test_window_progress_counts_cpu_above_the_floor_and_bytes_written():
     assert p.working_tids == (12,) and p.did_work and p.write_bytes == 0
     new2 = process(10, parked(11, cpu=1 * MS), parked(12, cpu=10 * MS), write_bytes=612)
     p2 = window_progress(old, new2, 5 * S, settings)
-    assert p2.working_tids == () and p2.write_bytes == 512 and p2.did_work
+    # 512 bytes and nothing else: a heartbeat, not work; the same beside CPU work counts
+    assert p2.working_tids == () and p2.write_bytes == 512 and p2.heartbeat and not p2.did_work
+    new3 = process(10, parked(11, cpu=1 * MS), parked(12, cpu=300 * MS), write_bytes=612)
+    p3 = window_progress(old, new3, 5 * S, settings)
+    assert p3.write_bytes == 512 and not p3.heartbeat and p3.did_work
+    # Answers to clients always count
+    p4 = window_progress(old, new2, 5 * S, settings, written_out=512, answered=512)
+    assert not p4.heartbeat and p4.did_work
 
 
 def test_unreadable_io_is_not_progress():
