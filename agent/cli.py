@@ -120,7 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=DURATION.default,
         metavar="S",
         help=f"seconds to observe (default {DURATION.default:g}; {DURATION.range_text}; "
-        "at least two reads are taken)",
+        "at least two reads are taken); longer, up to --threshold, for a service that did "
+        "nothing in that time but has no evidence as old as the threshold",
     )
     d.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     d.add_argument(

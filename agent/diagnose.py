@@ -10,10 +10,10 @@ from dataclasses import dataclass, replace
 from typing import TextIO
 
 from . import session as session_mod
-from .classify import ServiceVerdict, parked_group
+from .classify import PROGRESSING, ServiceVerdict, parked_group
 from .discovery import env_labels
 from .errors import UsageError
-from .evidence import NoPythonStack, ParkedGroup, as_json
+from .evidence import NoPythonStack, ParkedGroup, UnderThreshold, as_json
 from .fdwords import waits_on
 from .model import ProbeEvent, plural
 from .native import describe_address, named_verdicts, native_caller
@@ -57,19 +57,48 @@ def validate(opts: DiagnoseOptions, proc: ProcFS) -> None:
             raise UsageError(f"--pid {pid} is a thread of process {tgid}", f"give --pid {tgid}")
 
 
-def observe(session: Session, opts: DiagnoseOptions, log: TextIO) -> None:
-    """Tick for the duration; at least two ticks, so a cycle can be confirmed."""
+def unsettled(verdicts: Sequence[ServiceVerdict]) -> list[ServiceVerdict]:
+    """Services that did nothing in the window but whose time without progress is still
+    under the threshold: what the window saw cannot say yet whether they are stalled."""
+    return [
+        v
+        for v in verdicts
+        if v.state == PROGRESSING and any(isinstance(r, UnderThreshold) for r in v.reasons)
+    ]
+
+
+def observe(session: Session, opts: DiagnoseOptions, log: TextIO) -> list[ServiceVerdict]:
+    """Tick for the duration; at least two ticks, so a cycle can be confirmed. Then, while
+    a service did nothing but its evidence is younger than the threshold (a heartbeat
+    rewrote its log a moment before the window, say), watch on until the threshold, so
+    the verdict rests on what was watched. Returns the verdicts."""
     interval = session.settings.interval_s
     start = time.monotonic()
     n = 0
+    longest = opts.duration_s
+    told = False
     while True:
         session.tick(session.read_gpu())
         n += 1
         elapsed = time.monotonic() - start
-        if elapsed >= opts.duration_s and n >= 2:
-            break
-        time.sleep(max(0.0, min(interval, opts.duration_s - elapsed)) or interval)
+        if elapsed >= longest and n >= 2:
+            verdicts = session.verdicts()
+            waiting = unsettled(verdicts) if elapsed < opts.threshold_s else []
+            if not waiting:
+                break
+            if not told:
+                print(
+                    f"hangwatch: {plural(len(waiting), 'service')} did nothing in "
+                    f"{elapsed:.1f} s, with no evidence yet as old as the "
+                    f"{opts.threshold_s:g} s threshold: watching until it",
+                    file=log,
+                    flush=True,
+                )
+                told = True
+            longest = opts.threshold_s
+        time.sleep(max(0.0, min(interval, longest - elapsed)) or interval)
     print(f"hangwatch: observed for {time.monotonic() - start:.1f} s ({n} reads)", file=log)
+    return verdicts
 
 
 def _labels_text(labels: Mapping[str, str] | None) -> str:
@@ -163,6 +192,7 @@ def to_json(
     events: Sequence[ProbeEvent],
     labels: Mapping[int, Mapping[str, str]] | None = None,
     stacks: Mapping[int, StackRead] | None = None,
+    observed_s: float | None = None,
 ) -> dict:
     snap, graph = tick.snapshot, tick.graph
     groups = graph.groups()
@@ -234,6 +264,8 @@ def to_json(
     return {
         "threshold_seconds": opts.threshold_s,
         "duration_seconds": opts.duration_s,
+        # Longer than the duration where a quiet service had to be watched to the threshold.
+        "observed_seconds": round(opts.duration_s if observed_s is None else observed_s, 3),
         "observed_at": time.strftime(ISO, time.localtime(snap.wall)),
         "services": services,
         "probe": probe_summary(tick, events),
@@ -383,8 +415,7 @@ def run(opts: DiagnoseOptions, out: TextIO = sys.stdout, log: TextIO = sys.stder
             file=log,
             flush=True,
         )
-        observe(session, opts, log)
-        verdicts = session.verdicts()
+        verdicts = observe(session, opts, log)
         observer = session.observer
         tick = observer.ticks[-1]
     verdicts = named_verdicts(verdicts, tick.snapshot)
@@ -403,7 +434,9 @@ def run(opts: DiagnoseOptions, out: TextIO = sys.stdout, log: TextIO = sys.stder
     events = [e for e in observer.events if e.tgid in ours]
     labels = {pid: env_labels(proc.environ(pid) or b"") for pid in tick.snapshot.processes}
     if opts.as_json:
-        json.dump(to_json(verdicts, tick, opts, events, labels, stacks), out, indent=2)
+        first = observer.ticks[0].snapshot.mono_ns
+        observed_s = (tick.snapshot.mono_ns - first) / 1e9
+        json.dump(to_json(verdicts, tick, opts, events, labels, stacks, observed_s), out, indent=2)
         out.write("\n")
     else:
         out.write(
