@@ -82,6 +82,7 @@ def build_exposition(
                     parked_threads=p.parked_threads,
                     parked_seconds=p.parked_seconds,
                     lock_cycles=len(p.cycles),
+                    no_waker=p.no_waker,
                     labels=dict(labels.get(p.pid, {})),
                     write_bytes_total=sum(w.bytes for w in writes.values()),
                     last_write_age_seconds=max(0.0, (now - last) / 1e9) if last else None,

@@ -145,6 +145,13 @@ class _Families:
             "reads, that include threads of this process; above 0 means deadlocked.",
             proc,
         )
+        self.no_waker = gauge(
+            "hangwatch_process_no_waker",
+            "1 when no thread of the process can be woken but by a signal (every thread in an "
+            "untimed wait on a process-private futex, none woken across two reads): deadlocked "
+            "with no lock cycle to show.",
+            proc,
+        )
         self.futex_wait = HistogramMetricFamily(
             "hangwatch_futex_wait_seconds",
             "How long the process's futex waits (lock, condition variable, barrier) lasted, "
@@ -314,6 +321,7 @@ class _Families:
         self.parked_threads.add_metric(lv, p.parked_threads)
         self.parked_seconds.add_metric(lv, p.parked_seconds)
         self.lock_cycles.add_metric(lv, p.lock_cycles)
+        self.no_waker.add_metric(lv, 1.0 if p.no_waker else 0.0)
         buckets, sum_s = futex_buckets(p.futex_wait_slots)
         self.futex_wait.add_metric(lv, buckets, sum_s)
         if p.write_bytes_total is not None:

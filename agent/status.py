@@ -24,6 +24,9 @@ class ProcessStatus:
     parked_threads: int
     parked_seconds: float  # how long every thread has been parked; 0 if any works
     lock_cycles: int  # confirmed wait-for cycles that include its threads
+    # 1 when no thread of it can be woken but by a signal (agent.hopeless): a deadlock that
+    # shows no lock cycle. lock_cycles and this tell the two proofs apart.
+    no_waker: bool = False
     # Extra identity labels from an allow-list of environment variables (RANK, LOCAL_RANK...)
     labels: Mapping[str, str] = field(default_factory=dict)
     write_bytes_total: int | None = None  # bytes written since watched (probe); None: unknown

@@ -54,6 +54,7 @@ CONTRACT = {
     "hangwatch_process_parked_threads",
     "hangwatch_process_parked_seconds",
     "hangwatch_process_lock_cycles",
+    "hangwatch_process_no_waker",
     "hangwatch_futex_wait_seconds",
     "hangwatch_process_write_bytes_total",
     "hangwatch_process_last_write_age_seconds",
@@ -479,6 +480,26 @@ def test_unknown_state_exports_all_zero_and_does_not_raise():
     values = [s.value for s in samples(reg) if s.name.endswith("_state")]
     assert len(values) == 8
     assert values == [0.0] * 8
+
+
+def test_no_waker_tells_a_deadlock_without_a_cycle():
+    hung = ServiceStatus(
+        "pool", 400, DEADLOCKED,
+        (proc("pool", 400, 400, "python3", DEADLOCKED, threads=3, parked_threads=3,
+              lock_cycles=0, no_waker=True),),
+    )  # fmt: skip
+    reg = registry(Exposition((hung, PINNED), AGENT))
+    got = {
+        (s.labels["pid"], s.name): s.value
+        for s in samples(reg)
+        if s.name in ("hangwatch_process_no_waker", "hangwatch_process_lock_cycles")
+    }
+    assert got == {
+        ("400", "hangwatch_process_no_waker"): 1,
+        ("400", "hangwatch_process_lock_cycles"): 0,
+        ("200", "hangwatch_process_no_waker"): 0,
+        ("200", "hangwatch_process_lock_cycles"): 1,
+    }, got
 
 
 def test_duplicate_series_are_exported_once():

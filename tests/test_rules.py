@@ -194,7 +194,12 @@ def test_metric_name_check_catches_a_wrong_name() -> None:
 # --nonblocking, or gdb, ptrace-stops every thread of a serving process: the texts must never
 # send anyone there first, and every py-spy dump they show must carry --nonblocking.
 
-HANG_ALERTS = {"HangwatchDeadlock", "HangwatchAllThreadsParked", "HangwatchGpuSpin"}
+HANG_ALERTS = {
+    "HangwatchDeadlock",
+    "HangwatchNoWaker",
+    "HangwatchAllThreadsParked",
+    "HangwatchGpuSpin",
+}
 HANG_RUNBOOKS = HANG_ALERTS | {"First, for every hang alert"}
 _DIAGNOSE_FIRST = re.compile(r"hangwatch diagnose --pid {{ \$labels\.\w+ }}")
 _STOPPERS = re.compile(r"py-spy|gdb", re.IGNORECASE)

@@ -1,9 +1,11 @@
 """The shipped alert rules in a real Prometheus server, scraping a real daemon.
 
-The daemon watches a deadlocked process, a parked pool and an idle Python HTTP server;
+The daemon watches a deadlocked process, two hangs proven without a lock cycle (a Python-lock
+ABBA and a child forked while a lock was held), a parked pool and an idle Python HTTP server;
 Prometheus (Debian's package) evaluates deploy/prometheus's rules every second. Through its
-HTTP API: HangwatchDeadlock is pending or firing for the deadlocked pid, HangwatchAllThreadsParked
-for the pool's pid, and nothing at all for the idle server.
+HTTP API: HangwatchDeadlock is pending or firing for the deadlocked pid, HangwatchNoWaker for
+the ABBA's pid and the forked child's, HangwatchAllThreadsParked for the pool's pid, and nothing
+at all for the idle server.
 """
 
 from __future__ import annotations
@@ -31,6 +33,10 @@ targets:
     cmdline: "fixtures/build/condvar_pool"
   - name: http
     cmdline: "fixtures/idle_http\\\\.py"
+  - name: pylocks
+    cmdline: "fixtures/pylocks\\\\.py"
+  - name: fork-locked
+    cmdline: "fixtures/fork_locked\\\\.py"
 """
 ACTIVE = ("pending", "firing")
 
@@ -59,8 +65,15 @@ def test_alerts_fire_for_the_hangs_and_never_for_the_idle_server(stack) -> None:
         Fixture.c("deadlock_mutex") as mutex,
         Fixture.c("condvar_pool", "4") as pool,
         Fixture.py("idle_http") as http,
+        Fixture.py("pylocks") as abba,
+        Fixture.py("fork_locked") as forked,
     ):
-        want = {("HangwatchDeadlock", str(mutex.pid)), ("HangwatchAllThreadsParked", str(pool.pid))}
+        want = {
+            ("HangwatchDeadlock", str(mutex.pid)),
+            ("HangwatchAllThreadsParked", str(pool.pid)),
+            ("HangwatchNoWaker", str(abba.pid)),
+            ("HangwatchNoWaker", forked.info["child"]),
+        }
         deadline = time.monotonic() + 90  # generous: a loaded CI machine ticks late
         active: list[dict] = []
         while time.monotonic() < deadline:
@@ -75,6 +88,8 @@ def test_alerts_fire_for_the_hangs_and_never_for_the_idle_server(stack) -> None:
         for a in active:
             if a["labels"]["alertname"] in ("HangwatchDeadlock", "HangwatchAllThreadsParked"):
                 assert a["labels"].get("service") in ("mutex-cycle", "pool"), shown
+            if a["labels"]["alertname"] == "HangwatchNoWaker":
+                assert a["labels"].get("service") in ("pylocks", "fork-locked"), shown
                 assert a["annotations"].get("runbook_url"), shown
         # The idle server is idle in the daemon's eyes, and in Prometheus: nothing is active
         # for it, now and after a few more evaluations. (Idle once its start-up is out of the
