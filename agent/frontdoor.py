@@ -17,8 +17,17 @@ at it"). Per listening port of the service, in this order:
 4. Otherwise its accepted connections (the service's established sockets on that local
    port) decide: every peer a socket of the service (the other end of the loopback pair is
    held by a process of the service) makes it plumbing; one peer from outside makes it a front
-   door. A listener with no connection is a front door until shown otherwise: an idle server
-   has none.
+   door.
+5. A listener with no connection is a front door until shown otherwise when it is an address
+   clients can know: a port the service's root names on its command line (the engine's
+   ``--port``), or one below the kernel's ephemeral range (8000, 30000: asked for by number).
+   It is not when the probe saw it bound to port 0 (the kernel chose it), nor when it lies in
+   the ephemeral range unnamed by the root: a port the kernel or a runtime chose. vLLM's
+   Worker opens a gloo listener per process group on kernel-chosen ports even at world size
+   1, with no torchrun variables around; Ray picks free ports for its raylet, workers,
+   agents and metrics exporters and hands them to each child on its command line (so the
+   root's command line is the one that counts, not the holder's). An idle server on a port
+   it was given has no connection and stays a front door: an idle server has none.
 
 What the real thing looks like (torch 2.14.1, gloo on CPU, 2 ranks; checked by hand with
 tests/realsw/torch_jobs.py and the serving stack of tests/realsw/serving):
@@ -128,6 +137,29 @@ def _holder(p: ProcessSample) -> str:
     return f"pid {p.pid} ({p.comm})"
 
 
+def _unconnected(
+    port: int,
+    pids: tuple[int, ...],
+    named: frozenset[int],
+    kernel_chosen: frozenset[int],
+    ephemeral_from: int,
+) -> Door:
+    """A listener nobody is connected to: rule 5."""
+    if port in kernel_chosen:
+        return Door(port, pids, False, "bound to port 0: the kernel chose it, no client knows it")
+    if port in named:
+        why = "named on the command line, no connection yet: a front door until shown otherwise"
+        return Door(port, pids, True, why)
+    if port < ephemeral_from:
+        why = "asked for by number, no connection yet: a front door until shown otherwise"
+        return Door(port, pids, True, why)
+    why = (
+        f"a port in the kernel's ephemeral range (from {ephemeral_from}) that the command line "
+        "does not name, with no connection: chosen by the kernel or a runtime"
+    )
+    return Door(port, pids, False, why)
+
+
 def _plumbing_reasons(processes: Sequence[ProcessSample]) -> dict[int, str]:
     out: dict[int, str] = {}
     for p in sorted(processes, key=lambda p: p.pid):
@@ -143,10 +175,12 @@ def front_doors(
     processes: Sequence[ProcessSample],
     declared: FrontDoorConfig | None = None,
     ephemeral_from: int = DEFAULT_EPHEMERAL_FROM,
+    kernel_chosen: frozenset[int] = frozenset(),
 ) -> FrontDoors:
-    """Each listening port of the service (``processes``: all of its processes), decided by
-    the rules of the module docstring. ``ephemeral_from``: the snapshot's start of
-    ip_local_port_range."""
+    """Each listening port of the service (``processes``: all of its processes, its root
+    first), decided by the rules of the module docstring. ``ephemeral_from``: the snapshot's
+    start of ip_local_port_range; ``kernel_chosen``: its ports the probe saw bound to port 0."""
+    named = frozenset(processes[0].plumbing.named_ports) if processes else frozenset()
     holders: dict[int, dict[int, ProcessSample]] = {}  # port -> pid -> process
     for p in processes:
         for lst in p.listeners:
@@ -184,9 +218,7 @@ def front_doors(
             doors.append(Door(port, pids, False, why, n))
             continue
         if not conns:
-            doors.append(
-                Door(port, pids, True, "no connection yet: a front door until shown otherwise")
-            )
+            doors.append(_unconnected(port, pids, named, kernel_chosen, ephemeral_from))
             continue
         peers = [owner.get((_remote(c), _local(c))) for c in conns]
         outside = [c for c, peer in zip(conns, peers) if peer is None]

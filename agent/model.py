@@ -182,6 +182,9 @@ class Plumbing:
     master_port: int | None = None  # MASTER_PORT in its environment: a torch.distributed rank
     launcher: str | None = None  # "torchrun" when it is torch's launcher (an elastic agent)
     flag_ports: tuple[tuple[str, int], ...] = ()  # (flag, port) named on its command line
+    # Every port its command line names (``--port 8000``, ``--bind 0.0.0.0:8000``, a bare
+    # ``8000``): the root's are ports asked for by number, which clients may know.
+    named_ports: tuple[int, ...] = ()
 
     @property
     def ports(self) -> frozenset[int]:

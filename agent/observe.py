@@ -95,18 +95,23 @@ class ListenHistory:
 
     def __init__(self, proc: ProcFS) -> None:
         self.proc = proc
-        self._bound: dict[tuple[int, int], int] = {}  # (pid, fd) -> port asked for at bind
+        # (pid, fd) -> port asked for at bind; 0 for a bind to port 0 (the kernel chooses)
+        self._bound: dict[tuple[int, int], int] = {}
         self.since: dict[tuple[int, int], int] = {}  # (pid, port) -> CLOCK_MONOTONIC of listen
+        self.kernel_chosen: set[tuple[int, int]] = set()  # (pid, port) bound to port 0
 
     def update(self, events: Iterable[SocketEvent]) -> None:
         for e in events:
-            if e.kind == "bind" and e.port:
+            if e.kind == "bind" and (e.port or e.family):
                 self._bound[(e.tgid, e.fd)] = e.port
             elif e.kind == "listen":
                 # A bind to port 0 lets the kernel choose: then ask /proc which port it chose.
-                port = self._bound.get((e.tgid, e.fd)) or self._port_now(e.tgid, e.fd)
+                asked = self._bound.get((e.tgid, e.fd))
+                port = asked or self._port_now(e.tgid, e.fd)
                 if port:
                     self.since[(e.tgid, port)] = e.ts_ns
+                    if asked == 0:
+                        self.kernel_chosen.add((e.tgid, port))
 
     def _port_now(self, pid: int, fd: int) -> int | None:
         target = self.proc.fd_target(pid, fd)
@@ -122,6 +127,12 @@ class ListenHistory:
         live = {pid for pid in held if self.proc.stat(pid) is not None}
         self._bound = {k: v for k, v in self._bound.items() if k[0] in live}
         self.since = {k: v for k, v in self.since.items() if k[0] in live}
+        self.kernel_chosen = {k for k in self.kernel_chosen if k[0] in live}
+
+    def chosen_by_kernel(self, pids: Iterable[int]) -> frozenset[int]:
+        """The ports of ``pids`` that the probe saw bound to port 0."""
+        mine = set(pids)
+        return frozenset(port for pid, port in self.kernel_chosen if pid in mine)
 
     def describe(self, pids: set[int], snap: Snapshot) -> list[ev.ListeningSince]:
         out = []
@@ -225,7 +236,7 @@ class Observer:
         waiting, and a service is idle only when nothing waited in the whole window."""
         for root, members in self.members.items():
             samples = [snap.processes[p] for p in members if p in snap.processes]
-            doors = front_doors(samples, self.scope.declared_doors(root), snap.ephemeral_from)
+            doors = self._doors(root, samples, snap)
             ports = doors.ports
             waiting = sum(
                 lst.queued for p in samples for lst in p.listeners if lst.port in ports
@@ -234,6 +245,14 @@ class Observer:
                 self._demand_ns[root] = snap.mono_ns
         live = set(self.members)
         self._demand_ns = {r: ns for r, ns in self._demand_ns.items() if r in live}
+
+    def _doors(self, root: int, samples: Sequence[ProcessSample], snap: Snapshot) -> FrontDoors:
+        return front_doors(
+            samples,
+            self.scope.declared_doors(root),
+            snap.ephemeral_from,
+            self.sockets.chosen_by_kernel(p.pid for p in samples),
+        )
 
     def _trim(self, window_s: float | None) -> None:
         """Keep what a verdict reads: the window's ticks (the daemon), or the first and the
@@ -257,7 +276,7 @@ class Observer:
         out = []
         for root, members in self.members.items():
             samples = [snap.processes[p] for p in members if p in snap.processes]
-            doors = front_doors(samples, self.scope.declared_doors(root), snap.ephemeral_from)
+            doors = self._doors(root, samples, snap)
             ends = ServiceEnds(
                 (c for p in samples for c in p.connections), self._pipes_read_by(samples)
             )

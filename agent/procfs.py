@@ -307,10 +307,36 @@ def parse_plumbing(environ: bytes | None, argv: Sequence[str]) -> Plumbing:
         if port is not None and (flag, port) not in flags:
             flags.append((flag, port))
     launcher = _launcher(argv)
+    named = _named_ports(argv)
     if launcher is not None and not flags and not standalone:
         flags.append(("torchrun's default --master-port", TORCHRUN_DEFAULT_MASTER_PORT))
     master = parse_master_port(environ) if environ else None
-    return Plumbing(master_port=master, launcher=launcher, flag_ports=tuple(flags))
+    return Plumbing(
+        master_port=master, launcher=launcher, flag_ports=tuple(flags), named_ports=named
+    )
+
+
+_HOST_PORT = re.compile(r"(?:[\w.\-]*|\[[0-9a-fA-F:.]*\]):(\d{1,5})")
+
+
+def _named_ports(argv: Sequence[str]) -> tuple[int, ...]:
+    """Ports a command line names: the value of a flag whose name has "port" in it
+    (``--port 8000``, ``--port=8000``), any ``HOST:PORT`` or ``:PORT`` word, and a bare
+    number of 1024 or more (``python -m http.server 8000``)."""
+    out: list[int] = []
+    for i, arg in enumerate(argv[1:], 1):
+        name, eq, value = arg.partition("=")
+        if name.startswith("-") and "port" in name.lower():
+            got = _port(value) if eq else (_port(argv[i + 1]) if i + 1 < len(argv) else None)
+        elif m := _HOST_PORT.fullmatch(value if eq else arg):
+            got = _port(m.group(1))
+        elif not arg.startswith("-") and (n := _port(arg)) is not None and n >= 1024:
+            got = n
+        else:
+            got = None
+        if got is not None and got not in out:
+            out.append(got)
+    return tuple(out)
 
 
 def parse_maps_line(line: str) -> MemMap | None:

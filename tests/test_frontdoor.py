@@ -58,9 +58,28 @@ def test_an_idle_server_is_a_front_door_until_shown_otherwise():
     fd = front_doors([proc(1, [8000])])
     (d,) = fd.doors
     assert (d.port, d.pids, d.front, d.connections) == (8000, (1,), True, 0)
-    assert d.reason == "no connection yet: a front door until shown otherwise"
+    assert d.reason == "asked for by number, no connection yet: a front door until shown otherwise"
     assert fd.ports == {8000}
-    assert render(fd.evidence()).startswith("front door 8000 (no connection yet")
+    assert render(fd.evidence()).startswith("front door 8000 (asked for by number")
+
+
+def test_an_unconnected_port_the_kernel_or_a_runtime_chose_is_no_front_door():
+    """vLLM's Worker: a gloo listener per process group on a kernel-chosen port; Ray: ports
+    it picked for its children and handed them on their command lines."""
+    ray_child = Plumbing(named_ports=(41234,))
+    fd = front_doors([proc(1), proc(2, [41234], plumbing=ray_child)])
+    (d,) = fd.doors
+    assert not d.front and "ephemeral range (from 32768)" in d.reason, d
+    # The root naming it (the engine's --port 41234) makes it an address clients know
+    root = Plumbing(named_ports=(41234,))
+    fd = front_doors([proc(1, [41234], plumbing=root)])
+    assert fd.ports == {41234} and "named on the command line" in fd.doors[0].reason
+    # Seen bound to port 0 by the probe: never, even below the ephemeral range
+    fd = front_doors([proc(1, [8000])], kernel_chosen=frozenset({8000}))
+    assert fd.ports == frozenset() and "the kernel chose it" in fd.doors[0].reason
+    # An outside client on an ephemeral port: a front door, whoever chose it
+    fd = front_doors([proc(1, [41234], [("127.0.0.1", 41234, "10.0.0.9", 50000)])])
+    assert fd.ports == {41234}
 
 
 def test_a_client_from_outside_makes_a_front_door():
@@ -149,8 +168,11 @@ def test_a_ranks_ephemeral_listener_is_a_collective_librarys():
     # A peer rank on another node connects from outside: still gloo's.
     fd = front_doors([proc(11, [gloo], [("10.0.0.1", 38653, "10.0.0.2", 50000)], plumbing=RANK)])
     assert not fd.door(38653).front
-    # The same port held by a process of no distributed job: a server started with --port 0.
-    assert front_doors([proc(11, [gloo])]).door(38653).front
+    # The same port held by a process of no distributed job that names it: a server given
+    # --port 38653. Not named, it is a port the kernel or a runtime chose (rule 5).
+    served = proc(11, [gloo], plumbing=Plumbing(named_ports=(38653,)))
+    assert front_doors([served]).door(38653).front
+    assert not front_doors([proc(11, [gloo])]).door(38653).front
 
 
 def test_the_ephemeral_range_is_the_kernels():
@@ -243,9 +265,11 @@ def test_torchrun_job_as_seen_has_no_front_door():
 
 
 def test_serving_stack_as_seen_has_its_front_end_as_front_door():
-    """server.py --shape serving --port 0: uvicorn on an ephemeral port, children on ipc://."""
+    """server.py --shape serving --port 43359: uvicorn on a port in the ephemeral range that
+    its command line names, children on ipc://."""
     children = [proc(pid) for pid in (10095, 10096, 10097)]
-    idle = proc(10090, [("127.0.0.1", 43359)], comm="python")
+    named = Plumbing(named_ports=(43359,))
+    idle = proc(10090, [("127.0.0.1", 43359)], comm="python", plumbing=named)
     assert front_doors([idle, *children]).ports == {43359}
     served = proc(10090, [("127.0.0.1", 43359)], [("127.0.0.1", 43359, "127.0.0.1", 35578)])
     fd = front_doors([served, *children])

@@ -121,6 +121,20 @@ def plumbing(cmdline: str, environ: bytes | None = None) -> Plumbing:
     return parse_plumbing(environ, cmdline.split())
 
 
+def test_the_ports_a_command_line_names():
+    cases = {
+        "python -m vllm.entrypoints.openai.api_server /m --port 8123 --host 127.0.0.1": (8123,),
+        "uvicorn app:app --port=9000": (9000,),
+        "gunicorn -b 0.0.0.0:8080 app:app": (8080,),
+        "python -m http.server 8000": (8000,),
+        "server --listen [::1]:7000 --workers 4": (7000,),
+        "python train.py --epochs 3 --lr 0.1 --port auto": (),
+        "python -m sglang.launch_server --port 0": (),
+    }
+    for cmd, want in cases.items():
+        assert plumbing(cmd).named_ports == want, cmd
+
+
 def test_torchrun_flags_in_all_their_spellings():
     for flags, want in [
         ("--master_port=29611", (("--master-port", 29611),)),
@@ -158,7 +172,7 @@ def test_a_rank_by_its_environment_and_nothing_else_of_it():
     assert p == Plumbing(master_port=29611)
     assert p.ports == {29611} and p.distributed and p.why(29611) == "MASTER_PORT"
     assert p.why(1) is None
-    assert plumbing("python3 -m http.server 8000", b"PATH=/bin\0") == Plumbing()
+    assert plumbing("python3 -m http.server 8000", b"PATH=/bin\0") == Plumbing(named_ports=(8000,))
     assert not Plumbing().distributed and Plumbing().ports == frozenset()
 
 
@@ -255,7 +269,9 @@ def test_sampler_gives_connections_plumbing_and_the_ephemeral_range(tmp_path):
     assert agent.connections == (Connection(L6, 29611, L6, 47414, 402, 3, 0),)
     assert rank.connections == (Connection(L6, 47414, L6, 29611, 403, 3, 0),)
     assert agent.unread_bytes == 3 and rank.unread_bytes == 3
-    assert agent.plumbing == Plumbing(launcher="torchrun", flag_ports=(("--master-port", 29611),))
+    assert agent.plumbing == Plumbing(
+        launcher="torchrun", flag_ports=(("--master-port", 29611),), named_ports=(29611,)
+    )
     assert rank.plumbing == Plumbing(master_port=29611)
     assert rank.plumbing_ports == {29611}
     fd = front_doors(list(snap.processes.values()), None, snap.ephemeral_from)
