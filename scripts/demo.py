@@ -71,8 +71,8 @@ def main() -> int:
         with (
             Fixture.c("deadlock_mutex"),
             Fixture.c("condvar_pool", "8"),
-            Fixture.py("loader", "--load-seconds", "8", ready="LOADING"),
-            Fixture.py("idle_http"),
+            Fixture.py("loader", "--load-seconds", "8", "--port", free_port(), ready="LOADING"),
+            Fixture.py("idle_http", "--port", free_port()),
         ):
             for t in range(0, SECONDS, 2):
                 time.sleep(2)

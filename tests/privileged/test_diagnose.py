@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from scripts.daemonproc import free_port
 from scripts.fixturelib import REPO_ROOT, Fixture, tasks
 from tests.privileged import harness
 from tests.privileged.harness import Diagnosis, RunningDiagnose, diagnose_argv
@@ -231,7 +232,7 @@ def test_busy_is_progressing(diagnose: Diagnose) -> None:
 
 def test_idle_http_server_is_idle(diagnose: Diagnose) -> None:
     """Its accept loop wakes twice a second and does no work: idle, not progressing."""
-    with Fixture.py("idle_http") as fx:
+    with Fixture.py("idle_http", "--port", free_port()) as fx:
         time.sleep(1)
         d = diagnose(fx.pid)
     verdict(d, fx.pid, "idle")
@@ -240,7 +241,9 @@ def test_idle_http_server_is_idle(diagnose: Diagnose) -> None:
 def test_loader_progresses_then_idles(diagnose: Diagnose, tmp_path: Path) -> None:
     log = tmp_path / "load.log"
     # It loads until told: diagnose's start-up (a BPF compile) can take any time.
-    with Fixture.py("loader", "--until-go", "--log", log, ready="LOADING") as fx:
+    with Fixture.py(
+        "loader", "--until-go", "--log", log, "--port", free_port(), ready="LOADING"
+    ) as fx:
         loading = diagnose(fx.pid)
         verdict(loading, fx.pid, "progressing")
 

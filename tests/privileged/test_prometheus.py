@@ -64,7 +64,7 @@ def test_alerts_fire_for_the_hangs_and_never_for_the_idle_server(stack) -> None:
     with (
         Fixture.c("deadlock_mutex") as mutex,
         Fixture.c("condvar_pool", "4") as pool,
-        Fixture.py("idle_http") as http,
+        Fixture.py("idle_http", "--port", free_port()) as http,
         Fixture.py("pylocks") as abba,
         Fixture.py("fork_locked") as forked,
     ):

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from scripts import realsw
+from scripts.daemonproc import free_port
 from scripts.fixturelib import REPO_ROOT, Arg, Fixture, FixtureLine
 from tests.realsw.serving.native import build_abba
 from tests.realsw.serving.procview import futex_parked, listen_queue
@@ -85,7 +86,8 @@ def serving_stack(
     python = realsw.python()
     log = run_dir / "serving.log"
     argv: list[Arg] = [python, "-m", "tests.realsw.serving.server", "--shape", shape]
-    argv += ["--port", "0", "--log", log, "--run-dir", run_dir, *server_args]
+    # A port given by number, as an engine's --port: the front door clients know.
+    argv += ["--port", str(free_port()), "--log", log, "--run-dir", run_dir, *server_args]
     with contextlib.ExitStack() as stack:
         server = stack.enter_context(Fixture(argv, ready="LISTENING", timeout=timeout, env=_env()))
         cl = None
