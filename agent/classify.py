@@ -100,6 +100,8 @@ class ProcessFacts:
     front_door_ports: frozenset[int] | None = None
     waits: ev.ProcessWaits | None = None  # what its threads wait in (process_waits)
     hopeless: bool = False  # no thread of it can ever be woken but by a signal (agent.hopeless)
+    # Inodes of its connections whose streamed answer is still being sent (agent.answers)
+    streams: frozenset[int] = frozenset()
 
 
 def lock_cycle(
@@ -145,12 +147,19 @@ def waiting_for_answer(c: Connection) -> bool:
     return recv < sent or (recv == sent and c.bytes_acked == 0)
 
 
-def unanswered_requests(sample: ProcessSample, ports: frozenset[int] | None) -> list[Connection]:
+def unanswered_requests(
+    sample: ProcessSample, ports: frozenset[int] | None, streams: frozenset[int] = frozenset()
+) -> list[Connection]:
     """The process's accepted connections on a front door (``ports``: the service's front-door
-    ports; None: its own listening ports) that wait for an answer, oldest first."""
+    ports; None: its own listening ports) that wait for an answer, oldest first: not answered
+    at all, or (``streams``: their inodes) a streamed answer still being sent."""
     if ports is None:
         ports = frozenset(lst.port for lst in sample.listeners)
-    waiting = [c for c in sample.connections if c.local_port in ports and waiting_for_answer(c)]
+    waiting = [
+        c
+        for c in sample.connections
+        if c.local_port in ports and (waiting_for_answer(c) or c.inode in streams)
+    ]
     return sorted(waiting, key=lambda c: -(c.last_recv_ms or 0))
 
 
@@ -203,7 +212,7 @@ def classify_process(facts: ProcessFacts, threshold_s: float) -> ProcessVerdict:
         threshold_s,
         front_doors(s, facts.front_door_ports),
         s.unread_bytes,
-        unanswered_requests(s, facts.front_door_ports),
+        unanswered_requests(s, facts.front_door_ports, facts.streams),
     )
     v.reasons.extend(why)
     if prog.heartbeat:
@@ -394,7 +403,7 @@ def _classify_service(
     parked_s = min(f.parked_seconds for f in procs)
     threads = sum(len(f.sample.threads) for f in procs)
     unanswered = sorted(
-        (c for f in procs for c in unanswered_requests(f.sample, f.front_door_ports)),
+        (c for f in procs for c in unanswered_requests(f.sample, f.front_door_ports, f.streams)),
         key=lambda c: -(c.last_recv_ms or 0),
     )
     state, reasons, stuck_s = _parked_state(

@@ -7,6 +7,7 @@ they can be tested from synthetic snapshots without root or BPF.
 
 from __future__ import annotations
 
+import builtins
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
@@ -300,12 +301,16 @@ class ExecEvent:
 
 @dataclass(frozen=True)
 class FdWrites:
-    """Writes to one fd of a watched process since it was watched (write, writev, pwrite64)."""
+    """Writes to one fd of a watched process since it was watched (write, writev, pwrite64,
+    sendto, sendmsg, sendmmsg, sendfile, splice)."""
 
     fd: int
     bytes: int
     calls: int
     last_ns: int  # CLOCK_MONOTONIC of the last write
+    # The last bytes of the last write (up to 16; empty where its buffer was not read): how
+    # an HTTP answer on a socket ends (agent.answers).
+    tail: builtins.bytes = b""  # (the field `bytes` above shadows the type)
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from . import evidence as ev
 from . import fdwords
+from .answers import stream_in_flight
 from .classify import (
     Evidence,
     ProcessFacts,
@@ -222,7 +223,7 @@ class Observer:
             for k, v in self._heartbeat_files.items()
             if (p := snap.processes.get(k[0])) is not None and p.start_ticks == k[1]
         }
-        self._note_demand(snap)
+        self._note_demand(snap, reading)
         self.sockets.prune()
         self.gpu_history.update(gpu, self.ticks[-1].gpu if self.ticks else None, snap.mono_ns)
         tick = Tick(snap, graph, stable, reading, gpu, stuck)
@@ -230,7 +231,19 @@ class Observer:
         self._trim(window_s)
         return tick
 
-    def _note_demand(self, snap: Snapshot) -> None:
+    def _streams(self, pid: int, reading: ProbeReading) -> frozenset[int]:
+        """Inodes of the process's sockets whose last write left a streamed answer
+        unfinished (agent.answers)."""
+        out = set()
+        for fd, w in reading.writes.get(pid, {}).items():
+            name = self._fd_names.get((pid, fd))
+            if name and name.startswith("socket:[") and stream_in_flight(w.tail):
+                inode = name[len("socket:[") : -1]
+                if inode.isdigit():
+                    out.add(int(inode))
+        return frozenset(out)
+
+    def _note_demand(self, snap: Snapshot, reading: ProbeReading) -> None:
         """Remember, per service, when work last waited at its front doors: a client that
         retries (each try times out, then connects again) leaves moments with nothing
         waiting, and a service is idle only when nothing waited in the whole window."""
@@ -240,7 +253,9 @@ class Observer:
             ports = doors.ports
             waiting = sum(
                 lst.queued for p in samples for lst in p.listeners if lst.port in ports
-            ) + sum(len(unanswered_requests(p, ports)) for p in samples)
+            ) + sum(
+                len(unanswered_requests(p, ports, self._streams(p.pid, reading))) for p in samples
+            )
             if waiting or any(p.unread_bytes for p in samples):
                 self._demand_ns[root] = snap.mono_ns
         live = set(self.members)
@@ -320,6 +335,7 @@ class Observer:
                         front_door_ports=doors.ports,
                         waits=process_waits(sample, snap.mono_ns),
                         hopeless=pid in latest.hopeless,
+                        streams=self._streams(pid, latest.reading),
                     )
                 )
             live = {f.sample.pid for f in facts}

@@ -374,7 +374,8 @@ class KernelProbes:
         accepts = {k.value: n.value for k, n in self._accepts.items()}
         writes: dict[int, dict[int, FdWrites]] = {}
         for k, v in self._fd_writes.items():
-            writes.setdefault(k.tgid, {})[k.fd] = FdWrites(k.fd, v.bytes, v.calls, v.last_ns)
+            tail = bytes(v.tail)[: min(v.tail_len, len(v.tail))]
+            writes.setdefault(k.tgid, {})[k.fd] = FdWrites(k.fd, v.bytes, v.calls, v.last_ns, tail)
         counters: dict[str, int] = {}
         for per_cpu in self._counters.values():
             for c in per_cpu:

@@ -24,6 +24,7 @@
 #define HW_THREAD_WAITING 1 /* inside a futex wait: the fields of the wait are this wait's */
 #define HW_THREAD_REFUSED 2 /* a refusal for this thread is in the refusals map */
 #define HW_THREAD_WRITING 4 /* inside a write: write_fd is this call's */
+#define HW_THREAD_WRITE_PLAIN 8 /* write_buf is a plain buffer's start, not a vector's end */
 
 /* Futex commands that can be refused with EDEADLK, all PI-only: recorded for every process. */
 #define HW_FUTEX_TRYLOCK_PI 8
@@ -55,6 +56,11 @@ struct hw_thread {
 	u32 syscall;  /* HW_SYSCALL_* */
 	u32 flags;    /* HW_THREAD_* */
 	s32 write_fd; /* the fd of the write in progress (HW_THREAD_WRITING) */
+	/* Where the bytes of the write in progress start (a plain buffer: write, sendto,
+	 * pwrite64), or end (a vectored call: the last iovec's end); 0: none to read. */
+	u64 write_buf;
+	u32 write_last_len; /* a vectored call's last iovec length: the tail stays inside it */
+	u32 pad;
 };
 
 /* The last PI operation of a thread, any process: an EDEADLK at sys_exit (only PI
@@ -116,11 +122,19 @@ struct hw_fd_key {
 	s32 fd;
 };
 
-/* Successful write(2), writev(2) and pwrite64(2) calls to one fd. */
+#define HW_TAIL_LEN 16
+
+/* Successful writes to one fd (write, writev, pwrite64, send*, sendfile, splice). */
 struct hw_fd_writes {
 	u64 bytes;
 	u64 calls;
 	u64 last_ns; /* bpf_ktime_get_ns() at the last one's sys_exit */
+	/* The last bytes of the last write, where its buffer could be read (tail_len of
+	 * them, at most HW_TAIL_LEN): how an HTTP answer ends tells a finished one ("0\r\n\r\n",
+	 * the last chunk) from a stream still being sent. 0 for sendfile, splice, sendmmsg. */
+	u8 tail[HW_TAIL_LEN];
+	u32 tail_len;
+	u32 pad;
 };
 
 /* Per-CPU counters: every full map and failed reserve is counted. User

@@ -59,6 +59,33 @@ static __always_inline u32 port_from_be(u16 be)
 #endif
 }
 
+/* Keeps the last bytes of a write that succeeded: from its buffer's start and `ret` for a
+ * plain buffer, from the end of its last iovec for a vectored call (a partial vectored write
+ * then shows the end of what it meant to send; rare on sockets, and harmless: only the
+ * ending of HTTP answers is read from it). */
+static __always_inline void keep_tail(struct hw_fd_writes *st, struct hw_thread *t, long ret)
+{
+	u64 end = t->write_buf;
+	if (t->flags & HW_THREAD_WRITE_PLAIN)
+		end += ret;
+	else if (t->write_last_len < ret)
+		ret = t->write_last_len; /* the bytes of the last iovec only */
+	u32 n;
+	long err;
+	if (!t->write_buf || end < HW_TAIL_LEN || ret <= 0) {
+		st->tail_len = 0;
+		return;
+	}
+	if (ret >= HW_TAIL_LEN) {
+		n = HW_TAIL_LEN;
+		err = bpf_probe_read_user(st->tail, HW_TAIL_LEN, (void *)(end - HW_TAIL_LEN));
+	} else {
+		n = (u32)ret & (HW_TAIL_LEN - 1); /* 1..15: a bound the verifier can see */
+		err = bpf_probe_read_user(st->tail, n, (void *)(end - n));
+	}
+	st->tail_len = err ? 0 : n;
+}
+
 /* Counts a successful write of `ret` bytes by this thread, if its fd was kept at sys_enter. */
 static __always_inline int write_exit(long ret)
 {
@@ -81,6 +108,62 @@ static __always_inline int write_exit(long ret)
 		return 0;
 	__sync_fetch_and_add(&st->calls, 1);
 	st->last_ns = bpf_ktime_get_ns(); /* a racing writer may store an older time: harmless */
+	keep_tail(st, t, ret);
+	return 0;
+}
+
+/* struct iovec and the head of struct user_msghdr on 64-bit Linux, spelled out so the
+ * object needs no socket headers. */
+struct hw_iovec {
+	u64 base;
+	u64 len;
+};
+struct hw_msghdr_head {
+	u64 name;
+	s32 namelen;
+	u32 pad;
+	u64 iov;
+	u64 iovlen;
+};
+
+/* The last of `n` iovecs at `iov` ({0, 0} when it cannot be read). */
+static __always_inline struct hw_iovec iov_last(u64 iov, u64 n)
+{
+	struct hw_iovec last = {};
+	if (n == 0 || n > 1024 ||
+	    bpf_probe_read_user(&last, sizeof(last), (void *)(iov + (n - 1) * sizeof(last))))
+		last.base = last.len = 0;
+	return last;
+}
+
+static __always_inline struct hw_iovec msg_last(u64 msg)
+{
+	struct hw_msghdr_head m = {};
+	if (bpf_probe_read_user(&m, sizeof(m), (void *)msg)) {
+		struct hw_iovec none = {};
+		return none;
+	}
+	return iov_last(m.iov, m.iovlen);
+}
+
+/* `buf`: a plain buffer's start (plain), or the end of a vector's last iovec, of
+ * `last_len` bytes. */
+static __always_inline int write_enter_buf(s32 fd, u64 buf, u32 plain, u64 last_len)
+{
+	u64 id = bpf_get_current_pid_tgid();
+	u32 tgid = id >> 32;
+	if (!is_watched(tgid))
+		return 0;
+	struct hw_thread *t = thread_entry((u32)id, tgid);
+	if (!t) {
+		COUNT(write_calls_full);
+		return 0;
+	}
+	t->write_fd = fd;
+	t->write_buf = buf;
+	t->write_last_len = last_len > HW_TAIL_LEN ? HW_TAIL_LEN : (u32)last_len;
+	t->flags = (t->flags & ~HW_THREAD_WRITE_PLAIN) | HW_THREAD_WRITING |
+		   (plain ? HW_THREAD_WRITE_PLAIN : 0);
 	return 0;
 }
 
@@ -96,6 +179,7 @@ static __always_inline int write_enter(s32 fd)
 		return 0;
 	}
 	t->write_fd = fd;
+	t->write_buf = 0; /* no buffer of its own to read: sendfile, splice, sendmmsg */
 	t->flags |= HW_THREAD_WRITING;
 	return 0;
 }
@@ -170,7 +254,7 @@ TRACEPOINT_PROBE(syscalls, sys_exit_accept4)
 #ifdef HAVE_WRITE
 TRACEPOINT_PROBE(syscalls, sys_enter_write)
 {
-	return write_enter((s32)args->fd);
+	return write_enter_buf((s32)args->fd, (u64)args->buf, 1, 0);
 }
 
 TRACEPOINT_PROBE(syscalls, sys_exit_write)
@@ -182,7 +266,8 @@ TRACEPOINT_PROBE(syscalls, sys_exit_write)
 #ifdef HAVE_WRITEV
 TRACEPOINT_PROBE(syscalls, sys_enter_writev)
 {
-	return write_enter((s32)args->fd);
+	struct hw_iovec last = iov_last((u64)args->vec, args->vlen);
+	return write_enter_buf((s32)args->fd, last.base + last.len, 0, last.len);
 }
 
 TRACEPOINT_PROBE(syscalls, sys_exit_writev)
@@ -194,7 +279,7 @@ TRACEPOINT_PROBE(syscalls, sys_exit_writev)
 #ifdef HAVE_PWRITE64
 TRACEPOINT_PROBE(syscalls, sys_enter_pwrite64)
 {
-	return write_enter((s32)args->fd);
+	return write_enter_buf((s32)args->fd, (u64)args->buf, 1, 0);
 }
 
 TRACEPOINT_PROBE(syscalls, sys_exit_pwrite64)
@@ -209,10 +294,28 @@ TRACEPOINT_PROBE(syscalls, sys_exit_pwrite64)
 	TRACEPOINT_PROBE(syscalls, sys_exit_##name) { return write_exit(args->ret); }
 
 #ifdef HAVE_SENDTO
-WRITE_PAIR(sendto, fd)
+TRACEPOINT_PROBE(syscalls, sys_enter_sendto)
+{
+	return write_enter_buf((s32)args->fd, (u64)args->buff, 1, 0);
+}
+
+TRACEPOINT_PROBE(syscalls, sys_exit_sendto)
+{
+	return write_exit(args->ret);
+}
 #endif
+
 #ifdef HAVE_SENDMSG
-WRITE_PAIR(sendmsg, fd)
+TRACEPOINT_PROBE(syscalls, sys_enter_sendmsg)
+{
+	struct hw_iovec last = msg_last((u64)args->msg);
+	return write_enter_buf((s32)args->fd, last.base + last.len, 0, last.len);
+}
+
+TRACEPOINT_PROBE(syscalls, sys_exit_sendmsg)
+{
+	return write_exit(args->ret);
+}
 #endif
 #ifdef HAVE_SENDMMSG
 WRITE_PAIR(sendmmsg, fd)

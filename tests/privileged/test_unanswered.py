@@ -13,9 +13,10 @@ import socket
 from collections.abc import Callable
 
 from scripts.fixturelib import Fixture
-from tests.privileged.harness import Diagnosis
+from tests.privileged.harness import Diagnosis, RunningDiagnose
 
 Diagnose = Callable[..., Diagnosis]
+StartDiagnose = Callable[..., RunningDiagnose]
 
 
 def _get(sock: socket.socket, path: str) -> None:
@@ -45,3 +46,43 @@ def test_answered_keep_alive_connection_stays_idle(diagnose: Diagnose) -> None:
     svc = d.service(fx.pid)
     assert svc.get("state") == "idle", d.explain("want idle: its only connection was answered")
     assert "unanswered" not in " ".join(svc.get("reasons", [])), d.explain("no request waits")
+
+
+def _read_events(sock: socket.socket, count: int) -> bytes:
+    got = b""
+    while got.count(b"data: ") < count:
+        data = sock.recv(4096)
+        assert data, got
+        got += data
+    return got
+
+
+def test_a_stream_hung_mid_answer_is_stalled_not_idle(start_diagnose: StartDiagnose) -> None:
+    """``"stream": true``: the headers and two events went out after the request, so
+    tcp_info alone calls it answered; the answer's framing, which the write probe keeps,
+    says it is not finished. The stream starts once diagnose watches: the probe sees only
+    the writes made since (a stream that hung before is the daemon's to see)."""
+    with Fixture.py("hung_http") as fx:
+        port = fx.info.get_int("port")
+        run = start_diagnose(fx.pid, threshold=1, duration=3)
+        run.wait_stderr("watching", 60)
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            _get(client, "/stream")
+            fx.wait_for("HANGING")
+            _read_events(client, 2)
+            d = run.finish(60)
+    svc = d.service(fx.pid)
+    assert svc.get("state") == "stalled", d.explain("want stalled: a stream waits for its end")
+    words = " ".join(svc.get("reasons", []))
+    assert re.search(r"1 request unanswered for \d", words), d.explain("the stream not waiting")
+
+
+def test_a_finished_stream_leaves_the_server_idle(diagnose: Diagnose) -> None:
+    with Fixture.py("hung_http") as fx:
+        port = fx.info.get_int("port")
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            _get(client, "/streamed")
+            assert b"data: [DONE]" in _read_events(client, 3)
+            d = diagnose(fx.pid, threshold=1, duration=3)
+    svc = d.service(fx.pid)
+    assert svc.get("state") == "idle", d.explain("want idle: the stream ended")
