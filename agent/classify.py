@@ -26,6 +26,9 @@ IDLE = "idle"
 PROGRESSING = "progressing"
 STATES = (DEADLOCKED, STALLED, IDLE, PROGRESSING)
 MAX_NAMED = 3  # hopeless processes named one by one in a service's reasons
+# How much earlier than the service's last progress a wait may have begun and still be part
+# of the hang: the two are dated by clocks of millisecond grain (tcp_info, se.exec_start).
+CULPRIT_SLACK_S = 1.0
 
 
 @dataclass
@@ -239,6 +242,7 @@ def process_waits(s: ProcessSample, now_ns: int) -> ev.ProcessWaits:
     of its oldest untimed futex wait (the probe's start, or when the thread last ran)."""
     counts: Counter[tuple[str, bool | None]] = Counter()
     running, oldest = 0, None
+    ages: list[float] = []
     for t in s.threads:
         if not t.blocked:
             running += 1
@@ -250,10 +254,11 @@ def process_waits(s: ProcessSample, now_ns: int) -> ev.ProcessWaits:
             if began:
                 age = max(0.0, (now_ns - min(began)) / 1e9)
                 oldest = age if oldest is None else max(oldest, age)
+                ages.append(age)
     waits = tuple(
         (name, timed, n) for (name, timed), n in sorted(counts.items(), key=lambda x: -x[1])
     )
-    return ev.ProcessWaits(waits, running, oldest)
+    return ev.ProcessWaits(waits, running, oldest, tuple(sorted(ages, reverse=True)))
 
 
 def gpu_idle(gpus: Mapping[int, ProcessGpu]) -> ev.GpuIdle | None:
@@ -452,6 +457,11 @@ def find_culprit(v: ServiceVerdict, procs: Sequence[ProcessFacts]) -> ev.Culprit
        taking part (its gloo threads idle on their work queues) against the rank in the
        collective (one gloo thread waiting, with the collective's timeout, for its data); a
        child forked with a lock held against the parent joining it 5 s at a time.
+       Where the waits are dated and the service's time without progress is known, only the
+       waits that began when it stopped count, and after: a thread pool parked since
+       start-up is background, not evidence (every Ray process carries 6-10 gRPC threads in
+       untimed waits since it started, vLLM's Worker 26 gloo run-loop threads), and the age
+       quoted is the hang's, not the process's uptime.
     """
     if not procs:
         return None
@@ -471,12 +481,19 @@ def find_culprit(v: ServiceVerdict, procs: Sequence[ProcessFacts]) -> ev.Culprit
         n, neg_pid = max(held)
         return ev.Culprit(-neg_pid, comm[-neg_pid], "cycle") if n else None
     scored = []
+    # Waits that began this long ago or less began when the service stopped, or after.
+    began_by = v.seconds_since_progress + CULPRIT_SLACK_S if v.seconds_since_progress else None
     for f in procs:
         if f.waits is None:
             continue
         untimed = sum(n for name, timed, n in f.waits.waits if _is_futex(name) and timed is False)
         timed = sum(n for _name, timed, n in f.waits.waits if timed)
-        scored.append((untimed - timed, untimed, f.waits.oldest_untimed_s, f.sample.pid))
+        age = f.waits.oldest_untimed_s
+        if began_by is not None and f.waits.untimed_ages_s:
+            recent = [a for a in f.waits.untimed_ages_s if a <= began_by]
+            untimed -= len(f.waits.untimed_ages_s) - len(recent)  # background: parked before
+            age = max(recent, default=None)
+        scored.append((untimed - timed, untimed, age, f.sample.pid))
     scored.sort(key=lambda x: x[0], reverse=True)
     if not scored:
         return None

@@ -304,6 +304,9 @@ class ProcessWaits(Fact):
     waits: tuple[tuple[str, bool | None, int], ...]
     running: int
     oldest_untimed_s: float | None  # the oldest untimed futex wait, when dated
+    # How long ago each dated untimed futex wait began, oldest first: tells the waits that
+    # began when the service stopped from thread pools parked since start-up.
+    untimed_ages_s: tuple[float, ...] = ()
 
 
 # --- where threads wait: Python stacks (agent.stacks) ----------------------------------------

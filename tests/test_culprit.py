@@ -4,6 +4,7 @@ hundred seeded random services, and the shapes its docstring was written from.""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from collections.abc import Sequence
 
 import pytest
@@ -13,7 +14,7 @@ from agent import words
 from agent.classify import STALLED, ProcessFacts, ServiceVerdict, find_culprit, process_waits
 from agent.model import ProcessSample, ThreadSample
 from agent.progress import ProcessProgress
-from tests.synth import S, process
+from tests.synth import S, parked, process
 
 CASES = 400
 NOW = 1000 * S
@@ -220,3 +221,33 @@ def test_child_forked_with_a_lock_held_against_the_parent_joining_it() -> None:
     # Had the parent joined with no timeout (wait4), it would tie with the child: no culprit.
     untimed_parent = proc(50, "python", waiting(50, 61, False), waiting(51, 202, False, 120))
     assert culprit([untimed_parent, child]) is None
+
+
+def test_thread_pools_parked_since_start_up_are_background() -> None:
+    """Real Ray: the autoscaler monitor carries 9 gRPC threads in untimed waits since it
+    started, 90 s ago; the Serve replica's one request thread has waited on an Event since
+    the request came, 41 s ago. By counts alone the monitor leads; by when the waits began,
+    the replica holds the service up, and the age quoted is the hang's."""
+
+    def untimed(tid: int, uaddr: int, ago_s: int) -> ThreadSample:
+        return replace(parked(tid, uaddr=uaddr, since=NOW - ago_s * S), timed=False)
+
+    monitor = process(
+        10, *(untimed(100 + i, 0x2000 + 8 * i, 90) for i in range(9)), comm="monitor.py"
+    )
+    replica = process(
+        20,
+        untimed(200, 0x3000, 41),
+        *(untimed(201 + i, 0x4000 + 8 * i, 88) for i in range(6)),
+        comm="ServeReplica",
+    )
+    procs = [facts(p, process_waits(p, NOW)) for p in (monitor, replica)]
+    v = verdict(procs)
+    v.seconds_since_progress = 41.5  # the pending request's age
+    got = find_culprit(v, procs)
+    assert got is not None and (got.pid, got.threads) == (20, 1), got
+    assert got.age_s == pytest.approx(41.0)
+    # Without a time since progress the counts decide, as before: the monitor
+    v.seconds_since_progress = 0.0
+    got = find_culprit(v, procs)
+    assert got is not None and got.pid == 10, got

@@ -33,6 +33,7 @@ BY_TYPE: dict[str, Any] = {
     "int | None": 2,
     "float | None": 7.25,
     "tuple[int, ...]": (0, 1, 2),
+    "tuple[float, ...]": (41.5, 2.25),
     "tuple[tuple[str, str], ...]": (("rank", "0"),),
     "tuple[tuple[int, str], ...]": ((8000, "declared"),),
     "tuple[CycleLink, ...]": LINKS,
