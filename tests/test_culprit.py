@@ -4,8 +4,8 @@ hundred seeded random services, and the shapes its docstring was written from.""
 from __future__ import annotations
 
 import random
-from dataclasses import replace
 from collections.abc import Sequence
+from dataclasses import replace
 
 import pytest
 
