@@ -24,7 +24,6 @@
 #define HW_THREAD_WAITING 1 /* inside a futex wait: the fields of the wait are this wait's */
 #define HW_THREAD_REFUSED 2 /* a refusal for this thread is in the refusals map */
 #define HW_THREAD_WRITING 4 /* inside a write: write_fd is this call's */
-#define HW_THREAD_WRITE_PLAIN 8 /* write_buf is a plain buffer's start, not a vector's end */
 
 /* Futex commands that can be refused with EDEADLK, all PI-only: recorded for every process. */
 #define HW_FUTEX_TRYLOCK_PI 8
@@ -59,7 +58,9 @@ struct hw_thread {
 	/* Where the bytes of the write in progress start (a plain buffer: write, sendto,
 	 * pwrite64), or end (a vectored call: the last iovec's end); 0: none to read. */
 	u64 write_buf;
-	u32 write_last_len; /* a vectored call's last iovec length: the tail stays inside it */
+	/* A vectored call's last iovec length, at most HW_TAIL_LEN (the tail stays inside
+	 * it); 0 for a plain buffer. */
+	u32 write_last_len;
 	u32 pad;
 };
 

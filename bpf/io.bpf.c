@@ -66,8 +66,8 @@ static __always_inline u32 port_from_be(u16 be)
 static __always_inline void keep_tail(struct hw_fd_writes *st, struct hw_thread *t, long ret)
 {
 	u64 end = t->write_buf;
-	if (t->flags & HW_THREAD_WRITE_PLAIN)
-		end += ret;
+	if (!t->write_last_len)
+		end += ret; /* a plain buffer */
 	else if (t->write_last_len < ret)
 		ret = t->write_last_len; /* the bytes of the last iovec only */
 	u32 n;
@@ -146,28 +146,16 @@ static __always_inline struct hw_iovec msg_last(u64 msg)
 	return iov_last(m.iov, m.iovlen);
 }
 
-/* `buf`: a plain buffer's start (plain), or the end of a vector's last iovec, of
- * `last_len` bytes. */
-static __always_inline int write_enter_buf(s32 fd, u64 buf, u32 plain, u64 last_len)
-{
-	u64 id = bpf_get_current_pid_tgid();
-	u32 tgid = id >> 32;
-	if (!is_watched(tgid))
-		return 0;
-	struct hw_thread *t = thread_entry((u32)id, tgid);
-	if (!t) {
-		COUNT(write_calls_full);
-		return 0;
-	}
-	t->write_fd = fd;
-	t->write_buf = buf;
-	t->write_last_len = last_len > HW_TAIL_LEN ? HW_TAIL_LEN : (u32)last_len;
-	t->flags = (t->flags & ~HW_THREAD_WRITE_PLAIN) | HW_THREAD_WRITING |
-		   (plain ? HW_THREAD_WRITE_PLAIN : 0);
-	return 0;
-}
+/* How the bytes of a write are given: where write_enter finds the ones to keep a tail of. */
+#define HW_BUF_NONE 0  /* none of its own: sendfile, splice; sendmmsg (many messages) */
+#define HW_BUF_PLAIN 1 /* `buf` is the buffer: write, pwrite64, sendto */
+#define HW_BUF_IOV 2   /* `buf` is an iovec array of `n`: writev */
+#define HW_BUF_MSG 3   /* `buf` is a struct user_msghdr: sendmsg */
 
-static __always_inline int write_enter(s32 fd)
+/* Keeps the fd of the write this thread enters, and where its bytes are, for write_exit.
+ * Nothing of the caller's memory is read before the watched test: unwatched processes pay
+ * that test only. */
+static __always_inline int write_enter(s32 fd, u32 kind, u64 buf, u64 n)
 {
 	u64 id = bpf_get_current_pid_tgid();
 	u32 tgid = id >> 32;
@@ -179,7 +167,15 @@ static __always_inline int write_enter(s32 fd)
 		return 0;
 	}
 	t->write_fd = fd;
-	t->write_buf = 0; /* no buffer of its own to read: sendfile, splice, sendmmsg */
+	t->write_buf = kind == HW_BUF_PLAIN ? buf : 0;
+	t->write_last_len = 0; /* 0: write_buf is a plain buffer's start */
+	if (kind == HW_BUF_IOV || kind == HW_BUF_MSG) {
+		struct hw_iovec last = kind == HW_BUF_IOV ? iov_last(buf, n) : msg_last(buf);
+		if (last.base && last.len) {
+			t->write_buf = last.base + last.len;
+			t->write_last_len = last.len > HW_TAIL_LEN ? HW_TAIL_LEN : (u32)last.len;
+		}
+	}
 	t->flags |= HW_THREAD_WRITING;
 	return 0;
 }
@@ -251,78 +247,35 @@ TRACEPOINT_PROBE(syscalls, sys_exit_accept4)
 }
 #endif
 
-#ifdef HAVE_WRITE
-TRACEPOINT_PROBE(syscalls, sys_enter_write)
-{
-	return write_enter_buf((s32)args->fd, (u64)args->buf, 1, 0);
-}
-
-TRACEPOINT_PROBE(syscalls, sys_exit_write)
-{
-	return write_exit(args->ret);
-}
-#endif
-
-#ifdef HAVE_WRITEV
-TRACEPOINT_PROBE(syscalls, sys_enter_writev)
-{
-	struct hw_iovec last = iov_last((u64)args->vec, args->vlen);
-	return write_enter_buf((s32)args->fd, last.base + last.len, 0, last.len);
-}
-
-TRACEPOINT_PROBE(syscalls, sys_exit_writev)
-{
-	return write_exit(args->ret);
-}
-#endif
-
-#ifdef HAVE_PWRITE64
-TRACEPOINT_PROBE(syscalls, sys_enter_pwrite64)
-{
-	return write_enter_buf((s32)args->fd, (u64)args->buf, 1, 0);
-}
-
-TRACEPOINT_PROBE(syscalls, sys_exit_pwrite64)
-{
-	return write_exit(args->ret);
-}
-#endif
-
-/* The calls below write to one fd as write(2) does; only the argument naming it differs. */
-#define WRITE_PAIR(name, fdarg)                                                       \
-	TRACEPOINT_PROBE(syscalls, sys_enter_##name) { return write_enter((s32)args->fdarg); } \
+/* Every call that writes to one fd: only where its fd and its bytes are differs. */
+#define WRITE_PAIR(name, fd, kind, buf, n)                                               \
+	TRACEPOINT_PROBE(syscalls, sys_enter_##name)                                     \
+	{                                                                                \
+		return write_enter((s32)args->fd, kind, (u64)(buf), (u64)(n));         \
+	}                                                                                \
 	TRACEPOINT_PROBE(syscalls, sys_exit_##name) { return write_exit(args->ret); }
 
-#ifdef HAVE_SENDTO
-TRACEPOINT_PROBE(syscalls, sys_enter_sendto)
-{
-	return write_enter_buf((s32)args->fd, (u64)args->buff, 1, 0);
-}
-
-TRACEPOINT_PROBE(syscalls, sys_exit_sendto)
-{
-	return write_exit(args->ret);
-}
+#ifdef HAVE_WRITE
+WRITE_PAIR(write, fd, HW_BUF_PLAIN, args->buf, 0)
 #endif
-
+#ifdef HAVE_WRITEV
+WRITE_PAIR(writev, fd, HW_BUF_IOV, args->vec, args->vlen)
+#endif
+#ifdef HAVE_PWRITE64
+WRITE_PAIR(pwrite64, fd, HW_BUF_PLAIN, args->buf, 0)
+#endif
+#ifdef HAVE_SENDTO
+WRITE_PAIR(sendto, fd, HW_BUF_PLAIN, args->buff, 0)
+#endif
 #ifdef HAVE_SENDMSG
-TRACEPOINT_PROBE(syscalls, sys_enter_sendmsg)
-{
-	struct hw_iovec last = msg_last((u64)args->msg);
-	return write_enter_buf((s32)args->fd, last.base + last.len, 0, last.len);
-}
-
-TRACEPOINT_PROBE(syscalls, sys_exit_sendmsg)
-{
-	return write_exit(args->ret);
-}
+WRITE_PAIR(sendmsg, fd, HW_BUF_MSG, args->msg, 0)
 #endif
 #ifdef HAVE_SENDMMSG
-WRITE_PAIR(sendmmsg, fd)
+WRITE_PAIR(sendmmsg, fd, HW_BUF_NONE, 0, 0)
 #endif
 #ifdef HAVE_SENDFILE64
-WRITE_PAIR(sendfile64, out_fd)
+WRITE_PAIR(sendfile64, out_fd, HW_BUF_NONE, 0, 0)
 #endif
 #ifdef HAVE_SPLICE
-WRITE_PAIR(splice, fd_out)
+WRITE_PAIR(splice, fd_out, HW_BUF_NONE, 0, 0)
 #endif
