@@ -281,16 +281,20 @@ def render_text(
     labels: Mapping[int, Mapping[str, str]] | None = None,
     on: Mapping[tuple[int, int], str] | None = None,
     stacks: Mapping[int, StackRead] | None = None,
+    observed_s: float | None = None,
 ) -> str:
     """The report in words; ``on``: (pid, tid) -> what it waits on (waits_on); ``stacks``: the
     Python stacks by PID: a process that has them is shown by them, line by line of its
-    code, rather than by futex words and syscalls."""
+    code, rather than by futex words and syscalls; ``observed_s``: how long it watched."""
     snap, graph = tick.snapshot, tick.graph
+    observed = f"{opts.duration_s:g} s"
+    if observed_s is not None and observed_s > opts.duration_s + 1:
+        observed = f"{observed_s:.0f} s (watched on to the threshold)"
     names = {t.tid: t.name for p in snap.processes.values() for t in p.threads}
     groups = graph.groups()
     lines = [
         f"hangwatch diagnose: {plural(len(verdicts), 'service')}, threshold {opts.threshold_s:g} s, "
-        f"observed {opts.duration_s:g} s, at {time.strftime('%H:%M:%S', time.localtime(snap.wall))}",
+        f"observed {observed}, at {time.strftime('%H:%M:%S', time.localtime(snap.wall))}",
         "",
     ]
     for v in verdicts:
@@ -433,9 +437,8 @@ def run(opts: DiagnoseOptions, out: TextIO = sys.stdout, log: TextIO = sys.stder
     ours = {p for pids in observer.members.values() for p in pids}
     events = [e for e in observer.events if e.tgid in ours]
     labels = {pid: env_labels(proc.environ(pid) or b"") for pid in tick.snapshot.processes}
+    observed_s = (tick.snapshot.mono_ns - observer.ticks[0].snapshot.mono_ns) / 1e9
     if opts.as_json:
-        first = observer.ticks[0].snapshot.mono_ns
-        observed_s = (tick.snapshot.mono_ns - first) / 1e9
         json.dump(to_json(verdicts, tick, opts, events, labels, stacks, observed_s), out, indent=2)
         out.write("\n")
     else:
@@ -448,6 +451,7 @@ def run(opts: DiagnoseOptions, out: TextIO = sys.stdout, log: TextIO = sys.stder
                 labels,
                 waits_on(proc, tick.snapshot.processes.values()),
                 stacks,
+                observed_s,
             )
         )
     return 0

@@ -54,17 +54,17 @@ class ServiceEnds:
         if target.startswith("/"):
             return FILE
         if target.startswith("socket:["):
-            c = self.by_inode.get(_inode(target))
+            c = self.by_inode.get(inode_of(target))
             if c is None:
                 return SERVICE  # unix, netlink, or a TCP socket already closed
             peer = endpoint(c.remote_address, c.remote_port)
             return SERVICE if peer in self.locals else CLIENT
         if target.startswith("pipe:["):
-            return SERVICE if self.pipe_read_inside(_inode(target)) else FILE
+            return SERVICE if self.pipe_read_inside(inode_of(target)) else FILE
         return SERVICE  # anon_inode:[eventfd], [eventpoll], [timerfd], ...
 
 
-def _inode(target: str) -> int:
+def inode_of(target: str) -> int:
     """'socket:[1234]' -> 1234 (0 if it does not parse)."""
     inner = target[target.find("[") + 1 : -1]
     return int(inner) if inner.isdigit() else 0

@@ -73,12 +73,16 @@ class ProcessProgress:
     notes: tuple[str, ...] = ()
 
     @property
+    def logged_bytes(self) -> int:
+        """What it wrote to files, terminals and pipes out of the service: not to clients."""
+        return (self.write_bytes or 0) - self.answered_bytes
+
+    @property
     def heartbeat(self) -> bool:
         """Its only work in the window was a small write to a file: a status write on a
         timer (see the module docstring), not progress."""
-        logged = (self.write_bytes or 0) - self.answered_bytes
         return (
-            0 < logged <= HEARTBEAT_MAX_BYTES
+            0 < self.logged_bytes <= HEARTBEAT_MAX_BYTES
             and not self.answered_bytes
             and not (self.working_tids or self.received_bytes or self.gpu)
         )
