@@ -26,9 +26,16 @@ IDLE = "idle"
 PROGRESSING = "progressing"
 STATES = (DEADLOCKED, STALLED, IDLE, PROGRESSING)
 MAX_NAMED = 3  # hopeless processes named one by one in a service's reasons
-# How much earlier than the service's last progress a wait may have begun and still be part
-# of the hang: the two are dated by clocks of millisecond grain (tcp_info, se.exec_start).
-CULPRIT_SLACK_S = 1.0
+# How far from the service's stop a wait may have begun and still be part of the hang: the
+# stop is dated by tcp_info or a log's mtime, a wait by se.exec_start, each CPU's task clock,
+# which leaves out steal and IRQ time: on a loaded 2-CPU VM here a real vLLM Worker's wait
+# read 1.9 s older than the request it hung on.
+CULPRIT_BAND_MIN_S = 2.0
+CULPRIT_BAND_RATIO = 0.1
+# A thread that has waited since the process's first seconds is parked since start-up (Ray's
+# gRPC threads, gloo's run loops, a C++ daemon's main thread joining its workers), not the
+# hang.
+STARTUP_S = 5.0
 
 
 @dataclass
@@ -67,6 +74,7 @@ class ServiceVerdict:
     # its oldest unanswered request's age and the age of its last dated progress).
     unanswered_requests: int = 0
     seconds_since_progress: float = 0.0
+    oldest_request_s: float = 0.0  # how long its oldest unanswered request has waited
     culprit: ev.Culprit | None = None  # the process that holds it up, when one is known
 
     @property
@@ -150,6 +158,16 @@ def waiting_for_answer(c: Connection) -> bool:
     return recv < sent or (recv == sent and c.bytes_acked == 0)
 
 
+def unread_requests(sample: ProcessSample, ports: frozenset[int] | None) -> int:
+    """Bytes received and not yet read on the process's accepted connections on a front door
+    (``ports`` as for unanswered_requests): requests not read. Its other connections' unread
+    bytes are chatter caught in flight: a Ray cluster's ~95 loopback gRPC messages a second
+    left 218 bytes queued on some connection of an idle Serve app now and then."""
+    if ports is None:
+        ports = frozenset(lst.port for lst in sample.listeners)
+    return sum(c.rx_queue for c in sample.connections if c.local_port in ports)
+
+
 def unanswered_requests(
     sample: ProcessSample, ports: frozenset[int] | None, streams: frozenset[int] = frozenset()
 ) -> list[Connection]:
@@ -164,6 +182,11 @@ def unanswered_requests(
         if c.local_port in ports and (waiting_for_answer(c) or c.inode in streams)
     ]
     return sorted(waiting, key=lambda c: -(c.last_recv_ms or 0))
+
+
+def oldest_request_s(unanswered: Iterable[Connection]) -> float:
+    """How long the oldest of these unanswered requests has waited (0 for none)."""
+    return max((c.last_recv_ms or 0 for c in unanswered), default=0) / 1000
 
 
 def classify_process(facts: ProcessFacts, threshold_s: float) -> ProcessVerdict:
@@ -214,7 +237,7 @@ def classify_process(facts: ProcessFacts, threshold_s: float) -> ProcessVerdict:
         ev.AllParked(n, 1, facts.parked_seconds),
         threshold_s,
         front_doors(s, facts.front_door_ports),
-        s.unread_bytes,
+        unread_requests(s, facts.front_door_ports),
         unanswered_requests(s, facts.front_door_ports, facts.streams),
     )
     v.reasons.extend(why)
@@ -227,8 +250,7 @@ def classify_process(facts: ProcessFacts, threshold_s: float) -> ProcessVerdict:
 
 
 def heartbeat(prog: ProcessProgress) -> ev.Heartbeat:
-    logged = (prog.write_bytes or 0) - prog.answered_bytes
-    return ev.Heartbeat(logged, prog.written_to or "a file", prog.window_ns / 1e9)
+    return ev.Heartbeat(prog.logged_bytes, prog.written_to or "a file", prog.window_ns / 1e9)
 
 
 def no_waker(s: ProcessSample, waits: ev.ProcessWaits | None) -> ev.NoWaker:
@@ -239,9 +261,10 @@ def no_waker(s: ProcessSample, waits: ev.ProcessWaits | None) -> ev.NoWaker:
 
 def process_waits(s: ProcessSample, now_ns: int) -> ev.ProcessWaits:
     """What the threads of a process wait in, counted by syscall and timeout; with the age
-    of its oldest untimed futex wait (the probe's start, or when the thread last ran)."""
+    of its oldest untimed futex wait (the probe's start, or when the thread last ran), and of
+    each untimed futex wait but those of pools parked since start-up (ProcessWaits)."""
     counts: Counter[tuple[str, bool | None]] = Counter()
-    running, oldest = 0, None
+    running, oldest, main = 0, None, None
     ages: list[float] = []
     for t in s.threads:
         if not t.blocked:
@@ -254,11 +277,14 @@ def process_waits(s: ProcessSample, now_ns: int) -> ev.ProcessWaits:
             if began:
                 age = max(0.0, (now_ns - min(began)) / 1e9)
                 oldest = age if oldest is None else max(oldest, age)
-                ages.append(age)
+                if s.age_s is None or age <= s.age_s - STARTUP_S:  # else parked since start-up
+                    ages.append(age)
+                    if t.tid == s.pid:
+                        main = age
     waits = tuple(
         (name, timed, n) for (name, timed), n in sorted(counts.items(), key=lambda x: -x[1])
     )
-    return ev.ProcessWaits(waits, running, oldest, tuple(sorted(ages, reverse=True)))
+    return ev.ProcessWaits(waits, running, oldest, tuple(sorted(ages, reverse=True)), main)
 
 
 def gpu_idle(gpus: Mapping[int, ProcessGpu]) -> ev.GpuIdle | None:
@@ -303,7 +329,7 @@ def _parked_state(
     doors = list(doors)
     queued = sum(lst.queued for lst in doors)
     ports = tuple(sorted({lst.port for lst in doors}))
-    oldest_s = max((c.last_recv_ms or 0 for c in unanswered), default=0) / 1000
+    oldest_s = oldest_request_s(unanswered)
     reasons: list[ev.Fact] = [parked]
     waited = demand_age_s is not None and not (queued or unread or unanswered)
     if doors and not (queued or unread or unanswered or waited):
@@ -415,7 +441,7 @@ def _classify_service(
         ev.AllParked(threads, len(procs), parked_s),
         threshold_s,
         [lst for f in procs for lst in front_doors(f.sample, f.front_door_ports)],
-        sum(f.sample.unread_bytes for f in procs),
+        sum(unread_requests(f.sample, f.front_door_ports) for f in procs),
         unanswered,
         dating,
         demand_age_s,
@@ -425,6 +451,7 @@ def _classify_service(
         reasons.append(idle_gpu)
     v = ServiceVerdict(root, state, reasons, cycles, verdicts)
     v.unanswered_requests, v.seconds_since_progress = len(unanswered), stuck_s
+    v.oldest_request_s = oldest_request_s(unanswered)
     return _waiters_take(v)
 
 
@@ -457,11 +484,16 @@ def find_culprit(v: ServiceVerdict, procs: Sequence[ProcessFacts]) -> ev.Culprit
        taking part (its gloo threads idle on their work queues) against the rank in the
        collective (one gloo thread waiting, with the collective's timeout, for its data); a
        child forked with a lock held against the parent joining it 5 s at a time.
-       Where the waits are dated and the service's time without progress is known, only the
-       waits that began when it stopped count, and after: a thread pool parked since
-       start-up is background, not evidence (every Ray process carries 6-10 gRPC threads in
-       untimed waits since it started, vLLM's Worker 26 gloo run-loop threads), and the age
-       quoted is the hang's, not the process's uptime.
+       Where the waits are dated and the service's stop is known (when its oldest unanswered
+       request came, else its time without progress), only the untimed waits that began
+       when it stopped count (within CULPRIT_BAND_* of it; process_waits has left out those
+       of each process's first STARTUP_S), no timed wait is taken off, and among as many the
+       process whose main thread stopped then leads. Thread pools parked since start-up are
+       background, not evidence (every Ray process carries 6-10 gRPC threads in untimed
+       waits since it started, 10-20 more in timed waits on gRPC timers), and the age quoted
+       is the hang's, not the process's uptime. So vLLM's Worker (its main thread and the
+       26 gloo run-loop threads its step had woken) is named, not the API server with its 4
+       request threads; a Serve replica, not Ray's autoscaler monitor.
     """
     if not procs:
         return None
@@ -481,24 +513,29 @@ def find_culprit(v: ServiceVerdict, procs: Sequence[ProcessFacts]) -> ev.Culprit
         n, neg_pid = max(held)
         return ev.Culprit(-neg_pid, comm[-neg_pid], "cycle") if n else None
     scored = []
-    # Waits that began this long ago or less began when the service stopped, or after.
-    began_by = v.seconds_since_progress + CULPRIT_SLACK_S if v.seconds_since_progress else None
+    # When it stopped: a service idle until a request came stopped serving when it came.
+    stop = v.oldest_request_s or v.seconds_since_progress
+    band = max(CULPRIT_BAND_MIN_S, CULPRIT_BAND_RATIO * stop)
+    dated = stop > 0 and any(f.waits is not None and f.waits.untimed_ages_s for f in procs)
     for f in procs:
         if f.waits is None:
             continue
+        if dated:
+            began = [a for a in f.waits.untimed_ages_s if abs(a - stop) <= band]
+            # Among as many, the one whose main thread stopped then: pools and runtime
+            # threads react to what the others do (Ray's log monitor tails each log line).
+            main = f.waits.main_untimed_s
+            lead = (len(began), main is not None and abs(main - stop) <= band)
+            scored.append((lead, len(began), max(began, default=None), f.sample.pid))
+            continue
         untimed = sum(n for name, timed, n in f.waits.waits if _is_futex(name) and timed is False)
         timed = sum(n for _name, timed, n in f.waits.waits if timed)
-        age = f.waits.oldest_untimed_s
-        if began_by is not None and f.waits.untimed_ages_s:
-            recent = [a for a in f.waits.untimed_ages_s if a <= began_by]
-            untimed -= len(f.waits.untimed_ages_s) - len(recent)  # background: parked before
-            age = max(recent, default=None)
-        scored.append((untimed - timed, untimed, age, f.sample.pid))
+        scored.append(((untimed - timed, False), untimed, f.waits.oldest_untimed_s, f.sample.pid))
     scored.sort(key=lambda x: x[0], reverse=True)
     if not scored:
         return None
     lead, untimed, age, pid = scored[0]
-    if lead < 1 or (len(scored) > 1 and scored[1][0] >= lead):
+    if lead[0] < 1 or (len(scored) > 1 and scored[1][0] >= lead):
         return None
     return ev.Culprit(pid, comm[pid], "own waits", threads=untimed, age_s=age)
 

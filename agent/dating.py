@@ -12,12 +12,15 @@ recent of these dates its last progress:
 * a TCP connection to a peer outside the service: when data was last sent on it, and, on
   connections that are not requests at a front door, when data was last received
   (tcp_info: weights streamed in, a peer rank's data);
-* a thread in a futex wait without a timeout that has not run since before the window: when
-  it last ran (se.exec_start); it stopped then to wait for another thread of its process.
-  Other threads say nothing of when work was last done, so they are left out: one that
-  waits with a timeout ticks (gloo's loop, a monitor's sleep, with periods longer than the
-  window), and one that waits on a file descriptor is woken by the service's own chatter
-  (torch's store answering its own client, zmq's I/O threads).
+* a process's main thread in a futex wait without a timeout that has not run since before
+  the window: when it last ran (se.exec_start); it stopped then to wait for another thread
+  of its process. Other threads say nothing of when work was last done, so they are left
+  out: one that waits with a timeout ticks (gloo's loop, a monitor's sleep, with periods
+  longer than the window), one that waits on a file descriptor is woken by the service's
+  own chatter (torch's store answering its own client, zmq's I/O threads), and a runtime's
+  pool threads wake on periods of their own: a Ray worker's gRPC event-engine thread last
+  ran 10 s before, in a window of 10 s, while the actor's main thread had waited 41 s on
+  the Event that hung it.
 
 What it cannot see: CPU work before the window by a thread that now wakes on a timer. A
 service that computed silently until just before the observation and then parked is dated
@@ -65,7 +68,8 @@ def last_progress(
                 found.append(ev.LastProgress("received", peer, s.pid, c.last_recv_ms / 1000))
         for t in s.threads:
             if (
-                t.blocked
+                t.tid == s.pid
+                and t.blocked
                 and t.timed is False
                 and wait_kind(t.syscall) == FUTEX
                 and t.last_ran_ns is not None

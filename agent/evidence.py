@@ -304,9 +304,11 @@ class ProcessWaits(Fact):
     waits: tuple[tuple[str, bool | None, int], ...]
     running: int
     oldest_untimed_s: float | None  # the oldest untimed futex wait, when dated
-    # How long ago each dated untimed futex wait began, oldest first: tells the waits that
-    # began when the service stopped from thread pools parked since start-up.
+    # How long ago each dated untimed futex wait began, oldest first, less those that began
+    # in the process's first seconds (pools parked since start-up): what may have begun
+    # when the service stopped.
     untimed_ages_s: tuple[float, ...] = ()
+    main_untimed_s: float | None = None  # of those, the main thread's (tid = pid), if one
 
 
 # --- where threads wait: Python stacks (agent.stacks) ----------------------------------------

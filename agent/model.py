@@ -215,11 +215,11 @@ class ProcessSample:
     threads: tuple[ThreadSample, ...]
     write_bytes: int | None = None  # /proc/PID/io wchar; None when unreadable
     listeners: tuple[Listener, ...] = ()
-    unread_bytes: int = 0  # bytes queued unread on its established TCP connections
     # uaddr -> identity of the word across processes (shared mappings), see sampler
     word_ids: Mapping[int, tuple] = field(default_factory=dict)
     connections: tuple[Connection, ...] = ()  # its established TCP connections
     plumbing: Plumbing = field(default_factory=Plumbing)  # its distributed-job hints
+    age_s: float | None = None  # how long ago it started (starttime against the boot clock)
 
     @property
     def plumbing_ports(self) -> frozenset[int]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from . import evidence as ev
 from . import fdwords
@@ -24,9 +24,10 @@ from .classify import (
     parked_group,
     process_waits,
     unanswered_requests,
+    unread_requests,
 )
 from .dating import last_progress
-from .egress import CLIENT, LEAVES, ServiceEnds, received_from_outside
+from .egress import CLIENT, LEAVES, ServiceEnds, inode_of, received_from_outside
 from .frontdoor import FrontDoorConfig, FrontDoors, front_doors
 from .gpuverdict import GpuHistory, gpu_active
 from .hopeless import hopeless
@@ -67,6 +68,8 @@ class Tick:
     reading: ProbeReading
     gpu: GpuReading | None = None  # None: no GPU source
     hopeless: frozenset[int] = frozenset()  # processes no thread can wake (agent.hopeless)
+    # pid -> inodes of its sockets whose streamed answer is unfinished (agent.answers)
+    streams: Mapping[int, frozenset[int]] = field(default_factory=dict)
 
 
 def describe_fd(target: str | None, fd: int) -> str:
@@ -223,10 +226,11 @@ class Observer:
             for k, v in self._heartbeat_files.items()
             if (p := snap.processes.get(k[0])) is not None and p.start_ticks == k[1]
         }
-        self._note_demand(snap, reading)
+        streams = {pid: s for pid in reading.writes if (s := self._streams(pid, reading))}
+        self._note_demand(snap, streams)
         self.sockets.prune()
         self.gpu_history.update(gpu, self.ticks[-1].gpu if self.ticks else None, snap.mono_ns)
-        tick = Tick(snap, graph, stable, reading, gpu, stuck)
+        tick = Tick(snap, graph, stable, reading, gpu, stuck, streams)
         self.ticks.append(tick)
         self._trim(window_s)
         return tick
@@ -238,12 +242,10 @@ class Observer:
         for fd, w in reading.writes.get(pid, {}).items():
             name = self._fd_names.get((pid, fd))
             if name and name.startswith("socket:[") and stream_in_flight(w.tail):
-                inode = name[len("socket:[") : -1]
-                if inode.isdigit():
-                    out.add(int(inode))
+                out.add(inode_of(name))
         return frozenset(out)
 
-    def _note_demand(self, snap: Snapshot, reading: ProbeReading) -> None:
+    def _note_demand(self, snap: Snapshot, streams: Mapping[int, frozenset[int]]) -> None:
         """Remember, per service, when work last waited at its front doors: a client that
         retries (each try times out, then connects again) leaves moments with nothing
         waiting, and a service is idle only when nothing waited in the whole window."""
@@ -254,9 +256,11 @@ class Observer:
             waiting = sum(
                 lst.queued for p in samples for lst in p.listeners if lst.port in ports
             ) + sum(
-                len(unanswered_requests(p, ports, self._streams(p.pid, reading))) for p in samples
+                len(unanswered_requests(p, ports, streams.get(p.pid, frozenset())))
+                + unread_requests(p, ports)
+                for p in samples
             )
-            if waiting or any(p.unread_bytes for p in samples):
+            if waiting:
                 self._demand_ns[root] = snap.mono_ns
         live = set(self.members)
         self._demand_ns = {r: ns for r, ns in self._demand_ns.items() if r in live}
@@ -335,7 +339,7 @@ class Observer:
                         front_door_ports=doors.ports,
                         waits=process_waits(sample, snap.mono_ns),
                         hopeless=pid in latest.hopeless,
-                        streams=self._streams(pid, latest.reading),
+                        streams=latest.streams.get(pid, frozenset()),
                     )
                 )
             live = {f.sample.pid for f in facts}

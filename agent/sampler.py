@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
@@ -38,6 +39,8 @@ from .procfs import (
 )
 from .syscalls import futex_private, syscall_wait
 from .waitgraph import owner_candidates
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")  # /proc/PID/stat counts starttime in these
 
 FUTEX_SYSCALLS = frozenset({SYS_FUTEX, SYS_FUTEX_WAIT, SYS_FUTEX_WAITV})
 
@@ -119,10 +122,13 @@ class Sampler:
         proc: ProcFS | None = None,
         clock_ns: Callable[[], int] = time.monotonic_ns,
         wall: Callable[[], float] = time.time,
+        uptime: Callable[[], float] = lambda: time.clock_gettime(time.CLOCK_BOOTTIME),
     ) -> None:
         self.proc = proc or ProcFS()
         self.clock_ns = clock_ns
         self.wall = wall
+        self.uptime = uptime  # the clock /proc/PID/stat's starttime counts on, in seconds
+        self._uptime_s = 0.0
         self._reads: dict[tuple[int, int], _ThreadRead] = {}  # (pid, tid) -> last tick's read
         self._next_reads: dict[tuple[int, int], _ThreadRead] = {}
         # pid -> ((start time, comm), its plumbing hints): read once per process, and again
@@ -140,6 +146,7 @@ class Sampler:
         # here it ran 123 s behind). This thread is running now, so its own exec_start is
         # "now" on that clock: the difference converts every thread's to monotonic.
         self._sched_offset_ns = now - int(own * 1e6) if own is not None else 0
+        self._uptime_s = self.uptime()
         processes: dict[int, ProcessSample] = {}
         gone = set()
         net_cache: dict[str, list[TcpSocket]] = {}
@@ -191,7 +198,7 @@ class Sampler:
                 mem.close()
         if not threads:
             return None
-        listeners, unread, connections = self._sockets(pid, net_cache, net_of)
+        listeners, connections = self._sockets(pid, net_cache, net_of)
         return ProcessSample(
             pid=pid,
             ppid=st.ppid,
@@ -200,10 +207,10 @@ class Sampler:
             threads=tuple(threads),
             write_bytes=proc.io_wchar(pid),
             listeners=listeners,
-            unread_bytes=unread,
             word_ids=word_ids,
             connections=connections,
             plumbing=self._plumbing_of(pid, (st.start_ticks, st.comm)),
+            age_s=max(0.0, self._uptime_s - st.start_ticks / CLK_TCK),
         )
 
     def _plumbing_of(self, pid: int, key: tuple[int, str]) -> Plumbing:
@@ -316,25 +323,24 @@ class Sampler:
 
     def _sockets(
         self, pid: int, net_cache: dict[str, list[TcpSocket]], net_of: dict[int, str]
-    ) -> tuple[tuple[Listener, ...], int, tuple[Connection, ...]]:
-        """Its listeners, the bytes unread on its connections, and its established connections:
+    ) -> tuple[tuple[Listener, ...], tuple[Connection, ...]]:
+        """Its listeners and its established connections (with their unread bytes):
         /proc/PID/net/tcp{,6} filtered by the socket inodes of its fds (one read of the
         tables per network namespace per tick)."""
         inodes = self.proc.socket_inodes(pid)
         if not inodes:
-            return (), 0, ()
+            return (), ()
         ns = self.proc.net_namespace(pid) or f"pid:{pid}"
         net_of[pid] = ns
         if ns not in net_cache:
             net_cache[ns] = self.proc.tcp_sockets(pid)
-        listeners, unread, connections = [], 0, []
+        listeners, connections = [], []
         for s in net_cache[ns]:
             if s.inode not in inodes:
                 continue
             if s.state == TCP_LISTEN:
                 listeners.append(Listener(s.family, s.address, s.port, s.rx_queue, s.tx_queue))
             elif s.state == TCP_ESTABLISHED:
-                unread += s.rx_queue
                 connections.append(
                     Connection(
                         s.address,
@@ -346,7 +352,7 @@ class Sampler:
                         s.tx_queue,
                     )
                 )
-        return tuple(listeners), unread, tuple(connections)
+        return tuple(listeners), tuple(connections)
 
     def _add_tcp_info(
         self,

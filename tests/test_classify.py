@@ -15,7 +15,7 @@ from agent.classify import (
     classify_process,
     classify_service,
 )
-from agent.model import Listener
+from agent.model import Connection, Listener
 from agent.progress import ProcessProgress
 from tests.synth import parked, process
 
@@ -34,8 +34,10 @@ def facts(
     doors=None,
 ) -> ProcessFacts:
     sample = process(pid, *(parked(pid * 100 + i) for i in range(n)), listeners=listeners)
-    if unread:
-        sample = sample.__class__(**{**sample.__dict__, "unread_bytes": unread})
+    if unread:  # a client's request, not yet read, on the first listener's port
+        port = listeners[0].port
+        request = Connection("127.0.0.1", port, "10.0.0.9", 50000, 1, rx_queue=unread, tx_queue=0)
+        sample = sample.__class__(**{**sample.__dict__, "connections": (request,)})
     prog = ProcessProgress(
         pid=pid,
         window_ns=5 * 10**9,
@@ -141,6 +143,16 @@ def test_listener_with_queued_connections_past_threshold_is_stalled():
     q = Listener("tcp", "0.0.0.0", 8000, queued=3, backlog=128)
     assert classify_process(facts(parked_s=61, listeners=(q,)), 60).state == STALLED
     assert classify_process(facts(parked_s=61, listeners=(LISTEN,), unread=10), 60).state == STALLED
+
+
+def test_unread_chatter_on_internal_connections_is_no_request():
+    """Ray: ~95 loopback gRPC messages a second between its own processes; one caught in a
+    receive queue is not a request at the front door."""
+    f = facts(parked_s=61, listeners=(LISTEN,))
+    grpc = Connection("127.0.0.1", 41000, "127.0.0.1", 46000, 2, rx_queue=218, tx_queue=0)
+    sample = f.sample.__class__(**{**f.sample.__dict__, "connections": (grpc,)})
+    v = classify_process(f.__class__(**{**f.__dict__, "sample": sample}), 60)
+    assert v.state == IDLE, v.words
 
 
 def test_a_thread_not_parked_is_not_a_stall():

@@ -251,3 +251,22 @@ def test_thread_pools_parked_since_start_up_are_background() -> None:
     v.seconds_since_progress = 0.0
     got = find_culprit(v, procs)
     assert got is not None and got.pid == 10, got
+
+
+def test_the_process_whose_threads_began_to_wait_when_the_service_stopped() -> None:
+    """Real vLLM, a request hung in the Worker's step, 36 s ago by tcp_info: the API server's
+    4 request threads began to wait then; so did the Worker's main thread and the 26 gloo
+    run-loop threads the step had woken, read 1.9 s older through se.exec_start (each CPU's
+    task clock); the EngineCore's 2. The Worker is where it stopped."""
+
+    def untimed(tid: int, ago_s: float) -> ThreadSample:
+        return replace(parked(tid, uaddr=0x5000 + 8 * tid, since=NOW - int(ago_s * S)), timed=False)
+
+    api = process(314, *(untimed(3140 + i, 35.8) for i in range(4)), comm="python")
+    engine = process(382, *(untimed(3820 + i, 36.8) for i in range(2)), comm="VLLM::EngineCor")
+    worker = process(398, *(untimed(3980 + i, 37.7) for i in range(27)), comm="VLLM::Worker")
+    procs = [facts(p, process_waits(p, NOW)) for p in (api, engine, worker)]
+    v = verdict(procs)
+    v.seconds_since_progress = 35.84
+    got = find_culprit(v, procs)
+    assert got is not None and (got.pid, got.threads) == (398, 27), got

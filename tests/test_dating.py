@@ -104,7 +104,7 @@ def test_the_most_recent_of_several_wins() -> None:
     """Sent 20 s ago, received 35 s ago, a log written 50 s ago, a thread that ran 80 s ago:
     each dates the service once the more recent ones are taken away."""
     log = {10: [WrittenFd(1, "/var/log/server.log", WALL - 50)]}
-    waiter = untimed(11, 80)
+    waiter = untimed(10, 80)  # the main thread
     both = conn(40100, STORE, 443, 501, sent_ms=20_000, acked=100, recv_ms=35_000, received=9)
     recv_only = conn(40100, STORE, 443, 501, sent_ms=20_000, acked=0, recv_ms=35_000, received=9)
     assert date([with_conns(process(10, waiter), both)], log) == ev.LastProgress(
@@ -116,19 +116,19 @@ def test_the_most_recent_of_several_wins() -> None:
     assert date([process(10, waiter)], log) == ev.LastProgress(
         "write", "/var/log/server.log", 10, 50.0
     )
-    assert date([process(10, waiter)]) == ev.LastProgress("ran", "thread 11 (worker)", 10, 80.0)
+    assert date([process(10, waiter)]) == ev.LastProgress("ran", "thread 10 (worker)", 10, 80.0)
 
 
 def test_candidates_from_several_processes() -> None:
-    a, b = process(10, untimed(11, 200)), process(20, untimed(21, 40, name="gloo"))
-    assert date([a, b]) == ev.LastProgress("ran", "thread 21 (gloo)", 20, 40.0)
-    assert date([b, a]) == ev.LastProgress("ran", "thread 21 (gloo)", 20, 40.0)
+    a, b = process(10, untimed(10, 200)), process(20, untimed(20, 40, name="rank"))
+    assert date([a, b]) == ev.LastProgress("ran", "thread 20 (rank)", 20, 40.0)
+    assert date([b, a]) == ev.LastProgress("ran", "thread 20 (rank)", 20, 40.0)
 
 
 def test_a_file_write_older_than_a_thread_last_ran_loses_to_it() -> None:
-    p = process(10, untimed(11, 30))
+    p = process(10, untimed(10, 30))
     got = date([p], {10: [WrittenFd(2, "/var/log/server.log", WALL - 100)]})
-    assert got == ev.LastProgress("ran", "thread 11 (worker)", 10, 30.0)
+    assert got == ev.LastProgress("ran", "thread 10 (worker)", 10, 30.0)
 
 
 def test_a_write_from_the_future_is_dated_now() -> None:
@@ -161,20 +161,28 @@ def test_threads_in_timed_futex_waits_or_in_epoll_are_ignored() -> None:
     )
     assert date([p]) is None
     # The same, with one untimed futex wait among them: only it dates the service.
-    q = process(10, *p.threads, untimed(16, 120))
-    assert date([q]) == ev.LastProgress("ran", "thread 16 (worker)", 10, 120.0)
+    q = process(10, *p.threads, untimed(10, 120))
+    assert date([q]) == ev.LastProgress("ran", "thread 10 (worker)", 10, 120.0)
+
+
+def test_only_a_main_thread_dates_the_service() -> None:
+    """A runtime's pool thread wakes on a period of its own: a Ray worker's gRPC event-engine
+    thread last ran 10 s ago while the actor's main thread had waited 41 s on its Event."""
+    actor = process(10, untimed(10, 41, name="ray::Stuck"), untimed(11, 10, name="event_engine"))
+    assert date([actor]) == ev.LastProgress("ran", "thread 10 (ray::Stuck)", 10, 41.0)
+    assert date([process(10, untimed(11, 10, name="event_engine"))]) is None
 
 
 def test_futex_wait_2_counts_like_futex() -> None:
-    assert date([process(10, thread(11, 455, False, 70))]) == ev.LastProgress(
-        "ran", "thread 11 (t)", 10, 70.0
+    assert date([process(10, thread(10, 455, False, 70))]) == ev.LastProgress(
+        "ran", "thread 10 (t)", 10, 70.0
     )
 
 
 def test_a_thread_that_ran_inside_the_window_is_ignored() -> None:
-    assert date([process(10, untimed(11, 2))]) is None  # ran 2 s ago, the window is 5 s
-    assert date([process(10, untimed(11, 5))]) is None  # at the window's start: inside it
-    assert date([process(10, untimed(11, 5.001))]) is not None
+    assert date([process(10, untimed(10, 2))]) is None  # ran 2 s ago, the window is 5 s
+    assert date([process(10, untimed(10, 5))]) is None  # at the window's start: inside it
+    assert date([process(10, untimed(10, 5.001))]) is not None
 
 
 def test_running_threads_and_undated_ones_are_ignored() -> None:
