@@ -136,16 +136,37 @@ def kill_tree(pid: int, timeout: float = 10.0) -> None:
         _signal(p, signal.SIGKILL)
     deadline = time.monotonic() + timeout
     for p in stopped[1:]:  # the root is reaped by its Popen; the rest by their parents or init
-        while _alive(p) and time.monotonic() < deadline:
+        while alive(p) and time.monotonic() < deadline:
             time.sleep(0.01)
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rpartition(")")[2].split()[0] != "Z"
     except (FileNotFoundError, ProcessLookupError):
         return False
+
+
+def cmdline(pid: int) -> str:
+    """The command line (as setproctitle may have rewritten it), spaces for NULs; empty when
+    gone."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def cpu_ticks(pid: int) -> int:
+    """utime + stime of the whole process, in clock ticks (0 once gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return 0
+    return int(fields[11]) + int(fields[12])
 
 
 def listening(port: int) -> bool:

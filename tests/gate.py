@@ -46,3 +46,13 @@ class Gate:
         """In the call phase, not a fixture: CI shows FAILED, not a setup ERROR."""
         if self.reason and under_ci() and self._mine(item):
             pytest.fail(f"CI=true and {self.cannot}: {self.reason}", pytrace=False)
+
+
+def require(reason: str | None, cannot: str) -> None:
+    """In a test or a fixture: skip when ``reason`` (what is missing, in words) is not None,
+    but fail under ``CI=true``; ``cannot`` says what then cannot run ("real vLLM cannot run")."""
+    if reason is None:
+        return
+    if under_ci():
+        pytest.fail(f"CI=true and {cannot}: {reason}", pytrace=False)
+    pytest.skip(reason)

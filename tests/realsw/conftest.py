@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from scripts import realsw
-from tests.gate import Gate, under_ci
+from tests import gate
+from tests.gate import Gate
 from tests.privileged.conftest import missing_precondition
 
 HERE = Path(__file__).resolve().parent
@@ -48,9 +49,4 @@ def pytest_runtest_call(item: pytest.Item) -> None:
 def needs_bpf() -> None:
     """For the tests here that run hangwatch on the real software: root and bcc, as
     tests/privileged. Skipped locally without them, failed under CI=true."""
-    reason = missing_precondition()
-    if reason is None:
-        return
-    if under_ci():
-        pytest.fail(f"CI=true and hangwatch cannot attach: {reason}", pytrace=False)
-    pytest.skip(reason)
+    gate.require(missing_precondition(), "hangwatch cannot attach")

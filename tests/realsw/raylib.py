@@ -28,12 +28,11 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from scripts import realsw
 from scripts.daemonproc import free_port
 from scripts.fixturelib import REPO_ROOT, Arg, Fixture, FixtureError
-from tests.gate import under_ci
+from scripts.realsw import cmdline, cpu_ticks
+from tests import gate
 
 DEFAULT_VENV = Path("/var/cache/hangwatch/ray")
 RAY_JOBS = REPO_ROOT / "tests" / "realsw" / "ray_jobs.py"
@@ -76,12 +75,7 @@ def missing() -> str | None:
 
 def require() -> None:
     """Skip the calling test when Ray cannot run here; fail it under ``CI=true``."""
-    reason = missing()
-    if reason is None:
-        return
-    if under_ci():
-        pytest.fail(f"CI=true and Ray cannot run: {reason}", pytrace=False)
-    pytest.skip(reason)
+    gate.require(missing(), "Ray cannot run")
 
 
 def job_env(**extra: str) -> dict[str, str]:
@@ -97,15 +91,6 @@ def job_env(**extra: str) -> dict[str, str]:
 
 
 # --- processes -----------------------------------------------------------------------------
-
-
-def cmdline(pid: int) -> str:
-    """The (setproctitle'd) command line, spaces for NULs; empty when gone."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-    except (FileNotFoundError, ProcessLookupError):
-        return ""
 
 
 def comm(pid: int) -> str:
@@ -150,16 +135,6 @@ def threads(pid: int) -> int:
         return len(os.listdir(f"/proc/{pid}/task"))
     except FileNotFoundError:
         return 0
-
-
-def cpu_ticks(pid: int) -> int:
-    """utime + stime of the whole process, in clock ticks (0 once gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rpartition(")")[2].split()
-    except (FileNotFoundError, ProcessLookupError):
-        return 0
-    return int(fields[11]) + int(fields[12])
 
 
 def cpu_share(pids: Sequence[int], seconds: float) -> dict[int, float]:

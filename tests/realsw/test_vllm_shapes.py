@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from scripts.fixturelib import wait_until
+from scripts.fixturelib import parent_pid, wait_until
+from scripts.realsw import alive, cpu_ticks
 from tests.realsw import vllmlib
 from tests.realsw.serving.procview import futex_parked
 from tests.realsw.vllmlib import SYS_POLL, VllmServer, vllm_ready
@@ -29,7 +30,7 @@ def run_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def assert_tree(s: VllmServer) -> None:
     """API server -> EngineCore -> Worker, found by parent links; only the API server
     listens on the port we gave it."""
-    assert vllmlib.parent(s.engine) == s.pid and vllmlib.parent(s.worker) == s.engine
+    assert parent_pid(s.engine) == s.pid and parent_pid(s.worker) == s.engine
     assert s.port in vllmlib.listening_ports(s.pid)
     assert vllmlib.listening_ports(s.engine) == []
 
@@ -39,9 +40,9 @@ def test_idle_then_serving(run_root: Path) -> None:
         assert_tree(s)
         # idle: the Worker's main thread waits for work in poll(2); nothing runs for long
         wait_until(lambda: vllmlib.in_syscall(s.worker, SYS_POLL), 10, "the Worker waiting")
-        ticks = [vllmlib.cpu_ticks(p) for p in (s.pid, s.engine, s.worker)]
+        ticks = [cpu_ticks(p) for p in (s.pid, s.engine, s.worker)]
         time.sleep(3)
-        used = [vllmlib.cpu_ticks(p) - t for p, t in zip((s.pid, s.engine, s.worker), ticks)]
+        used = [cpu_ticks(p) - t for p, t in zip((s.pid, s.engine, s.worker), ticks)]
         assert sum(used) < 60, f"idle, yet the three processes used {used} ticks in 3 s"
         assert vllmlib.metric(vllmlib.metrics(s), "vllm:request_success_total") == 0
         # serving: answers come, and the server counts them
@@ -87,9 +88,9 @@ def test_event_hang_logs_shm_warning(event_hang: VllmServer) -> None:
 def test_event_hang_orphaned_worker(event_hang: VllmServer) -> None:
     s = event_hang
     s.kill_engine()
-    wait_until(lambda: vllmlib.parent(s.worker) != s.engine, 10, "the Worker orphaned")
+    wait_until(lambda: parent_pid(s.worker) != s.engine, 10, "the Worker orphaned")
     time.sleep(2)  # its death-pipe thread has seen EOF by now
-    assert vllmlib.alive(s.worker)
+    assert alive(s.worker)
     _hung(s)
 
 

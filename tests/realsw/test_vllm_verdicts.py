@@ -26,7 +26,8 @@ from typing import Any
 
 import pytest
 
-from scripts.fixturelib import wait_until
+from scripts.fixturelib import parent_pid, wait_until
+from scripts.realsw import alive
 from tests.privileged import daemonlib
 from tests.privileged.daemonlib import running_daemon, value
 from tests.privileged.harness import Diagnosis
@@ -170,8 +171,8 @@ def test_vllm_orphaned_worker_is_stalled(event_hang: Hang) -> None:
     Runs last of the three: it breaks the shared server."""
     s = event_hang.server
     s.kill_engine()
-    wait_until(lambda: vllmlib.parent(s.worker) != s.engine, 10, "the Worker orphaned")
-    assert vllmlib.alive(s.worker), s.describe("the Worker died with its EngineCore")
+    wait_until(lambda: parent_pid(s.worker) != s.engine, 10, "the Worker orphaned")
+    assert alive(s.worker), s.describe("the Worker died with its EngineCore")
     d = diagnose_at(s.worker, time.monotonic(), 2.0, "orphaned_worker")
     expect(d, s.worker, "vllm orphaned worker", "stalled")
 

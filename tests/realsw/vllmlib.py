@@ -35,9 +35,16 @@ from typing import Any
 import pytest
 
 from scripts.daemonproc import free_port
-from scripts.fixturelib import REPO_ROOT, Fixture, FixtureError, FixtureLine
-from scripts.realsw import descendants, kill_tree
-from tests.gate import under_ci
+from scripts.fixturelib import (
+    REPO_ROOT,
+    Fixture,
+    FixtureError,
+    FixtureLine,
+    blocked_in,
+    thread_syscall,
+)
+from scripts.realsw import alive, cmdline, descendants, kill_tree
+from tests import gate
 from tests.realsw.serving.native import build_abba
 
 DEFAULT_VENV = Path("/var/cache/hangwatch/vllm")
@@ -91,12 +98,7 @@ def missing() -> str | None:
 @pytest.fixture(scope="session")
 def vllm_ready() -> None:
     """Skip when vLLM cannot run here, but fail under ``CI=true`` (tests.gate)."""
-    reason = missing()
-    if reason is None:
-        return
-    if under_ci():
-        pytest.fail(f"CI=true and real vLLM cannot run: {reason}", pytrace=False)
-    pytest.skip(reason)
+    gate.require(missing(), "real vLLM cannot run")
 
 
 # --- the model -----------------------------------------------------------------------------
@@ -142,14 +144,6 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-    except OSError:
-        return ""
-
-
 def _children(pid: int) -> list[int]:
     try:
         with open(f"/proc/{pid}/task/{pid}/children") as f:
@@ -161,17 +155,9 @@ def _children(pid: int) -> list[int]:
 def child_titled(parent: int, title: str) -> int | None:
     """The child of ``parent`` whose command line (set by setproctitle) starts with ``title``."""
     for child in _children(parent):
-        if _cmdline(child).startswith(title):
+        if cmdline(child).startswith(title):
             return child
     return None
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
 
 
 def http_get(port: int, path: str, timeout: float = 5.0) -> tuple[int, bytes]:
@@ -268,7 +254,7 @@ class VllmServer(Fixture):
         self.engine = child_titled(self.pid, ENGINE_TITLE) or 0
         self.worker = child_titled(self.engine, WORKER_TITLE) or 0 if self.engine else 0
         if not (self.engine and self.worker):
-            tree = {p: _cmdline(p)[:60] for p in descendants(self.pid)}
+            tree = {p: cmdline(p)[:60] for p in descendants(self.pid)}
             raise FixtureError(self.describe(f"no EngineCore and Worker below it: {tree}"))
 
     # --- hangs ---------------------------------------------------------------------------
@@ -448,44 +434,24 @@ def metric(samples: dict[str, float], name: str) -> float:
 
 # --- /proc: how the processes wait -------------------------------------------------------------
 
-SYS_READ, SYS_POLL, SYS_FUTEX, SYS_CLOCK_NANOSLEEP = 0, 7, 202, 230
-
-
-def syscall_words(pid: int, tid: int | None = None) -> list[str]:
-    """``/proc/PID/task/TID/syscall`` split (``NR arg1 .. arg6 sp pc``) when the thread sleeps
-    (state S or D); empty when it runs or is gone. TID defaults to the main thread."""
-    tid = pid if tid is None else tid
-    try:
-        with open(f"/proc/{pid}/task/{tid}/stat") as f:
-            state = f.read().rpartition(")")[2].split()[0]
-        with open(f"/proc/{pid}/task/{tid}/syscall") as f:
-            words = f.read().split()
-    except (OSError, IndexError):
-        return []
-    return words if state in ("S", "D") else []
+SYS_POLL, SYS_FUTEX = 7, 202
 
 
 def in_untimed_futex(pid: int, tid: int | None = None) -> bool:
-    """Whether the thread sleeps in futex(2) with no timeout (4th argument NULL)."""
-    words = syscall_words(pid, tid)
-    return len(words) >= 5 and words[0] == str(SYS_FUTEX) and int(words[4], 16) == 0
+    """Whether the thread (the main one by default) sleeps in futex(2) with no timeout (its
+    4th argument NULL)."""
+    tid = pid if tid is None else tid
+    if blocked_in(pid, tid) != SYS_FUTEX:
+        return False
+    try:
+        words = thread_syscall(pid, tid).split()
+    except OSError:
+        return False
+    return len(words) >= 5 and int(words[4], 16) == 0
 
 
 def in_syscall(pid: int, nr: int, tid: int | None = None) -> bool:
-    words = syscall_words(pid, tid)
-    return bool(words) and words[0] == str(nr)
-
-
-def parent(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rpartition(")")[2].split()[1])
-
-
-def cpu_ticks(pid: int) -> int:
-    """utime + stime of the whole process, in clock ticks."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rpartition(")")[2].split()
-    return int(fields[11]) + int(fields[12])
+    return blocked_in(pid, pid if tid is None else tid) == nr
 
 
 def listening_ports(pid: int) -> list[int]:
