@@ -12,10 +12,16 @@ that matter (``replica=``, ``proxy=``, ``controller=``, ``actor=``, ``workers=``
 * ``load``: start the continuous client (what ``serve_load`` starts at once), so an idle Serve
   cluster becomes a loaded one without a second start; it answers ``LOADING``.
 
+The HTTP clients run **outside** the driver's process tree, as real clients do: a client that
+is a thread of the driver is a process of the service, so the proxy's port would be its
+plumbing. Each is a fresh python, started through a launcher that exits at once (so it is
+reparented away from the driver), with its cwd in Ray's temp dir, where raylib's sweep finds
+and ends it.
+
 | shape | what happens | truth |
 | --- | --- | --- |
 | serve_idle | a Serve app (HTTP proxy on ``--port``), no requests | idle |
-| serve_load | the same, a driver thread sending requests back to back | progressing |
+| serve_load | the same, a client sending requests back to back | progressing |
 | serve_abba | two requests; the replica's two threads take two threading.Locks in opposite order | stalled (deadlocked, but no kernel-visible cycle) |
 | serve_event | one request; the replica blocks in threading.Event().wait() | stalled |
 | get_stuck_actor | the driver in ray.get on an actor method blocked on an Event | stalled |
@@ -28,8 +34,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import http.client
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -53,7 +59,28 @@ SHAPES = (
     "tasks_computing",
 )
 APP = "hw"  # the Serve application's name
-STATS = {"answered": 0}
+TEMP_DIR = "."  # Ray's temp dir (main sets it): the clients' cwd
+
+# A client, stdlib only: GET PATH once (a pending request never returns), or ``load``: GET /
+# back to back on one connection, writing the count answered to ANSWERED after each.
+CLIENT = """
+import http.client, os, sys, time
+port, what, answered = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+conn = http.client.HTTPConnection("127.0.0.1", port)
+n = 0
+while True:
+    conn.request("GET", "/" if what == "load" else what)
+    conn.getresponse().read()
+    if what != "load":
+        break
+    n += 1
+    with open(answered + ".tmp", "w") as f:
+        f.write(str(n))
+    os.replace(answered + ".tmp", answered)
+time.sleep(1e9)
+"""
+# Starts argv in a session of its own and exits: its child is no descendant of the driver.
+LAUNCH = "import subprocess, sys; subprocess.Popen(sys.argv[1:], start_new_session=True)"
 
 
 def say(token: str, **kv: object) -> None:
@@ -107,6 +134,29 @@ def find(prefix: str, timeout: float = 60.0) -> int:
 # --- Serve ---------------------------------------------------------------------------------
 
 
+def note_stuck(path: str) -> None:
+    """Append this thread's native TID to ``path``: the driver learns the stuck threads from
+    the file, not by calling the replica (a call would wake the driver's threads just as the
+    hang begins, which no real client of a hung replica does)."""
+    with open(path, "a") as f:
+        f.write(f"{threading.get_native_id()}\n")
+
+
+def stuck_tids(path: str, count: int, timeout: float = 60.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with open(path) as f:
+                tids = [int(t) for t in f.read().split()]
+        except FileNotFoundError:
+            tids = []
+        if len(tids) >= count:
+            return tids
+        if time.monotonic() > deadline:
+            raise SystemExit(f"want {count} stuck threads in {path}, found {tids}")
+        time.sleep(0.1)
+
+
 @serve.deployment(max_ongoing_requests=4, ray_actor_options={"num_cpus": 0})
 class Hello:
     def pid(self) -> int:
@@ -120,22 +170,19 @@ class Hello:
 class Abba:
     """``/ab`` takes lock a then b, ``/ba`` b then a; a barrier makes both hold their first."""
 
-    def __init__(self) -> None:
+    def __init__(self, stuck_file: str) -> None:
         self.a = threading.Lock()
         self.b = threading.Lock()
         self.both_hold_one = threading.Barrier(2)
-        self.stuck: list[int] = []  # native TIDs of the threads in the cycle
+        self.stuck_file = stuck_file  # native TIDs of the threads in the cycle, a line each
 
     def pid(self) -> int:
         return os.getpid()
 
-    def tids(self) -> list[int]:
-        return list(self.stuck)
-
     def _work(self, path: str) -> str:
         first, second = (self.a, self.b) if path.endswith("/ab") else (self.b, self.a)
         with first:
-            self.stuck.append(threading.get_native_id())
+            note_stuck(self.stuck_file)
             self.both_hold_one.wait()
             with second:  # never: the other thread holds it and waits for ours
                 return "done\n"
@@ -149,18 +196,15 @@ class Abba:
 class Waiter:
     """Every request waits for an Event nobody sets."""
 
-    def __init__(self) -> None:
+    def __init__(self, stuck_file: str) -> None:
         self.never = threading.Event()
-        self.stuck: list[int] = []
+        self.stuck_file = stuck_file
 
     def pid(self) -> int:
         return os.getpid()
 
-    def tids(self) -> list[int]:
-        return list(self.stuck)
-
     def _wait(self) -> str:
-        self.stuck.append(threading.get_native_id())
+        note_stuck(self.stuck_file)
         self.never.wait()
         return "never\n"
 
@@ -185,48 +229,45 @@ def wait_listening(port: int, timeout: float = 60.0) -> None:
         time.sleep(0.1)
 
 
-def request(port: int, path: str, timeout: float | None = None) -> int:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+def outside_client(port: int, what: str) -> str:
+    """Start a client outside the driver's tree (``what``: a path, or ``load``); returns the
+    file where a ``load`` client counts its answers."""
+    answered = os.path.join(TEMP_DIR, f"answered-{os.getpid()}-{what.strip('/') or 'root'}")
+    argv = [sys.executable, "-c", CLIENT, str(port), what, answered]
+    subprocess.run([sys.executable, "-c", LAUNCH, *argv], check=True, cwd=TEMP_DIR)
+    return answered
+
+
+def pending(port: int, path: str) -> None:
+    """A request that is never answered (no timeout), from outside the service."""
+    outside_client(port, path)
+
+
+def answered(counter: str) -> int:
     try:
-        conn.request("GET", path)
-        resp = conn.getresponse()
-        resp.read()
-        return resp.status
-    finally:
-        conn.close()
+        with open(counter) as f:
+            return int(f.read() or 0)
+    except FileNotFoundError:
+        return 0
 
 
-def pending(port: int, path: str) -> threading.Thread:
-    """A driver thread whose request is never answered (no timeout)."""
-
-    def run() -> None:
-        try:
-            request(port, path)
-        except OSError as e:
-            say("CLIENT_ERROR", path=path, error=type(e).__name__)
-
-    t = threading.Thread(target=run, name=f"pending{path.replace('/', '-')}", daemon=True)
-    t.start()
-    return t
+def load(port: int) -> int:
+    """Requests back to back on one connection, forever, from outside the service; returns
+    once 10 were answered, with how many were."""
+    counter = outside_client(port, "load")
+    while (n := answered(counter)) < 10:
+        time.sleep(0.1)
+    return n
 
 
-def load(port: int) -> None:
-    """Requests back to back on one connection, forever (a thread of the driver)."""
-
-    def run() -> None:
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-        while True:
-            conn.request("GET", "/")
-            conn.getresponse().read()
-            STATS["answered"] += 1
-
-    threading.Thread(target=run, name="load", daemon=True).start()
-
-
-def serve_shape(shape: str, port: int) -> None:
+def serve_shape(shape: str, port: int, idle_before: float) -> None:
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    deployment = {"serve_abba": Abba, "serve_event": Waiter}.get(shape, Hello)
-    handle = serve.run(deployment.bind(), name=APP, route_prefix="/")  # type: ignore[attr-defined]
+    stuck_file = os.path.join(TEMP_DIR, "stuck-tids")
+    if shape in ("serve_abba", "serve_event"):
+        deployment = (Abba if shape == "serve_abba" else Waiter).bind(stuck_file)  # type: ignore[attr-defined]
+    else:
+        deployment = Hello.bind()  # type: ignore[attr-defined]
+    handle = serve.run(deployment, name=APP, route_prefix="/")
     replica = handle.pid.remote().result()
     wait_listening(port)  # no request yet: serve_idle must have answered none
     proxy = find("ray::ProxyActor")
@@ -234,23 +275,18 @@ def serve_shape(shape: str, port: int) -> None:
     info = dict(replica=replica, proxy=proxy, controller=controller, port=port)
     if shape == "serve_load":
         load(port)
-        while STATS["answered"] < 10:
-            time.sleep(0.1)
     elif shape in ("serve_abba", "serve_event"):
         paths = ["/ab", "/ba"] if shape == "serve_abba" else ["/wait"]
+        time.sleep(idle_before)  # a hang comes after start-up, not with it
         for path in paths:
             pending(port, path)
-        while len(tids := handle.tids.remote().result()) < len(paths):
-            time.sleep(0.1)
+        tids = stuck_tids(stuck_file, len(paths))
         time.sleep(0.5)  # past the second append: in the lock / the wait
         info["tids"] = ",".join(map(str, tids))
     say("READY", shape=shape, pid=os.getpid(), role="driver", **info)
     for line in sys.stdin:
         if line.strip() == "load" and shape == "serve_idle":
-            load(port)
-            while STATS["answered"] < 10:
-                time.sleep(0.1)
-            say("LOADING", answered=STATS["answered"])
+            say("LOADING", answered=load(port))
     threading.Event().wait()  # stdin closed: stay in the shape until killed
 
 
@@ -306,16 +342,19 @@ def core_shape(shape: str, args: argparse.Namespace) -> None:
     if shape == "get_stuck_actor":
         actor = Stuck.remote()  # type: ignore[attr-defined]
         pid = ray.get(actor.pid.remote())
+        time.sleep(args.idle_before)  # a hang comes after start-up, not with it
         ref = actor.block.remote()
         say("READY", shape=shape, pid=me, role="driver", actor=pid)
         ray.get(ref)
     elif shape == "actor_self_call":
         actor = Selfish.remote()  # type: ignore[attr-defined]
         pid = ray.get(actor.pid.remote())
+        time.sleep(args.idle_before)
         ref = actor.outer.remote()
         say("READY", shape=shape, pid=me, role="driver", actor=pid)
         ray.get(ref)
     elif shape == "infeasible_task":
+        time.sleep(args.idle_before)
         ref = needs_gpu.remote()
         say("READY", shape=shape, pid=me, role="driver")
         ray.get(ref)
@@ -335,7 +374,15 @@ def main() -> None:
     ap.add_argument("--num-cpus", type=int, default=2)
     ap.add_argument("--tasks", type=int, default=2, help="tasks_computing: how many tasks")
     ap.add_argument("--seconds", type=float, default=3600.0, help="tasks_computing: how long")
+    ap.add_argument(
+        "--idle-before",
+        type=float,
+        default=20.0,
+        help="the hang shapes: seconds the cluster idles before the hang begins",
+    )
     args = ap.parse_args()
+    global TEMP_DIR
+    TEMP_DIR = os.path.abspath(args.temp_dir)
     ray.init(
         num_cpus=args.num_cpus,
         num_gpus=0,
@@ -344,7 +391,7 @@ def main() -> None:
         logging_level="WARNING",
     )
     if args.shape.startswith("serve_"):
-        serve_shape(args.shape, args.port)
+        serve_shape(args.shape, args.port, args.idle_before)
     else:
         core_shape(args.shape, args)
 

@@ -25,10 +25,13 @@ from scripts.fixturelib import (
     thread_cpu_ticks,
     wait_until,
 )
+from scripts.realsw import cpu_ticks
 from tests.realsw import raylib
 from tests.realsw.raylib import RayJob
 
 STILL_S = 2.0  # how long a stuck thread must stay in its wait without running
+# The shape, checked from /proc, needs no idle time before its hang (the verdicts do).
+QUICK = ("--idle-before", "0")
 
 # The processes of every local cluster (the driver is the root), by their command line.
 CLUSTER = ("gcs_server", "raylet", "ray::RuntimeEnvAgent")
@@ -99,7 +102,7 @@ def test_serve_idle_answers_nothing_and_sleeps(serve_cluster: RayJob) -> None:
     assert sum(shares.values()) < 0.5, f"the idle cluster uses {sum(shares.values()):.2f} cores"
     assert "CALL __call__" not in raylib.worker_log(job, replica, "err")
     # Idle, not dead: the proxy listens.
-    assert raylib.cpu_ticks(job.pid_of("proxy")) > 0
+    assert cpu_ticks(job.pid_of("proxy")) > 0
 
 
 def test_serve_load_is_answered_continuously(serve_cluster: RayJob) -> None:
@@ -108,11 +111,11 @@ def test_serve_load_is_answered_continuously(serve_cluster: RayJob) -> None:
         job.send("load")
         job.wait_for("LOADING", timeout=60)
     replica, proxy = job.pid_of("replica"), job.pid_of("proxy")
-    before = raylib.cpu_ticks(replica)
+    before = cpu_ticks(replica)
     shares = raylib.cpu_share([replica, proxy], 3.0)
     assert shares[replica] > 0.05 and shares[proxy] > 0.05, f"not working: {shares}"
-    assert raylib.cpu_ticks(replica) > before
-    assert len(raylib.connections(job.port)) >= 2, "want the driver's client connected"
+    assert cpu_ticks(replica) > before
+    assert len(raylib.connections(job.port)) >= 2, "want the outside client connected"
     status, body = get(job.port, "/")
     assert (status, body) == (200, "hello\n")
 
@@ -123,12 +126,13 @@ def test_serve_load_is_answered_continuously(serve_cluster: RayJob) -> None:
 def test_serve_abba_replica_threads_hold_each_others_lock(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
-    with raylib.ray_job("serve_abba", tmp_path_factory.mktemp("rs")) as job:
+    with raylib.ray_job("serve_abba", tmp_path_factory.mktemp("rs"), *QUICK) as job:
         has_processes(job, *CLUSTER, *SERVE)
         replica, tids = job.pid_of("replica"), job.info.get_ints("tids")
         assert len(tids) == 2 and set(tids) <= set(tasks(replica)), job.describe("the two tids")
         parked_still(replica, tids)
-        # Two requests wait: each a connection from the driver to the proxy, unanswered.
+        # Two requests wait: each a connection from a client outside the driver's tree to the
+        # proxy, unanswered.
         assert len(raylib.connections(job.port)) == 4, raylib.connections(job.port)
         assert not job.seen("CLIENT_ERROR")
         # The replica's other threads are alive: the proxy answers its own health check.
@@ -137,7 +141,7 @@ def test_serve_abba_replica_threads_hold_each_others_lock(
 
 
 def test_serve_event_replica_waits_forever(tmp_path_factory: pytest.TempPathFactory) -> None:
-    with raylib.ray_job("serve_event", tmp_path_factory.mktemp("rs")) as job:
+    with raylib.ray_job("serve_event", tmp_path_factory.mktemp("rs"), *QUICK) as job:
         has_processes(job, *CLUSTER, *SERVE)
         replica, tids = job.pid_of("replica"), job.info.get_ints("tids")
         assert len(tids) == 1, job.describe("want the waiting thread's tid")
@@ -166,7 +170,7 @@ def tid_of(line: str) -> int:
 
 
 def test_get_stuck_actor_blocks_in_its_event(tmp_path_factory: pytest.TempPathFactory) -> None:
-    with raylib.ray_job("get_stuck_actor", tmp_path_factory.mktemp("rs")) as job:
+    with raylib.ray_job("get_stuck_actor", tmp_path_factory.mktemp("rs"), *QUICK) as job:
         has_processes(job, *CLUSTER)
         actor = job.pid_of("actor")
         tid = tid_of(worker_said(job, actor, "BLOCKING"))
@@ -180,7 +184,7 @@ def test_get_stuck_actor_blocks_in_its_event(tmp_path_factory: pytest.TempPathFa
 def test_actor_self_call_never_runs_the_inner_call(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
-    with raylib.ray_job("actor_self_call", tmp_path_factory.mktemp("rs")) as job:
+    with raylib.ray_job("actor_self_call", tmp_path_factory.mktemp("rs"), *QUICK) as job:
         actor = job.pid_of("actor")
         tid = tid_of(worker_said(job, actor, "OUTER"))
         wait_until(lambda: blocked_in(actor, tid) is not None, 10, "outer() waiting in ray.get")
@@ -191,7 +195,7 @@ def test_actor_self_call_never_runs_the_inner_call(
 
 
 def test_infeasible_task_is_never_scheduled(tmp_path_factory: pytest.TempPathFactory) -> None:
-    with raylib.ray_job("infeasible_task", tmp_path_factory.mktemp("rs")) as job:
+    with raylib.ray_job("infeasible_task", tmp_path_factory.mktemp("rs"), *QUICK) as job:
         has_processes(job, *CLUSTER)
         # The autoscaler's monitor reports the demand it cannot meet (every 5 s).
         monitor = job.logs() / "monitor.log"
