@@ -488,7 +488,8 @@ def find_culprit(v: ServiceVerdict, procs: Sequence[ProcessFacts]) -> ev.Culprit
        request came, else its time without progress), only the untimed waits that began
        when it stopped count (within CULPRIT_BAND_* of it; process_waits has left out those
        of each process's first STARTUP_S), no timed wait is taken off, and among as many the
-       process whose main thread stopped then leads. Thread pools parked since start-up are
+       process whose main thread stopped then leads, then the one whose work dates the stop
+       (a Ray actor's last log line, against the log monitor that read it). Thread pools parked since start-up are
        background, not evidence (every Ray process carries 6-10 gRPC threads in untimed
        waits since it started, 10-20 more in timed waits on gRPC timers), and the age quoted
        is the hang's, not the process's uptime. So vLLM's Worker (its main thread and the
@@ -517,20 +518,25 @@ def find_culprit(v: ServiceVerdict, procs: Sequence[ProcessFacts]) -> ev.Culprit
     stop = v.oldest_request_s or v.seconds_since_progress
     band = max(CULPRIT_BAND_MIN_S, CULPRIT_BAND_RATIO * stop)
     dated = stop > 0 and any(f.waits is not None and f.waits.untimed_ages_s for f in procs)
+    # The process whose work dates the stop (its log's last line) made the last progress.
+    last = next((r.pid for r in v.reasons if isinstance(r, ev.LastProgress)), None)
     for f in procs:
         if f.waits is None:
             continue
         if dated:
             began = [a for a in f.waits.untimed_ages_s if abs(a - stop) <= band]
-            # Among as many, the one whose main thread stopped then: pools and runtime
-            # threads react to what the others do (Ray's log monitor tails each log line).
+            # Among as many, the one whose main thread stopped then, then the one that made
+            # the last progress: pools and runtime threads react to what the others do (Ray's
+            # log monitor wakes on each line an actor logs).
             main = f.waits.main_untimed_s
-            lead = (len(began), main is not None and abs(main - stop) <= band)
+            main_stopped = main is not None and abs(main - stop) <= band
+            lead = (len(began), main_stopped, f.sample.pid == last)
             scored.append((lead, len(began), max(began, default=None), f.sample.pid))
             continue
         untimed = sum(n for name, timed, n in f.waits.waits if _is_futex(name) and timed is False)
         timed = sum(n for _name, timed, n in f.waits.waits if timed)
-        scored.append(((untimed - timed, False), untimed, f.waits.oldest_untimed_s, f.sample.pid))
+        lead = (untimed - timed, False, False)
+        scored.append((lead, untimed, f.waits.oldest_untimed_s, f.sample.pid))
     scored.sort(key=lambda x: x[0], reverse=True)
     if not scored:
         return None

@@ -270,3 +270,23 @@ def test_the_process_whose_threads_began_to_wait_when_the_service_stopped() -> N
     v.seconds_since_progress = 35.84
     got = find_culprit(v, procs)
     assert got is not None and (got.pid, got.threads) == (398, 27), got
+
+
+def test_among_as_many_the_process_whose_work_dates_the_stop() -> None:
+    """Real Ray, an actor whose method ray.get()s another method of itself: its one untimed
+    wait began when it logged its last line, 36 s ago; so did the log monitor's, woken by
+    that line. The actor made the last progress: it is named."""
+
+    def untimed(tid: int, ago_s: float) -> ThreadSample:
+        return replace(parked(tid, uaddr=0x6000 + 8 * tid, since=NOW - int(ago_s * S)), timed=False)
+
+    actor = process(14532, untimed(14540, 35.7), comm="ray::Selfish.ou")
+    log_monitor = process(14402, untimed(14410, 33.6), comm="python")
+    procs = [facts(p, process_waits(p, NOW)) for p in (log_monitor, actor)]
+    v = verdict(procs)
+    v.seconds_since_progress = 36.0
+    v.reasons = [ev.LastProgress("write", "python-core-worker.log", 14532, 36.0)]
+    got = find_culprit(v, procs)
+    assert got is not None and got.pid == 14532, got
+    v.reasons = []  # nothing dates it: a tie, no one named
+    assert find_culprit(v, procs) is None
