@@ -65,7 +65,9 @@ def short_rules(tmp: Path) -> list[Path]:
 
 
 @contextlib.contextmanager
-def daemon_watching(tmp: Path, targets: dict[str, str]) -> Iterator[Daemon]:
+def daemon_watching(
+    tmp: Path, targets: dict[str, str], threshold: float = THRESHOLD
+) -> Iterator[Daemon]:
     """A daemon (past its first tick) watching ``targets``: name -> cmdline regex."""
     port = free_port()
     cfg = tmp / "hangwatch.yaml"
@@ -74,7 +76,7 @@ def daemon_watching(tmp: Path, targets: dict[str, str]) -> Iterator[Daemon]:
             {
                 "listen": f"127.0.0.1:{port}",
                 "interval_seconds": INTERVAL,
-                "park_threshold_seconds": THRESHOLD,
+                "park_threshold_seconds": threshold,
                 "targets": [{"name": n, "cmdline": c} for n, c in targets.items()],
             }
         )

@@ -54,6 +54,7 @@ pytestmark = [
 HANG_AGE = 30.0  # diagnose a hang once it is this old (s)
 SHM_WARNING = "No available shared memory broadcast block found"
 SHM_AGE = 70.0  # the EngineCore logs SHM_WARNING 60 s into a hang, then every 60 s
+DAEMON_HOLD_S = 120.0  # the daemon's one state on a hung engine, across its warnings
 
 
 def keep(d: Diagnosis, shape: str) -> None:
@@ -163,6 +164,34 @@ def test_vllm_hang_with_shm_warning_is_stalled(event_hang: Hang) -> None:
     d = diagnose_at(s.pid, event_hang.began, SHM_AGE, "shm_warning")
     svc = expect(d, s.pid, "vllm hang, shm warning logged", "stalled")
     culprit_is(d, svc, s.worker, "the Worker, hung mid-step")
+
+
+def test_daemon_holds_stalled_on_a_hung_vllm_through_its_warnings(
+    event_hang: Hang, tmp_path: Path
+) -> None:
+    """The daemon (10 s threshold) watches the same hung server for DAEMON_HOLD_S: one state
+    in every scrape, while the EngineCore logs its warning each minute (a write that is no
+    progress and must neither flip the state nor date the stall)."""
+    s = event_hang.server
+    cfg, port = targets_config(
+        tmp_path, {"vllm": rf"openai\.api_server .*--port {s.port}\b"}, threshold=HANG_THRESHOLD
+    )
+    warnings_before = s.log_text().count(SHM_WARNING)
+    with running_daemon(cfg, port) as d:
+        daemonlib.wait_until(
+            d,
+            lambda x: states_of(x, "vllm", s.pid) == ["stalled"],
+            f"the vLLM service {s.pid} to be stalled",
+            timeout=60,
+        )
+        hold(d, "vllm", s.pid, "stalled", DAEMON_HOLD_S)
+        scraped = d.scrape()
+        assert scraped is not None
+        since = value(scraped, "hangwatch_service_seconds_since_progress", service="vllm")
+    warned = s.log_text().count(SHM_WARNING) - warnings_before
+    assert warned >= 1, s.describe("no warning logged while the daemon held: the case is untested")
+    # Dated from the hang, never reset by a warning
+    assert since is not None and since >= time.monotonic() - event_hang.began - 15, since
 
 
 def test_vllm_orphaned_worker_is_stalled(event_hang: Hang) -> None:
