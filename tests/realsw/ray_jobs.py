@@ -337,20 +337,18 @@ def compute(seconds: float) -> int:
     return n
 
 
+# The actor shapes: the actor's class, and the method whose call never returns.
+ACTORS = {"get_stuck_actor": (Stuck, "block"), "actor_self_call": (Selfish, "outer")}
+
+
 def core_shape(shape: str, args: argparse.Namespace) -> None:
     me = os.getpid()
-    if shape == "get_stuck_actor":
-        actor = Stuck.remote()  # type: ignore[attr-defined]
+    if shape in ACTORS:
+        cls, method = ACTORS[shape]
+        actor = cls.remote()  # type: ignore[attr-defined]
         pid = ray.get(actor.pid.remote())
         time.sleep(args.idle_before)  # a hang comes after start-up, not with it
-        ref = actor.block.remote()
-        say("READY", shape=shape, pid=me, role="driver", actor=pid)
-        ray.get(ref)
-    elif shape == "actor_self_call":
-        actor = Selfish.remote()  # type: ignore[attr-defined]
-        pid = ray.get(actor.pid.remote())
-        time.sleep(args.idle_before)
-        ref = actor.outer.remote()
+        ref = getattr(actor, method).remote()
         say("READY", shape=shape, pid=me, role="driver", actor=pid)
         ray.get(ref)
     elif shape == "infeasible_task":
