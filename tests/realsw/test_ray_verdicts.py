@@ -129,11 +129,15 @@ def test_get_stuck_actor_is_stalled(tmp_path_factory: pytest.TempPathFactory) ->
 
 def test_actor_self_call_is_stalled(tmp_path_factory: pytest.TempPathFactory) -> None:
     """An actor with one slot ray.get()s a call to itself: a deadlock the kernel cannot see
-    (it is in Ray's task queue), so stalled; deadlocked would also be true."""
+    (it is in Ray's task queue), so stalled; deadlocked would also be true. The actor waits in
+    ``ray.get`` with a timeout, as its caller does, and its one untimed wait began with the
+    log monitor's (woken by the line it logged): the evidence singles it out only when its
+    log line dates the stop. So the culprit is the actor or nobody, never another process."""
     with hang("actor_self_call", tmp_path_factory.mktemp("rv")) as (job, d):
         actor = job.pid_of("actor")
     svc = expect(d, job.driver, job.shape, "stalled", "deadlocked")
-    culprit_is(d, svc, actor, "the actor waiting for its own call")
+    named = (svc.get("culprit") or {}).get("pid")
+    assert named in (None, actor), d.explain(f"want the actor ({actor}) or no culprit: {named}")
 
 
 def test_infeasible_task_is_stalled(tmp_path_factory: pytest.TempPathFactory) -> None:
