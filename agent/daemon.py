@@ -21,19 +21,10 @@ from typing import Any
 from . import __version__
 from . import config as config_mod
 from . import session as session_mod
-from .classify import DEADLOCKED, STALLED, ServiceVerdict
-from .discovery import Discovery, Service
+from .analysis.classify import DEADLOCKED, STALLED, ServiceVerdict
+from .analysis.frontdoor import FrontDoorConfig
 from .errors import UsageError
-from .fdwords import waits_on
-from .frontdoor import FrontDoorConfig
-from .model import GpuDevice, GpuReading, ProbeReading
-from .native import named_verdicts, native_caller
-from .observe import Scope, Tick
-from .procfs import ProcFS
-from .session import Session
-from .sources import GpuSource, ProbeSource
-from .stacks import SourceLines, read_many, stack_facts
-from .status import (
+from .export.exposition import (
     AgentStatus,
     CollectorStatus,
     Exposition,
@@ -41,7 +32,16 @@ from .status import (
     ProgramStats,
     ServiceStatus,
 )
-from .words import render
+from .model import GpuDevice, GpuReading, ProbeReading
+from .observe.discovery import Discovery, Service
+from .observe.fdwaits import waits_on
+from .observe.observer import Scope, Tick
+from .report.sentences import render
+from .session import Session
+from .sources.procfs import ProcFS
+from .sources.protocols import GpuSource, ProbeSource
+from .sources.pystacks import SourceLines, read_many, stack_facts
+from .sources.symbols import named_verdicts, native_caller
 
 log = logging.getLogger(__name__)
 
@@ -335,8 +335,8 @@ class Daemon:
 def run(config_path: str | None, listen: str | None, web_config: str | None = None) -> int:
     from prometheus_client import make_wsgi_app
 
-    from . import webconfig
-    from .metrics import registry_for
+    from .export import webconfig
+    from .export.metrics import registry_for
 
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s hangwatch %(levelname)s %(message)s"

@@ -10,20 +10,20 @@ from dataclasses import dataclass, replace
 from typing import TextIO
 
 from . import session as session_mod
-from .classify import PROGRESSING, ServiceVerdict, parked_group
-from .discovery import env_labels
+from .analysis.classify import PROGRESSING, ServiceVerdict, parked_group
+from .analysis.evidence import NoPythonStack, ParkedGroup, UnderThreshold, as_json
 from .errors import UsageError
-from .evidence import NoPythonStack, ParkedGroup, UnderThreshold, as_json
-from .fdwords import waits_on
 from .model import ProbeEvent, plural
-from .native import describe_address, named_verdicts, native_caller
-from .observe import Scope, Tick
-from .procfs import ProcFS
+from .observe.discovery import env_labels
+from .observe.fdwaits import waits_on
+from .observe.observer import Scope, Tick
+from .report.sentences import reasons, render, who
 from .session import Session
 from .settings import DURATION, PARK_THRESHOLD, Settings
-from .stacks import StackRead, read_many, stack_facts, stacks_json, wait_words
-from .syscalls import FUTEX, wait_kind
-from .words import reasons, render, who
+from .sources.procfs import ProcFS
+from .sources.pystacks import StackRead, read_many, stack_facts, stacks_json, wait_words
+from .sources.symbols import describe_address, named_verdicts, native_caller
+from .sources.syscalls import FUTEX, wait_kind
 
 # Stacks of all the processes of a report, in all: a server of 2,000 threads reads in well
 # under a second; a reader that hangs must not hold the engineer at the terminal.

@@ -98,7 +98,7 @@ class ThreadSample:
     last_ran_ns: int | None = None  # CLOCK_MONOTONIC of se.exec_start: when it last ran
     syscall: int | None = None  # syscall it is blocked in; None when running or unknown
     # Its wait ends by itself (a timeout, a sleep): True; it has none: False; None: unknown
-    # (agent.syscalls reads it from the syscall's arguments).
+    # (agent.sources.syscalls reads it from the syscall's arguments).
     timed: bool | None = None
     # Its futex wait is process-private (FUTEX_PRIVATE_FLAG): no other process can wake it.
     private_futex: bool | None = None
@@ -136,7 +136,7 @@ class Connection:
     inode: int
     rx_queue: int  # bytes received and not yet read
     tx_queue: int  # bytes sent and not yet acknowledged
-    # From the kernel's tcp_info (inet_diag netlink, see agent/tcpinfo.py); None when unknown:
+    # From the kernel's tcp_info (inet_diag netlink, see agent/sources/tcpinfo.py); None when unknown:
     # not read (no connection to judge, another network namespace unreachable, no netlink).
     last_recv_ms: int | None = None  # since data was last received (at the snapshot)
     last_sent_ms: int | None = None  # since data was last sent
@@ -309,7 +309,7 @@ class FdWrites:
     calls: int
     last_ns: int  # CLOCK_MONOTONIC of the last write
     # The last bytes of the last write (up to 16; empty where its buffer was not read): how
-    # an HTTP answer on a socket ends (agent.answers).
+    # an HTTP answer on a socket ends (agent.analysis.answers).
     tail: builtins.bytes = b""  # (the field `bytes` above shadows the type)
 
 

@@ -86,7 +86,7 @@ def check(
         )
     notices = []
     if not (caps >> CAP_SETUID & 1 and caps >> CAP_SETGID & 1):
-        # Optional: agent.confined reads a target's source lines as that target, and only
+        # Optional: agent.sources.confined reads a target's source lines as that target, and only
         # a process that may change its uid and groups can become another user.
         notices.append(
             "no CAP_SETUID and CAP_SETGID: source lines of processes run by other users are "

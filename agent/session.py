@@ -9,13 +9,13 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 
-from .classify import ServiceVerdict
+from .analysis.classify import ServiceVerdict
 from .model import GpuReading
-from .observe import Observer, Scope, Tick
-from .procfs import ProcFS
-from .sampler import Sampler
+from .observe.observer import Observer, Scope, Tick
+from .observe.sampler import Sampler
 from .settings import LONG_WAIT_S, Settings
-from .sources import GpuSource, ProbeSource
+from .sources.procfs import ProcFS
+from .sources.protocols import GpuSource, ProbeSource
 
 
 class Session:
@@ -69,8 +69,8 @@ def start(
 
     for line in preflight.check():
         notice(line)
-    from .gpu import GpuSource as NvmlSource
-    from .probe import KernelProbes  # bcc only after preflight mounted tracefs
+    from .sources.nvml import GpuSource as NvmlSource
+    from .sources.probe import KernelProbes  # bcc only after preflight mounted tracefs
 
     with contextlib.ExitStack() as stack:
         probe: ProbeSource = stack.enter_context(KernelProbes(long_wait_s=LONG_WAIT_S, proc=proc))

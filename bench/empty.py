@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 
-from agent.probe import kernel_headers
+from agent.sources.probe import kernel_headers
 
 
 class EmptyPrograms:

@@ -170,7 +170,7 @@ def overhead(exe: Path, benches: Sequence[Bench], rounds: int, quick: bool) -> O
     res = Overhead()
     clean_wait = 5.0 if quick else 60.0
     from agent import preflight
-    from agent.probe import KernelProbes
+    from agent.sources.probe import KernelProbes
     from bench.empty import EmptyPrograms
 
     preflight.check()
@@ -421,8 +421,8 @@ def detection(rep: Report, quick: bool) -> None:
 def stacks(rep: Report, quick: bool) -> None:
     """What a flight record costs, per process: read only at a change to stalled or
     deadlocked and in diagnose, so a healthy host pays nothing for it."""
-    from agent.sampler import Sampler
-    from agent.stacks import SourceLines, read_stacks
+    from agent.observe.sampler import Sampler
+    from agent.sources.pystacks import SourceLines, read_stacks
 
     reps = 3 if quick else 15
     rows = []

@@ -1,4 +1,4 @@
-"""A scripted stand-in for the ``pynvml`` module, for ``agent.gpu.GpuSource`` tests.
+"""A scripted stand-in for the ``pynvml`` module, for ``agent.sources.nvml.GpuSource`` tests.
 
 It has pynvml's function names for everything GpuSource calls, raises the real
 ``pynvml.NVMLError`` subclasses and returns what pynvml returns (its ctypes structs, its

@@ -6,9 +6,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 
+from agent.export.exposition import ProgramStats
 from agent.model import ProbeReading
-from agent.sources import ProbeSource
-from agent.status import ProgramStats
+from agent.sources.protocols import ProbeSource
 
 
 class FakeClock:

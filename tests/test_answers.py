@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from agent.answers import stream_in_flight
+from agent.analysis.answers import stream_in_flight
 
 # What uvicorn (h11) writes for a FastAPI StreamingResponse of Server-Sent Events, as the
 # write probe keeps it: the last 16 bytes of each write.

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agent.classify import (
+from agent.analysis.classify import (
     DEADLOCKED,
     IDLE,
     PROGRESSING,
@@ -15,8 +15,8 @@ from agent.classify import (
     classify_process,
     classify_service,
 )
+from agent.analysis.progress import ProcessProgress
 from agent.model import Connection, Listener
-from agent.progress import ProcessProgress
 from tests.synth import parked, process
 
 LISTEN = Listener("tcp", "0.0.0.0", 8000, queued=0, backlog=128)

@@ -229,7 +229,7 @@ def test_bpf_stats_is_off_unless_asked_for():
 
 
 def test_front_doors_declared():
-    from agent.frontdoor import FrontDoorConfig
+    from agent.analysis.frontdoor import FrontDoorConfig
 
     c = load_text(
         "targets:\n"

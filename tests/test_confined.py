@@ -1,4 +1,4 @@
-"""agent/confined.py: a name the target chose resolves inside its root, and nowhere else.
+"""agent/sources/confined.py: a name the target chose resolves inside its root, and nowhere else.
 
 The rule is the kernel's RESOLVE_IN_ROOT: ``..`` stops at the root, an absolute symlink starts
 again from it, a magic link is refused. The walk used where openat2 is missing must agree
@@ -18,8 +18,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agent import confined
-from agent.confined import Credentials, credentials, open_in_root, openat2_in_root, walk_in_root
+from agent.sources import confined
+from agent.sources.confined import (
+    Credentials,
+    credentials,
+    open_in_root,
+    openat2_in_root,
+    walk_in_root,
+)
 
 STATUS = """Name:\tpython3
 Umask:\t0022

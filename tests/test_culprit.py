@@ -1,4 +1,4 @@
-"""The process that holds a service up (agent.classify.find_culprit): properties over a few
+"""The process that holds a service up (agent.analysis.classify.find_culprit): properties over a few
 hundred seeded random services, and the shapes its docstring was written from."""
 
 from __future__ import annotations
@@ -9,11 +9,17 @@ from dataclasses import replace
 
 import pytest
 
-from agent import evidence as ev
-from agent import words
-from agent.classify import STALLED, ProcessFacts, ServiceVerdict, find_culprit, process_waits
+from agent.analysis import evidence as ev
+from agent.analysis.classify import (
+    STALLED,
+    ProcessFacts,
+    ServiceVerdict,
+    find_culprit,
+    process_waits,
+)
+from agent.analysis.progress import ProcessProgress
 from agent.model import ProcessSample, ThreadSample
-from agent.progress import ProcessProgress
+from agent.report import sentences as words
 from tests.synth import S, parked, process
 
 CASES = 400

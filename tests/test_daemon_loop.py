@@ -11,10 +11,10 @@ from types import SimpleNamespace
 import pytest
 
 from agent import daemon as daemon_mod
-from agent.classify import ProcessVerdict, ServiceVerdict
+from agent.analysis.classify import ProcessVerdict, ServiceVerdict
 from agent.config import validate
 from agent.daemon import DRAIN_SLICE_S, Daemon
-from agent.procfs import ProcFS
+from agent.sources.procfs import ProcFS
 from tests import synth
 from tests.fakeprobe import FakeClock, RecordingProbe
 

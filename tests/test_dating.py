@@ -1,5 +1,5 @@
-"""When a quiet service last made progress (agent.dating) and what it received from outside
-in the window (agent.egress.received_from_outside), from synthetic samples; and the /proc
+"""When a quiet service last made progress (agent.analysis.last_progress) and what it received from outside
+in the window (agent.analysis.outbound.received_from_outside), from synthetic samples; and the /proc
 reader both stand on, ProcFS.written_fds, on this process's own fds."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from agent import evidence as ev
-from agent.dating import last_progress
-from agent.egress import ServiceEnds, received_from_outside
+from agent.analysis import evidence as ev
+from agent.analysis.last_progress import last_progress
+from agent.analysis.outbound import ServiceEnds, received_from_outside
 from agent.model import Connection, ProcessSample, ThreadSample
-from agent.procfs import ProcFS, WrittenFd
+from agent.sources.procfs import ProcFS, WrittenFd
 from tests.synth import S, parked, process, running
 
 NOW = 1000 * S  # the snapshot's monotonic clock

@@ -6,8 +6,8 @@ import re
 from pathlib import Path
 
 from agent.config import Target
-from agent.discovery import Discovery, env_labels
-from agent.procfs import ProcFS
+from agent.observe.discovery import Discovery, env_labels
+from agent.sources.procfs import ProcFS
 from tests.test_procfs import stat_line, write
 
 

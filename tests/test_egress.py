@@ -5,9 +5,18 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from agent.egress import CLIENT, FILE, LEAVES, NOWHERE, SERVICE, TERMINAL, UNKNOWN, ServiceEnds
+from agent.analysis.outbound import (
+    CLIENT,
+    FILE,
+    LEAVES,
+    NOWHERE,
+    SERVICE,
+    TERMINAL,
+    UNKNOWN,
+    ServiceEnds,
+)
 from agent.model import Connection
-from agent.procfs import ProcFS
+from agent.sources.procfs import ProcFS
 
 # The torch store: rank 0's client (port 40001) polls its own server (29500) over loopback.
 STORE_CLIENT = Connection("127.0.0.1", 40001, "127.0.0.1", 29500, 101, 0, 0)

@@ -1,4 +1,4 @@
-"""Evidence records (agent.evidence) and their words (agent.words): every kind of fact has
+"""Evidence records (agent.analysis.evidence) and their words (agent.report.sentences): every kind of fact has
 its own sentence and its JSON, and the sentences users read are exact."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from agent import evidence as ev
-from agent import words
+from agent.analysis import evidence as ev
+from agent.report import sentences as words
 
 FACTS = sorted(
     (c for _, c in inspect.getmembers(ev, inspect.isclass) if issubclass(c, ev.Fact)),

@@ -1,4 +1,4 @@
-"""agent.fdwords: what a thread blocked on fds waits on, read from /proc of real threads of
+"""agent.observe.fdwaits: what a thread blocked on fds waits on, read from /proc of real threads of
 this test process (read, poll, select, epoll_wait on real pipes, eventfds and sockets)."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.fdwords import MAX_FDS, describe_fd, poll_fds, select_fds, sockets, waited_on
-from agent.procfs import ProcFS
+from agent.observe.fdwaits import MAX_FDS, describe_fd, poll_fds, select_fds, sockets, waited_on
+from agent.sources.procfs import ProcFS
 
 PROC = ProcFS()
 

@@ -7,9 +7,9 @@ from collections.abc import Iterable
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agent.frontdoor import FrontDoorConfig, front_doors
+from agent.analysis.frontdoor import FrontDoorConfig, front_doors
 from agent.model import Connection, Listener, Plumbing, ProcessSample, ThreadSample
-from agent.words import render
+from agent.report.sentences import render
 
 RANK = Plumbing(master_port=29500)
 NONE = Plumbing()

@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 from agent.config import TOP_KEYS, load_text, validate
 from agent.errors import UsageError
-from agent.procfs import (
+from agent.export.webconfig import parse as parse_web
+from agent.sources.procfs import (
     ProcFS,
     parse_exec_start_ms,
     parse_io_wchar,
@@ -26,7 +27,6 @@ from agent.procfs import (
     parse_stat,
     parse_syscall,
 )
-from agent.webconfig import parse as parse_web
 
 # --- config ---------------------------------------------------------------------------------
 

@@ -15,11 +15,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.gpu import CACHE_S, NOT_INSTALLED, GpuSource
 from agent.model import GpuDevice, GpuProcessUse
+from agent.sources.nvml import CACHE_S, NOT_INSTALLED, GpuSource
 from tests.fakenvml import GIB, V1, V2, V3, FakeDevice, FakeNVML
 
-LOGGER = "agent.gpu"  # every module logs as logging.getLogger(__name__)
+LOGGER = "agent.sources.nvml"  # every module logs as logging.getLogger(__name__)
 
 
 class Clock:

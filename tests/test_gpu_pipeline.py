@@ -13,9 +13,9 @@ import pynvml
 
 from agent.config import Target, validate
 from agent.daemon import Daemon
-from agent.gpu import GpuSource
-from agent.metrics import registry_for
-from agent.procfs import ProcFS
+from agent.export.metrics import registry_for
+from agent.sources.nvml import GpuSource
+from agent.sources.procfs import ProcFS
 from tests.fakenvml import GIB, FakeDevice, FakeNVML
 from tests.test_discovery import add
 from tests.test_procfs import stat_line, write

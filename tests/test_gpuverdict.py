@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from agent.classify import (
+from agent.analysis.classify import (
     IDLE,
     PROGRESSING,
     STALLED,
@@ -11,10 +11,10 @@ from agent.classify import (
     classify_service,
     gpu_idle,
 )
-from agent.gpuverdict import GpuHistory, gpu_active
+from agent.analysis.gpu import GpuHistory, gpu_active
+from agent.analysis.progress import ProcessProgress
 from agent.model import GpuProcessUse, GpuReading, Listener
-from agent.progress import ProcessProgress
-from agent.words import gpu_list, render
+from agent.report.sentences import gpu_list, render
 from tests.synth import parked, process
 
 S = 1_000_000_000

@@ -1,14 +1,14 @@
-"""agent.hopeless: a process no thread of which can ever be woken, proven from two reads."""
+"""agent.analysis.nowaker: a process no thread of which can ever be woken, proven from two reads."""
 
 from __future__ import annotations
 
 import random
 from dataclasses import replace
 
-from agent.classify import DEADLOCKED, STALLED, Evidence, ProcessFacts, classify_service
-from agent.hopeless import hopeless
+from agent.analysis.classify import DEADLOCKED, STALLED, Evidence, ProcessFacts, classify_service
+from agent.analysis.nowaker import hopeless
+from agent.analysis.progress import ProcessProgress
 from agent.model import FutexWait, ThreadSample
-from agent.progress import ProcessProgress
 from tests.synth import parked, process
 
 EPOLL, CLOCK_NANOSLEEP, READ = 232, 230, 0

@@ -21,8 +21,16 @@ from hypothesis import strategies as st
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.classify import DEADLOCKED, IDLE, STALLED, STATES
-from agent.metrics import (
+from agent.analysis.classify import DEADLOCKED, IDLE, STALLED, STATES
+from agent.export.exposition import (
+    AgentStatus,
+    CollectorStatus,
+    Exposition,
+    ProcessStatus,
+    ProgramStats,
+    ServiceStatus,
+)
+from agent.export.metrics import (
     BUCKET_BOUNDS_SECONDS,
     BUCKET_LOG2_NS,
     HangwatchCollector,
@@ -33,14 +41,6 @@ from agent.metrics import (
     render,
 )
 from agent.model import GpuDevice
-from agent.status import (
-    AgentStatus,
-    CollectorStatus,
-    Exposition,
-    ProcessStatus,
-    ProgramStats,
-    ServiceStatus,
-)
 
 GOLDEN = Path(__file__).parent / "golden" / "metrics.txt"
 VERSION = "0.0.0-test"  # fixed, so the golden file does not change with releases
@@ -442,7 +442,7 @@ def test_source_raising_still_scrapes_and_logs_once_until_it_recovers(caplog):
         return EXPOSITION
 
     reg = registry_for(source, version=VERSION)
-    with caplog.at_level(logging.INFO, logger="agent.metrics"):
+    with caplog.at_level(logging.INFO, logger="agent.export.metrics"):
         for _ in range(3):
             text = render(reg).decode()
             families = {f.name for f in text_string_to_metric_families(text)}

@@ -1,4 +1,4 @@
-"""agent/native.py: what a lock word is and which native code a blocked thread came from.
+"""agent/sources/symbols.py: what a lock word is and which native code a blocked thread came from.
 
 The pure parts (call-instruction checks, symbol ranges, ELF address arithmetic) are checked on
 synthetic input; the rest on a real deadlock: tests/realsw/serving/abba.c, two threads each
@@ -22,8 +22,10 @@ from pathlib import Path
 import pytest
 from elftools.elf.elffile import ELFFile
 
-from agent import evidence as ev
-from agent.native import (
+from agent.analysis import evidence as ev
+from agent.report.sentences import render
+from agent.sources.procfs import PID_MAX_LIMIT, SYS_FUTEX, MemMap, ProcFS
+from agent.sources.symbols import (
     Load,
     NativeFrame,
     SymbolTable,
@@ -36,8 +38,6 @@ from agent.native import (
     name_words,
     short_name,
 )
-from agent.procfs import PID_MAX_LIMIT, SYS_FUTEX, MemMap, ProcFS
-from agent.words import render
 from tests.realsw.serving.native import build_abba
 
 needs_linux_x86_64 = pytest.mark.skipif(

@@ -11,7 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from agent.model import FUTEX_WAIT, ProbeReading
-from agent.procfs import (
+from agent.observe.sampler import Sampler, descendants
+from agent.sources.procfs import (
     ProcFS,
     parse_epoll_fds,
     parse_exec_start_ms,
@@ -20,7 +21,6 @@ from agent.procfs import (
     parse_stat,
     parse_syscall,
 )
-from agent.sampler import Sampler, descendants
 
 TCP_HEADER = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
 

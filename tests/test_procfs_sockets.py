@@ -11,7 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agent.model import Connection, Plumbing
-from agent.procfs import (
+from agent.observe.sampler import Sampler
+from agent.sources.procfs import (
     ProcFS,
     parse_master_port,
     parse_net_tcp,
@@ -19,7 +20,6 @@ from agent.procfs import (
     parse_port_range,
     parse_rdzv_port,
 )
-from agent.sampler import Sampler
 from tests.test_procfs import TCP_HEADER, stat_line, write
 
 
@@ -258,7 +258,7 @@ class CountingProcFS(ProcFS):
 
 
 def test_sampler_gives_connections_plumbing_and_the_ephemeral_range(tmp_path):
-    from agent.frontdoor import front_doors
+    from agent.analysis.frontdoor import front_doors
 
     proc = CountingProcFS(str(make_job(tmp_path)))
     snap = Sampler(proc, clock_ns=lambda: 6_000_000_000).snapshot([10, 11])

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from agent.analysis.progress import ParkSettings, ParkTracker, window_progress
 from agent.model import FutexWait, Snapshot, ThreadSample
-from agent.progress import ParkSettings, ParkTracker, window_progress
 from tests.synth import S, parked, process, running
 
 MS = 1_000_000

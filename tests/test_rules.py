@@ -20,8 +20,8 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.discovery import ENV_LABELS
-from agent.metrics import label_name
+from agent.export.metrics import label_name
+from agent.observe.discovery import ENV_LABELS
 
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "deploy" / "prometheus" / "hangwatch-rules.yml"

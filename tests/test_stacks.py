@@ -1,4 +1,4 @@
-"""agent.stacks: Python stacks read with py-spy --nonblocking, grouped by the line of the
+"""agent.sources.pystacks: Python stacks read with py-spy --nonblocking, grouped by the line of the
 program's own code where threads wait, and the Python lock-cycle hint. Pure: synthetic
 samples, a hard-coded dump in py-spy's own JSON shape, and stand-in readers (shell scripts)
 for the ways a real py-spy fails. tests/privileged/test_stacks.py runs the real one."""
@@ -18,10 +18,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agent import evidence as ev
-from agent.confined import FileLines
+from agent.analysis import evidence as ev
 from agent.model import ProcessSample, ThreadSample
-from agent.stacks import (
+from agent.report.sentences import reasons
+from agent.sources.confined import FileLines
+from agent.sources.pystacks import (
     MAX_FRAMES,
     PyFrame,
     PyThread,
@@ -36,7 +37,6 @@ from agent.stacks import (
     stack_facts,
     wait_words,
 )
-from agent.words import reasons
 from tests.synth import S, parked, process, running
 
 EPOLL_WAIT = 232

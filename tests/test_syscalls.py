@@ -1,4 +1,4 @@
-"""What a blocked thread waits in (agent.syscalls): from synthetic syscall lines, and end to
+"""What a blocked thread waits in (agent.sources.syscalls): from synthetic syscall lines, and end to
 end from real lines of /proc/self/task/TID/syscall of this test process's own threads."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 import pytest
 
-from agent.procfs import SyscallLine, parse_stat, parse_syscall
-from agent.syscalls import (
+from agent.sources.procfs import SyscallLine, parse_stat, parse_syscall
+from agent.sources.syscalls import (
     CHILD,
     FUTEX,
     IO,

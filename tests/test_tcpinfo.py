@@ -20,8 +20,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from agent import tcpinfo
-from agent.classify import (
+from agent.analysis.classify import (
     IDLE,
     PROGRESSING,
     STALLED,
@@ -31,11 +30,12 @@ from agent.classify import (
     unanswered_requests,
     waiting_for_answer,
 )
+from agent.analysis.progress import ProcessProgress
 from agent.model import Connection, Listener, TcpInfo
-from agent.procfs import ProcFS
-from agent.progress import ProcessProgress
-from agent.sampler import Sampler
-from agent.tcpinfo import read_tcp_info
+from agent.observe.sampler import Sampler
+from agent.sources import tcpinfo
+from agent.sources.procfs import ProcFS
+from agent.sources.tcpinfo import read_tcp_info
 from scripts.fixturelib import Fixture
 from tests.synth import parked, process
 from tests.test_procfs_sockets import CountingProcFS, make_job

@@ -7,8 +7,8 @@ from dataclasses import replace
 from hypothesis import given
 from hypothesis import strategies as st
 
+from agent.analysis.waitgraph import WaitForGraph, owner_candidate, strongly_connected
 from agent.model import FUTEX_WAIT_BITSET, FutexWait, LockRead, Refusal, ThreadSample
-from agent.waitgraph import WaitForGraph, owner_candidate, strongly_connected
 from tests.synth import on_mutex, on_pi, parked, process, running, snapshot
 
 

@@ -19,7 +19,7 @@ import bcrypt
 import pytest
 
 from agent.errors import UsageError
-from agent.webconfig import BasicAuth, listen_backlog, load, parse, serve, with_basic_auth
+from agent.export.webconfig import BasicAuth, listen_backlog, load, parse, serve, with_basic_auth
 
 PASSWORD = b"s3cret-scrape"
 HASH = bcrypt.hashpw(PASSWORD, bcrypt.gensalt(rounds=4)).decode()

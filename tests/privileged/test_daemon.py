@@ -92,7 +92,7 @@ def test_daemon_reports_each_fixture_and_detaches_on_sigterm(daemon: Daemon) -> 
         threads = value(s, "hangwatch_process_threads", pid=pid)
         assert threads == 9 and value(s, "hangwatch_process_parked_threads", pid=pid) == threads
         # Stalled once the time without progress passes the threshold; that time may be dated
-        # from before the daemon looked (agent/dating.py), so the pool's own park time, which
+        # from before the daemon looked (agent/analysis/last_progress.py), so the pool's own park time, which
         # counts from when the daemon first saw it, can still be just under it.
         parked = value(s, "hangwatch_process_parked_seconds", pid=pid)
         assert parked is not None and parked > 0

@@ -22,12 +22,12 @@ import pytest
 
 from agent import config as config_mod
 from agent.daemon import Daemon as AgentDaemon
-from agent.metrics import registry_for
+from agent.export.metrics import registry_for
 from agent.model import FUTEX_WAIT, FutexWait, InflightWait, ProbeReading
-from agent.observe import Observer, Scope
-from agent.procfs import ProcFS
-from agent.sampler import Sampler
+from agent.observe.observer import Observer, Scope
+from agent.observe.sampler import Sampler
 from agent.settings import Settings
+from agent.sources.procfs import ProcFS
 from scripts.bpfobjs import leaked, map_entries, prog_ids
 from scripts.fixturelib import Fixture, build
 from tests.privileged.daemonlib import (
@@ -192,7 +192,7 @@ def test_thread_churn_with_tid_reuse(daemon: Daemon) -> None:
             assert stopped.get_int("reused") > 0, stopped.line
         # Left: the sleeper on its condvar and the main thread joining it. Both parked, and
         # parked since before the churn stopped: no dead thread's wait is counted. Neither can
-        # wake the other: proven hopeless (agent/hopeless.py), so deadlocked.
+        # wake the other: proven hopeless (agent/analysis/nowaker.py), so deadlocked.
         s = wait_until(
             daemon,
             lambda s: (
@@ -290,7 +290,7 @@ def test_scale_2000_threads_and_100_processes(daemon: Daemon) -> None:
 
 
 def test_full_map_and_full_ring_buffer_are_counted_and_verdicts_hold(tmp_path: Path) -> None:
-    from agent.probe import KernelProbes
+    from agent.sources.probe import KernelProbes
 
     with (
         KernelProbes(long_wait_s=0.5, ringbuf_pages=1, map_sizes={"MAX_THREADS": 4}) as probe,

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from agent.progress import ParkSettings
+from agent.analysis.progress import ParkSettings
 from agent.settings import DIAGNOSE_INTERVAL_S
 from scripts.fixturelib import Fixture, tasks, thread_state
 from tests.privileged.harness import Diagnosis, RunningDiagnose

@@ -19,7 +19,7 @@ import pytest
 
 from agent.errors import KernelFeatureError
 from agent.model import PI_LOCK_OPS, ExecEvent, FdWrites, ProbeEvent, ProbeReading, SocketEvent
-from agent.probe import BPF_DIR, BPF_SOURCES, KernelProbes
+from agent.sources.probe import BPF_DIR, BPF_SOURCES, KernelProbes
 from scripts.fixturelib import SYS_FUTEX, Fixture
 
 EDEADLK = 35

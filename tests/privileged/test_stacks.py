@@ -1,4 +1,4 @@
-"""agent.stacks against real processes with the real py-spy: a stuck Python service (a parked
+"""agent.sources.pystacks against real processes with the real py-spy: a stuck Python service (a parked
 worker pool, an ABBA deadlock on two threading.Locks, a busy loop, the main thread joining)
 is read by the line of its own code where each thread waits, without stopping it: no signal
 and no ptrace call reaches it during the read, and no parked thread of it is woken."""
@@ -19,11 +19,12 @@ from typing import Any
 
 import pytest
 
-from agent import evidence as ev
+from agent.analysis import evidence as ev
 from agent.model import ProcessSample, Snapshot
-from agent.probe import kernel_headers
-from agent.sampler import Sampler
-from agent.stacks import (
+from agent.observe.sampler import Sampler
+from agent.report.sentences import reasons
+from agent.sources.probe import kernel_headers
+from agent.sources.pystacks import (
     SourceLines,
     find_reader,
     group_stacks,
@@ -32,7 +33,6 @@ from agent.stacks import (
     read_stacks,
     stack_facts,
 )
-from agent.words import reasons
 from scripts.fixturelib import Fixture, tasks, wait_until
 from scripts.realsw import ptrace_stop
 from tests.privileged.harness import Untouched

@@ -76,7 +76,7 @@ class Watch:
             if name not in self.reached and len(now) == 1 and now[0] in states:
                 self.reached[name] = now[0]
             elif self.reached.get(name) == "stalled" and now == ["deadlocked"] and now[0] in states:
-                # A stall later proven hopeless (agent/hopeless.py): knowledge grows, one way;
+                # A stall later proven hopeless (agent/analysis/nowaker.py): knowledge grows, one way;
                 # going back would be a flap.
                 self.reached[name] = "deadlocked"
                 self.upgraded.add(name)

@@ -9,7 +9,7 @@ process. Failures print the verdict, its reasons and the whole JSON report.
 
 The hang shapes are diagnosed as an engineer would meet them: ``--threshold 10 --duration 5``
 on a hang already older than the threshold (HANG_AGE), so the verdict rests on evidence that
-carries its own age (agent.dating), not on 10 s of watching. Where the evidence names one, the
+carries its own age (agent.analysis.last_progress), not on 10 s of watching. Where the evidence names one, the
 process that holds the service up (the "culprit") must be the right one. The healthy shapes
 get ``--threshold 2``: "under the threshold" cannot pass them, a healthy shape that hangwatch
 thinks parked would be called stalled, not progressing.

@@ -15,7 +15,7 @@ import struct
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from .model import DEFAULT_EPHEMERAL_FROM, TORCHRUN_DEFAULT_MASTER_PORT, Plumbing, TcpInfo
+from ..model import DEFAULT_EPHEMERAL_FROM, TORCHRUN_DEFAULT_MASTER_PORT, Plumbing, TcpInfo
 from .tcpinfo import read_tcp_info
 
 SYS_FUTEX = 202  # x86-64 syscall numbers: /proc/.../syscall reports them raw
@@ -553,7 +553,7 @@ class ProcFS:
     def tcp_info(self, pid: int, ports: Iterable[tuple[str, int]] | None) -> dict[int, TcpInfo]:
         """Socket inode -> the kernel's tcp_info, for the established sockets on ``ports``
         ((family, local port); None: all) of the process's network namespace, over netlink
-        (agent/tcpinfo.py). Empty when it cannot be read, and for a tree other than the real
+        (agent/sources/tcpinfo.py). Empty when it cannot be read, and for a tree other than the real
         /proc: a fixture has no kernel behind it."""
         if self.root != "/proc":
             return {}

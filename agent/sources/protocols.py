@@ -1,6 +1,6 @@
 """What an observation needs of its sources, as typed protocols.
 
-``agent.probe.KernelProbes`` and ``agent.gpu.GpuSource`` are the real ones; tests pass
+``agent.sources.probe.KernelProbes`` and ``agent.sources.nvml.GpuSource`` are the real ones; tests pass
 stand-ins (tests/fakeprobe.py, a fake NVML). mypy checks every method the agent calls on
 them against these protocols, so a method a caller needs cannot go missing from a source.
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
-from .model import GpuReading, ProbeReading
-from .status import ProgramStats
+from ..export.exposition import ProgramStats
+from ..model import GpuReading, ProbeReading
 
 
 class ProbeSource(Protocol):

@@ -7,7 +7,7 @@ recent of these dates its last progress:
 
 * a file, terminal or pipe it holds open for writing, out of the service (its log): the
   mtime, which every write moves; except where a process of the service was seen writing
-  heartbeats to it (agent.progress): then the mtime dates the last status line, not the
+  heartbeats to it (agent.analysis.progress): then the mtime dates the last status line, not the
   last work (vLLM's EngineCore logs its warning to the stdout it shares with the API server);
 * a TCP connection to a peer outside the service: when data was last sent on it, and, on
   connections that are not requests at a front door, when data was last received
@@ -31,11 +31,11 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
+from ..model import ProcessSample
+from ..sources.procfs import ProcFS
+from ..sources.syscalls import FUTEX, wait_kind
 from . import evidence as ev
-from .egress import CLIENT, LEAVES, ServiceEnds
-from .model import ProcessSample
-from .procfs import ProcFS
-from .syscalls import FUTEX, wait_kind
+from .outbound import CLIENT, LEAVES, ServiceEnds
 
 
 def last_progress(

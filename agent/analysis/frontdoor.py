@@ -60,8 +60,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from ..model import DEFAULT_EPHEMERAL_FROM, Connection, ProcessSample
 from . import evidence as ev
-from .model import DEFAULT_EPHEMERAL_FROM, Connection, ProcessSample
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ class FrontDoors:
         return next((d for d in self.doors if d.port == port), None)
 
     def evidence(self) -> ev.Doors:
-        """Its front doors and its plumbing, each port with why (agent.words says it)."""
+        """Its front doors and its plumbing, each port with why (agent.report.sentences says it)."""
         return ev.Doors(
             tuple((d.port, d.reason) for d in self.doors if d.front),
             tuple((d.port, d.reason) for d in self.doors if not d.front),

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from .model import (
+from ..model import (
     FUTEX_TID_MASK,
     FUTEX_WAIT,
     FUTEX_WAIT_BITSET,

@@ -15,8 +15,8 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from .config import Target
-from .procfs import ProcFS
+from ..config import Target
+from ..sources.procfs import ProcFS
 
 # Environment variables that identify ranks and jobs; nothing else from the environment or
 # the command line ever becomes a label. Values must look like identifiers.

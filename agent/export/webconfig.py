@@ -32,8 +32,8 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import yaml
 
-from .config import check_trusted, unknown_key
-from .errors import UsageError, show
+from ..config import check_trusted, unknown_key
+from ..errors import UsageError, show
 
 TOP_KEYS = ("tls_server_config", "basic_auth_users")
 TLS_KEYS = ("cert_file", "key_file", "client_auth_type", "client_ca_file", "min_version")

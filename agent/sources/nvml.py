@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .model import GpuDevice, GpuProcessUse, GpuReading
+from ..model import GpuDevice, GpuProcessUse, GpuReading
 
 log = logging.getLogger(__name__)
 

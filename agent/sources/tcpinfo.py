@@ -31,7 +31,7 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import TypeVar
 
-from .model import TcpInfo
+from ..model import TcpInfo
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ a syscall came from (``caller_outside_libc``: "`abba_ab` in libabba.so+0x11a9").
 ptrace-attaches or sends a signal: the maps, the syscall line and the memory of a target are
 read through /proc (``/proc/PID/mem`` needs ptrace *access*, not an attach), and its objects'
 symbol tables from their files, through /proc/PID/map_files or else opened as the target
-would open them (agent.confined), so that a process in a container is read with its own files
+would open them (agent.sources.confined), so that a process in a container is read with its own files
 and never with more rights than its own.
 
 Both are best effort and total: whatever cannot be read (the process exited, an object is not
@@ -33,10 +33,10 @@ from typing import Any, Generic, TypeVar
 from elftools.common.exceptions import ELFError
 from elftools.elf.elffile import ELFFile
 
+from ..analysis import evidence as ev
+from ..analysis.classify import ServiceVerdict
+from ..model import Snapshot
 from . import confined
-from . import evidence as ev
-from .classify import ServiceVerdict
-from .model import Snapshot
 from .procfs import MemMap, ProcFS
 
 T = TypeVar("T")
@@ -309,7 +309,7 @@ def _name_at(fd: int, elf: _Elf, name_off: int) -> str | None:
 def _open_object(proc: ProcFS, pid: int, m: MemMap) -> int:
     """An fd on the mapped file. map_files reaches the mapping's own file (even deleted, in
     the target's mount namespace) and needs CAP_SYS_ADMIN; without it, the path from the
-    maps is opened as the target would open it (agent.confined: inside its root, with its
+    maps is opened as the target would open it (agent.sources.confined: inside its root, with its
     rights), never as root through /proc/PID/root, where its symlinks would lead us out."""
     try:
         return os.open(
@@ -321,7 +321,7 @@ def _open_object(proc: ProcFS, pid: int, m: MemMap) -> int:
 
 
 class _ConfinedObjects:
-    """fds on objects opened by agent.confined (a child process each time), kept a while by
+    """fds on objects opened by agent.sources.confined (a child process each time), kept a while by
     (proc root, pid, start time, path): a diagnosis asks about the same few objects many times."""
 
     def __init__(self, limit: int = CACHE_OBJECTS, ttl_s: float = 60.0) -> None:
@@ -525,7 +525,7 @@ def caller_outside_libc(pid: int, tid: int, proc: ProcFS | None = None) -> Nativ
 
     The interpreter (python3.x or libpython) is native code like any other, so for a Python
     thread this names a C function of CPython (lock acquisition, say); its Python stack, read
-    elsewhere (agent/stacks.py), says far more about where it waits.
+    elsewhere (agent/sources/pystacks.py), says far more about where it waits.
     """
     proc = proc or ProcFS()
     try:

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from ..model import GpuProcessUse, GpuReading
 from . import evidence as ev
-from .model import GpuProcessUse, GpuReading
 
 HIGH_UTILIZATION = 0.9  # "sits at high utilisation": a spinning kernel shows ~100%
 MEMORY_CHANGE_BYTES = 1 << 20  # below 1 MiB is allocator noise, not loading

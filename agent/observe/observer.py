@@ -12,10 +12,9 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from . import evidence as ev
-from . import fdwords
-from .answers import stream_in_flight
-from .classify import (
+from ..analysis import evidence as ev
+from ..analysis.answers import stream_in_flight
+from ..analysis.classify import (
     Evidence,
     ProcessFacts,
     ServiceVerdict,
@@ -26,18 +25,19 @@ from .classify import (
     unanswered_requests,
     unread_requests,
 )
-from .dating import last_progress
-from .egress import CLIENT, LEAVES, ServiceEnds, inode_of, received_from_outside
-from .frontdoor import FrontDoorConfig, FrontDoors, front_doors
-from .gpuverdict import GpuHistory, gpu_active
-from .hopeless import hopeless
-from .model import GpuReading, ProbeEvent, ProbeReading, ProcessSample, Snapshot, SocketEvent
-from .procfs import ProcFS
-from .progress import ParkSettings, ParkTracker, window_progress
+from ..analysis.frontdoor import FrontDoorConfig, FrontDoors, front_doors
+from ..analysis.gpu import GpuHistory, gpu_active
+from ..analysis.last_progress import last_progress
+from ..analysis.nowaker import hopeless
+from ..analysis.outbound import CLIENT, LEAVES, ServiceEnds, inode_of, received_from_outside
+from ..analysis.progress import ParkSettings, ParkTracker, window_progress
+from ..analysis.waitgraph import WaitForGraph, WordGroup
+from ..model import GpuReading, ProbeEvent, ProbeReading, ProcessSample, Snapshot, SocketEvent
+from ..settings import Settings
+from ..sources.procfs import ProcFS
+from ..sources.protocols import ProbeSource
+from . import fdwaits as fdwords
 from .sampler import Sampler, descendants
-from .settings import Settings
-from .sources import ProbeSource
-from .waitgraph import WaitForGraph, WordGroup
 
 
 @dataclass(frozen=True)
@@ -67,8 +67,8 @@ class Tick:
     cycles: tuple[tuple[int, ...], ...]  # stable: seen with the same edges in the previous tick
     reading: ProbeReading
     gpu: GpuReading | None = None  # None: no GPU source
-    hopeless: frozenset[int] = frozenset()  # processes no thread can wake (agent.hopeless)
-    # pid -> inodes of its sockets whose streamed answer is unfinished (agent.answers)
+    hopeless: frozenset[int] = frozenset()  # processes no thread can wake (agent.analysis.nowaker)
+    # pid -> inodes of its sockets whose streamed answer is unfinished (agent.analysis.answers)
     streams: Mapping[int, frozenset[int]] = field(default_factory=dict)
 
 
@@ -177,7 +177,7 @@ class Observer:
         self._fd_names: dict[tuple[int, int], str] = {}  # (pid, fd) -> link when last written
         self._fd_seen: dict[tuple[int, int], int] = {}  # (pid, fd) -> last_ns when named
         self._demand_ns: dict[int, int] = {}  # root -> when work last waited at its doors
-        # (pid, start) -> fd links it wrote heartbeats to (agent.progress): not dated from.
+        # (pid, start) -> fd links it wrote heartbeats to (agent.analysis.progress): not dated from.
         self._heartbeat_files: dict[tuple[int, int], set[str]] = {}
 
     def discover(self) -> list[int]:
@@ -237,7 +237,7 @@ class Observer:
 
     def _streams(self, pid: int, reading: ProbeReading) -> frozenset[int]:
         """Inodes of the process's sockets whose last write left a streamed answer
-        unfinished (agent.answers)."""
+        unfinished (agent.analysis.answers)."""
         out = set()
         for fd, w in reading.writes.get(pid, {}).items():
             name = self._fd_names.get((pid, fd))
@@ -397,7 +397,7 @@ class Observer:
         snap: Snapshot,
         window_start_ns: int,
     ) -> Callable[[], ev.LastProgress | None]:
-        """Dates the service's last progress (agent.dating) when the classifier asks: only
+        """Dates the service's last progress (agent.analysis.last_progress) when the classifier asks: only
         for a quiet service that is not idle, so an idle server costs no fd walk a tick."""
         beats = set().union(
             *(self._heartbeat_files.get((p.pid, p.start_ticks), ()) for p in samples)
@@ -429,7 +429,7 @@ class Observer:
     def _written_out(
         self, pid: int, latest: ProbeReading, old: ProbeReading, ends: ServiceEnds
     ) -> Written:
-        """What the process wrote in the window that left the service (agent.egress), by the
+        """What the process wrote in the window that left the service (agent.analysis.outbound), by the
         probe's count per fd (total None without a probe)."""
         if self.probe is None:
             return Written(None)

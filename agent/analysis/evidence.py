@@ -1,6 +1,6 @@
 """Evidence: one typed record per kind of fact a verdict rests on.
 
-The classifier and the observer build these records; ``agent.words`` turns them into the
+The classifier and the observer build these records; ``agent.report.sentences`` turns them into the
 sentences of ``diagnose``, the daemon's log and the reasons of ``--json``, in one place, and
 ``as_json`` gives each record's fields to ``--json`` as they are. A record says what was
 seen, with its numbers and, where it has one, its age (``age_s``: how long before the
@@ -59,7 +59,7 @@ class WroteOut(Fact):
 class Heartbeat(Fact):
     """Small writes to files by a process that did nothing else in the window (no CPU above
     the floor, no data in, no answer to a client, no GPU work): a status line on a timer,
-    not progress (agent.progress)."""
+    not progress (agent.analysis.progress)."""
 
     bytes: int
     to: str  # the file written most, as its fd link names it
@@ -188,7 +188,7 @@ class ParkedGroup(Fact):
     owner_kind: str  # "mutex", "pi", "join", ... or "" when no owner is known
     owner: int  # 0: none
     age_s: float | None  # since its oldest wait began, when known
-    word: str | None = None  # what the word is (agent.native.describe_address), when read
+    word: str | None = None  # what the word is (agent.sources.symbols.describe_address), when read
 
 
 @dataclass(frozen=True)
@@ -198,7 +198,7 @@ class CycleLink(Fact):
     lock_kind: str
     uaddr: int
     owner: int
-    word: str | None = None  # what the word is (agent.native.describe_address), when read
+    word: str | None = None  # what the word is (agent.sources.symbols.describe_address), when read
 
 
 @dataclass(frozen=True)
@@ -210,7 +210,7 @@ class LockCycle(Fact):
 class NoWaker(Fact):
     """Every thread of a process waits, with no timeout, on a process-private futex, the
     same in two reads: no thread of it can wake another and no other process can reach the
-    words (agent.hopeless). Only a signal can end it."""
+    words (agent.analysis.nowaker). Only a signal can end it."""
 
     pid: int
     comm: str
@@ -234,7 +234,7 @@ class CyclesStable(Fact):
 
 @dataclass(frozen=True)
 class Doors(Fact):
-    """Which listeners are front doors, and why (see agent.frontdoor)."""
+    """Which listeners are front doors, and why (see agent.analysis.frontdoor)."""
 
     front: tuple[tuple[int, str], ...]  # (port, why)
     plumbing: tuple[tuple[int, str], ...]
@@ -311,7 +311,7 @@ class ProcessWaits(Fact):
     main_untimed_s: float | None = None  # of those, the main thread's (tid = pid), if one
 
 
-# --- where threads wait: Python stacks (agent.stacks) ----------------------------------------
+# --- where threads wait: Python stacks (agent.sources.pystacks) ----------------------------------------
 
 
 @dataclass(frozen=True)
@@ -330,7 +330,7 @@ class StackGroup(Fact):
     gil: int | None = None  # the TID among them that holds the GIL
     names: tuple[str, ...] = ()
     native: str | None = None  # the first native caller outside libc, where it says more
-    on: str | None = None  # the fds they wait on (agent.fdwords), when all wait on the same
+    on: str | None = None  # the fds they wait on (agent.observe.fdwaits), when all wait on the same
 
 
 @dataclass(frozen=True)

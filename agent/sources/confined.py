@@ -24,7 +24,7 @@ read goes through here:
 What comes back is only what the target could have read itself, and a short reason for each
 name that gave nothing (the phrases below), for the JSON report to say why a line is missing.
 
-The child is this module run as ``python -I -B -m agent.confined``: its request on stdin, its
+The child is this module run as ``python -I -B -m agent.sources.confined``: its request on stdin, its
 answer on stdout (JSON), file descriptors (for ELF objects) over a socket pair. It imports
 nothing from the rest of the agent, and nothing after it has dropped its rights.
 """
@@ -426,7 +426,7 @@ def _run_child(
     try:
         child = subprocess.Popen(
             # -I: none of our environment or cwd steers it; -B: it writes no bytecode
-            [sys.executable, "-I", "-B", "-m", "agent.confined"],
+            [sys.executable, "-I", "-B", "-m", "agent.sources.confined"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,

@@ -29,9 +29,9 @@ from prometheus_client.metrics_core import (
 from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.utils import floatToGoString
 
-from . import __version__
-from .classify import STATES
-from .status import AgentStatus, Exposition, ProcessStatus, ServiceStatus
+from .. import __version__
+from ..analysis.classify import STATES
+from .exposition import AgentStatus, Exposition, ProcessStatus, ServiceStatus
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..model import ProcessSample, Snapshot, ThreadSample
 from . import evidence as ev
-from .model import ProcessSample, Snapshot, ThreadSample
 
 NS = 1_000_000_000
 # Most a process may write to files in one window, with no other work, and still be taken
@@ -56,7 +56,7 @@ class ProcessProgress:
     window_ns: int
     cpu_ns: int = 0
     working_tids: tuple[int, ...] = ()  # threads above the CPU floor
-    # Bytes written to files, terminals and clients outside the service (agent.egress);
+    # Bytes written to files, terminals and clients outside the service (agent.analysis.outbound);
     # None: not measurable.
     write_bytes: int | None = None
     # Of those, the bytes sent to clients (TCP peers outside the service): answers.

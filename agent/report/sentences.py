@@ -1,4 +1,4 @@
-"""Evidence in words: the one place where records of agent.evidence become sentences.
+"""Evidence in words: the one place where records of agent.analysis.evidence become sentences.
 
 `diagnose`, the daemon's log and the ``reasons`` of ``--json`` all read what this module
 writes, so a phrase is changed here or nowhere.
@@ -10,8 +10,8 @@ import math
 import time
 from collections.abc import Iterable, Sequence
 
-from . import evidence as ev
-from .model import plural
+from ..analysis import evidence as ev
+from ..model import plural
 
 NS = 1_000_000_000
 

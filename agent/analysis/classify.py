@@ -12,13 +12,13 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from ..model import Connection, Listener, ProcessSample
+from ..report.sentences import reasons
+from ..sources.syscalls import FUTEX, syscall_name, wait_kind
 from . import evidence as ev
-from .gpuverdict import ProcessGpu
-from .model import Connection, Listener, ProcessSample
+from .gpu import ProcessGpu
 from .progress import ProcessProgress
-from .syscalls import FUTEX, syscall_name, wait_kind
 from .waitgraph import WaitEdge, WordGroup
-from .words import reasons
 
 DEADLOCKED = "deadlocked"
 STALLED = "stalled"
@@ -53,7 +53,9 @@ class ProcessVerdict:
     gpu_spin: bool = False  # host parked past the threshold while its GPUs stay pegged
     worked: bool = False  # did work of its own in the window (not merely under the threshold)
     waits: ev.ProcessWaits | None = None  # what its threads wait in
-    no_waker: bool = False  # deadlocked because no thread of it can be woken (agent.hopeless)
+    no_waker: bool = (
+        False  # deadlocked because no thread of it can be woken (agent.analysis.nowaker)
+    )
 
     @property
     def words(self) -> list[str]:
@@ -110,8 +112,10 @@ class ProcessFacts:
     # The service's listening ports that outside clients connect to; None: all of them.
     front_door_ports: frozenset[int] | None = None
     waits: ev.ProcessWaits | None = None  # what its threads wait in (process_waits)
-    hopeless: bool = False  # no thread of it can ever be woken but by a signal (agent.hopeless)
-    # Inodes of its connections whose streamed answer is still being sent (agent.answers)
+    hopeless: bool = (
+        False  # no thread of it can ever be woken but by a signal (agent.analysis.nowaker)
+    )
+    # Inodes of its connections whose streamed answer is still being sent (agent.analysis.answers)
     streams: frozenset[int] = frozenset()
 
 
@@ -475,7 +479,7 @@ def find_culprit(v: ServiceVerdict, procs: Sequence[ProcessFacts]) -> ev.Culprit
 
     1. A process whose threads are in a stable lock cycle (of a cycle across processes, the
        one holding most of its threads), or else one that no thread can wake
-       (agent.hopeless; the lowest PID if several).
+       (agent.analysis.nowaker; the lowest PID if several).
     2. Otherwise the one process that waits on itself: the most threads in futex waits
        without a timeout (a lock or an event that only another thread of it can release)
        less its threads in timed waits or sleeps (waiting for time, a peer, a child: waiting

@@ -25,10 +25,10 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..analysis import evidence as ev
+from ..model import ProcessSample, ThreadSample
 from . import confined
-from . import evidence as ev
 from .confined import FileLines
-from .model import ProcessSample, ThreadSample
 from .procfs import printable
 from .syscalls import FUTEX, syscall_name, wait_kind
 
@@ -47,7 +47,7 @@ class PyFrame:
     short: str  # py-spy's short name: "server.py", "uvicorn/server.py"
     line: int
     code: str | None = None  # the source line, when the target could read its file
-    code_withheld: str | None = None  # why there is no line (agent.confined's words)
+    code_withheld: str | None = None  # why there is no line (agent.sources.confined's words)
 
     @property
     def stdlib(self) -> bool:
@@ -114,7 +114,7 @@ def is_python(pid: int, root: str = "/proc") -> bool:
 
 class SourceLines:
     """The source lines a dump's frames point at, read as the target would read them: inside
-    its root, with its rights (agent.confined), one batch per process read. Nothing is kept
+    its root, with its rights (agent.sources.confined), one batch per process read. Nothing is kept
     between reads: rights are checked again each time, and a PID reused by another tenant's
     process can never be shown the first one's files."""
 
@@ -404,7 +404,7 @@ def stack_facts(
     native: Callable[[int, int], str | None] | None = None,
     on: Mapping[tuple[int, int], str] | None = None,
 ) -> list[ev.Fact]:
-    """What the stacks of one process show, as records for agent.words: the groups (GIL
+    """What the stacks of one process show, as records for agent.report.sentences: the groups (GIL
     holder and largest first), the threads with no Python frames, and a lock-cycle hint.
     ``native``: (pid, tid) -> its first native caller outside libc, asked of a few threads
     of each group that waits in futex (a C extension's lock says where it is only there).

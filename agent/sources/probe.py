@@ -1,6 +1,6 @@
 """The only module that talks to bcc: compile bpf/*.bpf.c, attach, read maps.
 
-Everything it returns is plain data (agent.model.ProbeReading, agent.status.ProgramStats),
+Everything it returns is plain data (agent.model.ProbeReading, agent.export.exposition.ProgramStats),
 so nothing above this module needs root, bcc or a kernel to be tested.
 """
 
@@ -16,9 +16,10 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from .abi import BPF_DIR, HEADER, header_defines
-from .errors import KernelFeatureError
-from .model import (
+from ..abi import BPF_DIR, HEADER, header_defines
+from ..errors import KernelFeatureError
+from ..export.exposition import ProgramStats
+from ..model import (
     ExecEvent,
     FdWrites,
     FutexWait,
@@ -28,7 +29,6 @@ from .model import (
     SocketEvent,
 )
 from .procfs import ProcFS
-from .status import ProgramStats
 
 FALLBACK_HEADERS = "/usr/src/hangwatch-kernel-headers"
 

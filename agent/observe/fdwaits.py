@@ -11,9 +11,9 @@ from __future__ import annotations
 import struct
 from collections.abc import Iterable, Mapping
 
-from .model import ProcessSample
-from .procfs import TCP_LISTEN, ProcFS
-from .syscalls import FUTEX, wait_kind
+from ..model import ProcessSample
+from ..sources.procfs import TCP_LISTEN, ProcFS
+from ..sources.syscalls import FUTEX, wait_kind
 
 MAX_FDS = 4  # named per wait; the rest are counted
 MAX_POLL = 64  # pollfd entries read from a poll(2) list

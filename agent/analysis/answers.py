@@ -1,6 +1,6 @@
 """Whether an answer on a connection is finished, from how its last write ended.
 
-tcp_info says whether a connection received a request after it last sent (agent.classify,
+tcp_info says whether a connection received a request after it last sent (agent.analysis.classify,
 waiting_for_answer). A streaming answer defeats that: an OpenAI-compatible server answers
 ``"stream": true`` with Server-Sent Events, so it sends the headers and the first events
 right after the request, and if the engine then hangs mid-generation the connection has sent

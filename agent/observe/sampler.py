@@ -8,8 +8,9 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
-from .frontdoor import endpoint
-from .model import (
+from ..analysis.frontdoor import endpoint
+from ..analysis.waitgraph import owner_candidates
+from ..model import (
     FUTEX_CMD_MASK,
     FUTEX_WAIT_BITSET,
     WAIT_OPS,
@@ -25,7 +26,7 @@ from .model import (
     ThreadSample,
     is_blocked,
 )
-from .procfs import (
+from ..sources.procfs import (
     SYS_FUTEX,
     SYS_FUTEX_WAIT,
     SYS_FUTEX_WAITV,
@@ -37,8 +38,7 @@ from .procfs import (
     SyscallLine,
     TcpSocket,
 )
-from .syscalls import futex_private, syscall_wait
-from .waitgraph import owner_candidates
+from ..sources.syscalls import futex_private, syscall_wait
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")  # /proc/PID/stat counts starttime in these
 

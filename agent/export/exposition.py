@@ -1,7 +1,7 @@
 """What the daemon exports, as plain data: the metrics collectors read only this.
 
 The daemon builds one ``Exposition`` per tick from its verdicts, snapshots and probe
-readings; the collectors in ``agent.metrics`` turn the latest one into metric families on
+readings; the collectors in ``agent.export.metrics`` turn the latest one into metric families on
 each scrape. Tests build these by hand to check the exposition (a golden /metrics text).
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from .model import GpuDevice
+from ..model import GpuDevice
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,7 @@ class ProcessStatus:
     parked_threads: int
     parked_seconds: float  # how long every thread has been parked; 0 if any works
     lock_cycles: int  # confirmed wait-for cycles that include its threads
-    # 1 when no thread of it can be woken but by a signal (agent.hopeless): a deadlock that
+    # 1 when no thread of it can be woken but by a signal (agent.analysis.nowaker): a deadlock that
     # shows no lock cycle. lock_cycles and this tell the two proofs apart.
     no_waker: bool = False
     # Extra identity labels from an allow-list of environment variables (RANK, LOCAL_RANK...)

@@ -1,0 +1,1 @@
+"""Export: what the daemon publishes (the exposition model, Prometheus metrics, the web config)."""

@@ -1,0 +1,1 @@
+"""Report: the one place where evidence records become sentences and JSON."""
