@@ -12,6 +12,19 @@ from dataclasses import dataclass, field
 
 from ..model import GpuDevice
 
+# The agent's stages, as hangwatch_collector_success{collector} and _duration_seconds name them
+# (alerts and dashboards match these values). The daemon runs the first four in this order
+# every tick; the last is the /metrics collector reading the latest exposition, on each scrape.
+GPU = "gpu"  # NVML, before discovery: the gpu selector needs it
+DISCOVERY = "discovery"  # the services to watch, from /proc
+# The whole observation (Observer.tick): the probe's reading, the /proc snapshot, the wait-for
+# graph. Its failure means stale verdicts (docs/deploy.md), and a scale test reads its duration
+# as the cost of a tick; the verdicts and this exposition that follow it are not timed.
+PROC = "proc"
+BPF_STATS = "bpf_stats"  # the BPF programs' run time (only with bpf_stats: true)
+EXPOSITION = "exposition"
+STAGES = (GPU, DISCOVERY, PROC, BPF_STATS, EXPOSITION)
+
 
 @dataclass(frozen=True)
 class ProcessStatus:
@@ -73,7 +86,7 @@ class AgentStatus:
     events_dropped_total: int = 0  # ring-buffer reserves that failed
     maps_full_total: int = 0  # updates refused by a full map (in-flight, histogram, ...)
     programs: Mapping[str, ProgramStats] = field(default_factory=dict)  # by program name
-    # by collector name: "probe", "proc", "gpu", ...
+    # by stage name (STAGES; the exposition stage is the scrape's own, added by the collector)
     collectors: Mapping[str, CollectorStatus] = field(default_factory=dict)
     gpus: tuple[GpuDevice, ...] = ()  # from the last good NVML reading
     gpu_errors_total: int = 0  # NVML errors since start

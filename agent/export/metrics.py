@@ -18,6 +18,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import NamedTuple
 
 from prometheus_client.exposition import generate_latest
 from prometheus_client.metrics_core import (
@@ -31,12 +32,9 @@ from prometheus_client.utils import floatToGoString
 
 from .. import __version__
 from ..analysis.classify import STATES
-from .exposition import AgentStatus, Exposition, ProcessStatus, ServiceStatus
+from .exposition import EXPOSITION, AgentStatus, Exposition, ProcessStatus, ServiceStatus
 
 log = logging.getLogger(__name__)
-
-# The collector="..." name under which this collector reports its own scrape.
-EXPOSITION = "exposition"
 
 # Bucket bounds of hangwatch_futex_wait_seconds: 2^10, 2^12, ... 2^36 ns (1.024 us to 68.7 s),
 # the same for every process. Each bound is an edge of the probe's log2 slots, so the
@@ -100,193 +98,280 @@ def _gpu_order(gpu: str) -> tuple[int, int, str]:
     return (0, int(gpu), gpu) if gpu.isdigit() else (1, 0, gpu)
 
 
+# In a row's labels: the process labels, service..comm and then this scrape's environment labels.
+_P = "<process>"
+GAUGE, COUNTER, HISTOGRAM = "gauge", "counter", "histogram"
+
+
+class _Family(NamedTuple):
+    """One metric family: the key ``_Families`` files it under, its kind, name, help, labels."""
+
+    key: str
+    kind: str  # GAUGE, COUNTER or HISTOGRAM
+    name: str
+    help: str
+    labels: tuple[str, ...]
+
+
+# Every family hangwatch exports. The text prints them sorted by name, not in this order.
+FAMILIES: tuple[_Family, ...] = (
+    _Family(
+        "service_state",
+        GAUGE,
+        "hangwatch_service_state",
+        "Verdict for a service (a watched process and its descendants; pid is its root): "
+        "1 for its current state (deadlocked, stalled, idle or progressing), 0 for the "
+        "other three.",
+        ("service", "pid", "state"),
+    ),
+    _Family(
+        "process_state",
+        GAUGE,
+        "hangwatch_process_state",
+        "Verdict for one process of a service: 1 for its current state (deadlocked, "
+        "stalled, idle or progressing), 0 for the other three.",
+        (_P, "state"),
+    ),
+    _Family("threads", GAUGE, "hangwatch_process_threads", "Threads of the process.", (_P,)),
+    _Family(
+        "parked_threads",
+        GAUGE,
+        "hangwatch_process_parked_threads",
+        "Threads of the process that are parked: blocked and doing no CPU work (timer "
+        "wake-ups are not work).",
+        (_P,),
+    ),
+    _Family(
+        "parked_seconds",
+        GAUGE,
+        "hangwatch_process_parked_seconds",
+        "How long every thread of the process has been parked (blocked with no CPU work); "
+        "0 if any thread works.",
+        (_P,),
+    ),
+    _Family(
+        "lock_cycles",
+        GAUGE,
+        "hangwatch_process_lock_cycles",
+        "Lock cycles (each thread waits for a lock the next one holds), stable across two "
+        "reads, that include threads of this process; above 0 means deadlocked.",
+        (_P,),
+    ),
+    _Family(
+        "no_waker",
+        GAUGE,
+        "hangwatch_process_no_waker",
+        "1 when no thread of the process can be woken but by a signal (every thread in an "
+        "untimed wait on a process-private futex, none woken across two reads): deadlocked "
+        "with no lock cycle to show.",
+        (_P,),
+    ),
+    _Family(
+        "futex_wait",
+        HISTOGRAM,
+        "hangwatch_futex_wait_seconds",
+        "How long the process's futex waits (lock, condition variable, barrier) lasted, "
+        "counted when each wait ended, since the process was watched; a wait still going "
+        "on is not counted. _sum is approximate: from log2 buckets, each wait counted at "
+        "the middle of its power-of-2 interval.",
+        (_P,),
+    ),
+    _Family(
+        "write_bytes",
+        COUNTER,
+        "hangwatch_process_write_bytes",
+        "Bytes the process wrote (files, pipes, sockets) since it was watched.",
+        (_P,),
+    ),
+    _Family(
+        "last_write_age",
+        GAUGE,
+        "hangwatch_process_last_write_age_seconds",
+        "Seconds since the process last wrote anything (a log line, a response); absent "
+        "until a write is seen.",
+        (_P,),
+    ),
+    _Family(
+        "accepts",
+        COUNTER,
+        "hangwatch_process_accepts",
+        "Connections the process accepted since it was watched.",
+        (_P,),
+    ),
+    _Family(
+        "listening_ports",
+        GAUGE,
+        "hangwatch_process_listening_ports",
+        "TCP ports the process listens on.",
+        (_P,),
+    ),
+    _Family(
+        "gpu_memory",
+        GAUGE,
+        "hangwatch_process_gpu_memory_bytes",
+        "GPU memory the process holds on each GPU (gpu is the device index).",
+        (_P, "gpu"),
+    ),
+    _Family(
+        "process_gpu_utilization",
+        GAUGE,
+        "hangwatch_process_gpu_utilization_ratio",
+        "Share of the GPU's SMs (0 to 1) the process kept busy since the last read, from "
+        "NVML's per-process samples; 0 when the driver has no sample for it.",
+        (_P, "gpu"),
+    ),
+    _Family(
+        "gpu_utilization",
+        GAUGE,
+        "hangwatch_gpu_utilization_ratio",
+        "Fraction of the last sample period (0 to 1) in which the GPU ran a kernel, from NVML.",
+        ("gpu",),
+    ),
+    _Family(
+        "gpu_memory_used",
+        GAUGE,
+        "hangwatch_gpu_memory_used_bytes",
+        "GPU memory in use on the device, all processes together, from NVML.",
+        ("gpu",),
+    ),
+    _Family(
+        "gpu_memory_total",
+        GAUGE,
+        "hangwatch_gpu_memory_total_bytes",
+        "GPU memory on the device, from NVML.",
+        ("gpu",),
+    ),
+    _Family(
+        "gpu_info",
+        GAUGE,
+        "hangwatch_gpu_info",
+        "Always 1; names each GPU index: its UUID and model.",
+        ("gpu", "uuid", "name"),
+    ),
+    _Family(
+        "gpu_errors",
+        COUNTER,
+        "hangwatch_gpu_errors",
+        "NVML calls that failed since the agent started (a lost GPU, a driver reload); "
+        "the GPU collector backs off and retries, and no verdict uses a failed read.",
+        (),
+    ),
+    _Family(
+        "gpu_spin",
+        GAUGE,
+        "hangwatch_service_gpu_spin",
+        "1 when the service is stalled with its GPUs at high utilisation while every host "
+        "thread is parked past the threshold (a collective spinning on the GPU), else 0.",
+        ("service", "pid"),
+    ),
+    _Family(
+        "unanswered_requests",
+        GAUGE,
+        "hangwatch_service_unanswered_requests",
+        "Requests on the service's front doors (accepted connections) waiting for an "
+        "answer, as its verdict saw them while every thread was parked; 0 while it works.",
+        ("service", "pid"),
+    ),
+    _Family(
+        "seconds_since_progress",
+        GAUGE,
+        "hangwatch_service_seconds_since_progress",
+        "Seconds without progress its verdict used: how long every thread has been parked, "
+        "or the age of its oldest unanswered request if longer; 0 while it works.",
+        ("service", "pid"),
+    ),
+    _Family(
+        "events_dropped",
+        COUNTER,
+        "hangwatch_bpf_events_dropped",
+        "Events the BPF programs could not send to the agent because the ring buffer was "
+        "full; above 0 means some long waits or deadlock refusals were missed.",
+        (),
+    ),
+    _Family(
+        "maps_full",
+        COUNTER,
+        "hangwatch_bpf_map_full",
+        "Updates refused because a BPF map was full (in-flight waits, wait histograms, "
+        "refusals); above 0 means some waits were not seen or not counted.",
+        (),
+    ),
+    _Family(
+        "program_seconds",
+        COUNTER,
+        "hangwatch_bpf_program_run_seconds",
+        "CPU time spent in each of hangwatch's BPF programs (counted only while sysctl "
+        "kernel.bpf_stats_enabled is 1).",
+        ("program",),
+    ),
+    _Family(
+        "program_runs",
+        COUNTER,
+        "hangwatch_bpf_program_runs",
+        "Times each of hangwatch's BPF programs ran (counted only while sysctl "
+        "kernel.bpf_stats_enabled is 1).",
+        ("program",),
+    ),
+    _Family(
+        "collector_success",
+        GAUGE,
+        "hangwatch_collector_success",
+        "1 if the agent's collector succeeded on its last run, 0 if it failed (its "
+        f'metrics may be missing or stale). collector="{EXPOSITION}" is this scrape reading '
+        "the agent's latest results.",
+        ("collector",),
+    ),
+    _Family(
+        "last_tick",
+        GAUGE,
+        "hangwatch_last_tick_timestamp_seconds",
+        "Unix time at which the agent last completed a tick (discovery, sampling, verdicts). "
+        "Verdicts older than a few intervals are stale: the agent's loop is stuck.",
+        (),
+    ),
+    _Family(
+        "collector_duration",
+        GAUGE,
+        "hangwatch_collector_duration_seconds",
+        "How long the agent's collector took on its last run, in seconds.",
+        ("collector",),
+    ),
+    _Family(
+        "build_info",
+        GAUGE,
+        "hangwatch_build_info",
+        "Always 1; the version label says which hangwatch is running.",
+        ("version",),
+    ),
+)
+
+
+def _label_names(spec: Sequence[str], extra: Sequence[str]) -> list[str]:
+    return [n for s in spec for n in ((*_PROCESS_LABELS, *extra) if s == _P else (s,))]
+
+
 class _Families:
-    """One scrape's families, with one fixed set of process label names."""
+    """One scrape's families, with one fixed set of process label names, by ``FAMILIES`` key
+    and kind (typed apart, since each kind's ``add_metric`` takes different values)."""
 
     def __init__(self, extra_labels: Sequence[str] = ()) -> None:
         self.extra = tuple(extra_labels)
-        proc = [*_PROCESS_LABELS, *self.extra]
-
-        def gauge(name: str, doc: str, labels: Sequence[str]) -> GaugeMetricFamily:
-            return GaugeMetricFamily(name, doc, labels=labels)
-
-        def counter(name: str, doc: str, labels: Sequence[str]) -> CounterMetricFamily:
-            return CounterMetricFamily(name, doc, labels=labels)
-
-        self.service_state = gauge(
-            "hangwatch_service_state",
-            "Verdict for a service (a watched process and its descendants; pid is its root): "
-            "1 for its current state (deadlocked, stalled, idle or progressing), 0 for the "
-            "other three.",
-            ["service", "pid", "state"],
-        )
-        self.process_state = gauge(
-            "hangwatch_process_state",
-            "Verdict for one process of a service: 1 for its current state (deadlocked, "
-            "stalled, idle or progressing), 0 for the other three.",
-            [*proc, "state"],
-        )
-        self.threads = gauge("hangwatch_process_threads", "Threads of the process.", proc)
-        self.parked_threads = gauge(
-            "hangwatch_process_parked_threads",
-            "Threads of the process that are parked: blocked and doing no CPU work (timer "
-            "wake-ups are not work).",
-            proc,
-        )
-        self.parked_seconds = gauge(
-            "hangwatch_process_parked_seconds",
-            "How long every thread of the process has been parked (blocked with no CPU work); "
-            "0 if any thread works.",
-            proc,
-        )
-        self.lock_cycles = gauge(
-            "hangwatch_process_lock_cycles",
-            "Lock cycles (each thread waits for a lock the next one holds), stable across two "
-            "reads, that include threads of this process; above 0 means deadlocked.",
-            proc,
-        )
-        self.no_waker = gauge(
-            "hangwatch_process_no_waker",
-            "1 when no thread of the process can be woken but by a signal (every thread in an "
-            "untimed wait on a process-private futex, none woken across two reads): deadlocked "
-            "with no lock cycle to show.",
-            proc,
-        )
-        self.futex_wait = HistogramMetricFamily(
-            "hangwatch_futex_wait_seconds",
-            "How long the process's futex waits (lock, condition variable, barrier) lasted, "
-            "counted when each wait ended, since the process was watched; a wait still going "
-            "on is not counted. _sum is approximate: from log2 buckets, each wait counted at "
-            "the middle of its power-of-2 interval.",
-            labels=proc,
-        )
-        self.write_bytes = counter(
-            "hangwatch_process_write_bytes",
-            "Bytes the process wrote (files, pipes, sockets) since it was watched.",
-            proc,
-        )
-        self.last_write_age = gauge(
-            "hangwatch_process_last_write_age_seconds",
-            "Seconds since the process last wrote anything (a log line, a response); absent "
-            "until a write is seen.",
-            proc,
-        )
-        self.accepts = counter(
-            "hangwatch_process_accepts",
-            "Connections the process accepted since it was watched.",
-            proc,
-        )
-        self.listening_ports = gauge(
-            "hangwatch_process_listening_ports",
-            "TCP ports the process listens on.",
-            proc,
-        )
-        self.gpu_memory = gauge(
-            "hangwatch_process_gpu_memory_bytes",
-            "GPU memory the process holds on each GPU (gpu is the device index).",
-            [*proc, "gpu"],
-        )
-        self.process_gpu_utilization = gauge(
-            "hangwatch_process_gpu_utilization_ratio",
-            "Share of the GPU's SMs (0 to 1) the process kept busy since the last read, from "
-            "NVML's per-process samples; 0 when the driver has no sample for it.",
-            [*proc, "gpu"],
-        )
-        self.gpu_utilization = gauge(
-            "hangwatch_gpu_utilization_ratio",
-            "Fraction of the last sample period (0 to 1) in which the GPU ran a kernel, from NVML.",
-            ["gpu"],
-        )
-        self.gpu_memory_used = gauge(
-            "hangwatch_gpu_memory_used_bytes",
-            "GPU memory in use on the device, all processes together, from NVML.",
-            ["gpu"],
-        )
-        self.gpu_memory_total = gauge(
-            "hangwatch_gpu_memory_total_bytes",
-            "GPU memory on the device, from NVML.",
-            ["gpu"],
-        )
-        self.gpu_info = gauge(
-            "hangwatch_gpu_info",
-            "Always 1; names each GPU index: its UUID and model.",
-            ["gpu", "uuid", "name"],
-        )
-        self.gpu_errors = counter(
-            "hangwatch_gpu_errors",
-            "NVML calls that failed since the agent started (a lost GPU, a driver reload); "
-            "the GPU collector backs off and retries, and no verdict uses a failed read.",
-            [],
-        )
-        self.gpu_spin = gauge(
-            "hangwatch_service_gpu_spin",
-            "1 when the service is stalled with its GPUs at high utilisation while every host "
-            "thread is parked past the threshold (a collective spinning on the GPU), else 0.",
-            ["service", "pid"],
-        )
-        self.unanswered_requests = gauge(
-            "hangwatch_service_unanswered_requests",
-            "Requests on the service's front doors (accepted connections) waiting for an "
-            "answer, as its verdict saw them while every thread was parked; 0 while it works.",
-            ["service", "pid"],
-        )
-        self.seconds_since_progress = gauge(
-            "hangwatch_service_seconds_since_progress",
-            "Seconds without progress its verdict used: how long every thread has been parked, "
-            "or the age of its oldest unanswered request if longer; 0 while it works.",
-            ["service", "pid"],
-        )
-        self.events_dropped = counter(
-            "hangwatch_bpf_events_dropped",
-            "Events the BPF programs could not send to the agent because the ring buffer was "
-            "full; above 0 means some long waits or deadlock refusals were missed.",
-            [],
-        )
-        self.maps_full = counter(
-            "hangwatch_bpf_map_full",
-            "Updates refused because a BPF map was full (in-flight waits, wait histograms, "
-            "refusals); above 0 means some waits were not seen or not counted.",
-            [],
-        )
-        self.program_seconds = counter(
-            "hangwatch_bpf_program_run_seconds",
-            "CPU time spent in each of hangwatch's BPF programs (counted only while sysctl "
-            "kernel.bpf_stats_enabled is 1).",
-            ["program"],
-        )
-        self.program_runs = counter(
-            "hangwatch_bpf_program_runs",
-            "Times each of hangwatch's BPF programs ran (counted only while sysctl "
-            "kernel.bpf_stats_enabled is 1).",
-            ["program"],
-        )
-        self.collector_success = gauge(
-            "hangwatch_collector_success",
-            "1 if the agent's collector succeeded on its last run, 0 if it failed (its "
-            'metrics may be missing or stale). collector="exposition" is this scrape reading '
-            "the agent's latest results.",
-            ["collector"],
-        )
-        self.last_tick = gauge(
-            "hangwatch_last_tick_timestamp_seconds",
-            "Unix time at which the agent last completed a tick (discovery, sampling, verdicts). "
-            "Verdicts older than a few intervals are stale: the agent's loop is stuck.",
-            [],
-        )
-        self.collector_duration = gauge(
-            "hangwatch_collector_duration_seconds",
-            "How long the agent's collector took on its last run, in seconds.",
-            ["collector"],
-        )
-        self.build_info = gauge(
-            "hangwatch_build_info",
-            "Always 1; the version label says which hangwatch is running.",
-            ["version"],
-        )
+        self.gauge: dict[str, GaugeMetricFamily] = {}
+        self.counter: dict[str, CounterMetricFamily] = {}
+        self.histogram: dict[str, HistogramMetricFamily] = {}
+        for f in FAMILIES:
+            labels = _label_names(f.labels, self.extra)
+            if f.kind == GAUGE:
+                self.gauge[f.key] = GaugeMetricFamily(f.name, f.help, labels=labels)
+            elif f.kind == COUNTER:
+                self.counter[f.key] = CounterMetricFamily(f.name, f.help, labels=labels)
+            else:
+                self.histogram[f.key] = HistogramMetricFamily(f.name, f.help, labels=labels)
 
     def all(self) -> list[Metric]:
         # Sorted by name, as Go exporters print them: easy to find one in a golden file.
-        fams = [v for v in vars(self).values() if isinstance(v, Metric)]
+        fams: list[Metric] = [*self.gauge.values(), *self.counter.values()]
+        fams += self.histogram.values()
         return sorted(fams, key=lambda m: m.name)
 
     def populated(self) -> list[Metric]:
@@ -296,15 +381,12 @@ class _Families:
     def add_service(self, svc: ServiceStatus, unknown_state: Callable[[str], None]) -> None:
         if svc.state not in STATES:
             unknown_state(svc.state)
+        g, lv = self.gauge, [svc.service, str(svc.pid)]
         for state in STATES:
-            self.service_state.add_metric(
-                [svc.service, str(svc.pid), state], 1.0 if svc.state == state else 0.0
-            )
-        self.gpu_spin.add_metric([svc.service, str(svc.pid)], 1.0 if svc.gpu_spin else 0.0)
-        self.unanswered_requests.add_metric([svc.service, str(svc.pid)], svc.unanswered_requests)
-        self.seconds_since_progress.add_metric(
-            [svc.service, str(svc.pid)], svc.seconds_since_progress
-        )
+            g["service_state"].add_metric([*lv, state], 1.0 if svc.state == state else 0.0)
+        g["gpu_spin"].add_metric(lv, 1.0 if svc.gpu_spin else 0.0)
+        g["unanswered_requests"].add_metric(lv, svc.unanswered_requests)
+        g["seconds_since_progress"].add_metric(lv, svc.seconds_since_progress)
 
     def add_process(
         self, svc: ServiceStatus, p: ProcessStatus, unknown_state: Callable[[str], None]
@@ -316,34 +398,34 @@ class _Families:
         if p.state not in STATES:
             unknown_state(p.state)
         for state in STATES:
-            self.process_state.add_metric([*lv, state], 1.0 if p.state == state else 0.0)
-        self.threads.add_metric(lv, p.threads)
-        self.parked_threads.add_metric(lv, p.parked_threads)
-        self.parked_seconds.add_metric(lv, p.parked_seconds)
-        self.lock_cycles.add_metric(lv, p.lock_cycles)
-        self.no_waker.add_metric(lv, 1.0 if p.no_waker else 0.0)
+            self.gauge["process_state"].add_metric([*lv, state], 1.0 if p.state == state else 0.0)
+        self.gauge["threads"].add_metric(lv, p.threads)
+        self.gauge["parked_threads"].add_metric(lv, p.parked_threads)
+        self.gauge["parked_seconds"].add_metric(lv, p.parked_seconds)
+        self.gauge["lock_cycles"].add_metric(lv, p.lock_cycles)
+        self.gauge["no_waker"].add_metric(lv, 1.0 if p.no_waker else 0.0)
         buckets, sum_s = futex_buckets(p.futex_wait_slots)
-        self.futex_wait.add_metric(lv, buckets, sum_s)
+        self.histogram["futex_wait"].add_metric(lv, buckets, sum_s)
         if p.write_bytes_total is not None:
-            self.write_bytes.add_metric(lv, p.write_bytes_total)
+            self.counter["write_bytes"].add_metric(lv, p.write_bytes_total)
         if p.last_write_age_seconds is not None:
-            self.last_write_age.add_metric(lv, p.last_write_age_seconds)
+            self.gauge["last_write_age"].add_metric(lv, p.last_write_age_seconds)
         if p.accepts_total is not None:
-            self.accepts.add_metric(lv, p.accepts_total)
-        self.listening_ports.add_metric(lv, p.listening_ports)
+            self.counter["accepts"].add_metric(lv, p.accepts_total)
+        self.gauge["listening_ports"].add_metric(lv, p.listening_ports)
         for gpu in sorted(p.gpu_memory_bytes, key=_gpu_order):
-            self.gpu_memory.add_metric([*lv, gpu], p.gpu_memory_bytes[gpu])
+            self.gauge["gpu_memory"].add_metric([*lv, gpu], p.gpu_memory_bytes[gpu])
         for gpu in sorted(p.gpu_utilization, key=_gpu_order):
-            self.process_gpu_utilization.add_metric([*lv, gpu], p.gpu_utilization[gpu])
+            self.gauge["process_gpu_utilization"].add_metric([*lv, gpu], p.gpu_utilization[gpu])
 
     def add_agent(self, agent: AgentStatus) -> None:
-        self.events_dropped.add_metric([], agent.events_dropped_total)
-        self.maps_full.add_metric([], agent.maps_full_total)
-        self.last_tick.add_metric([], agent.last_tick_seconds)
+        self.counter["events_dropped"].add_metric([], agent.events_dropped_total)
+        self.counter["maps_full"].add_metric([], agent.maps_full_total)
+        self.gauge["last_tick"].add_metric([], agent.last_tick_seconds)
         for name in sorted(agent.programs):
             stats = agent.programs[name]
-            self.program_seconds.add_metric([name], stats.run_seconds)
-            self.program_runs.add_metric([name], stats.run_count)
+            self.counter["program_seconds"].add_metric([name], stats.run_seconds)
+            self.counter["program_runs"].add_metric([name], stats.run_count)
         for name in sorted(agent.collectors):
             if name == EXPOSITION:
                 continue  # ours, added by the collector; a second sample would be a duplicate
@@ -351,17 +433,17 @@ class _Families:
             self.add_collector(name, c.success, c.duration_seconds)
         for d in sorted(agent.gpus, key=lambda d: d.index):
             gpu = str(d.index)
-            self.gpu_info.add_metric([gpu, d.uuid, d.name], 1.0)
-            self.gpu_memory_used.add_metric([gpu], d.memory_used)
-            self.gpu_memory_total.add_metric([gpu], d.memory_total)
+            self.gauge["gpu_info"].add_metric([gpu, d.uuid, d.name], 1.0)
+            self.gauge["gpu_memory_used"].add_metric([gpu], d.memory_used)
+            self.gauge["gpu_memory_total"].add_metric([gpu], d.memory_total)
             if d.utilization is not None:
-                self.gpu_utilization.add_metric([gpu], d.utilization)
+                self.gauge["gpu_utilization"].add_metric([gpu], d.utilization)
         if agent.gpus or agent.gpu_errors_total:
-            self.gpu_errors.add_metric([], agent.gpu_errors_total)
+            self.counter["gpu_errors"].add_metric([], agent.gpu_errors_total)
 
     def add_collector(self, name: str, success: bool, duration_s: float) -> None:
-        self.collector_success.add_metric([name], 1.0 if success else 0.0)
-        self.collector_duration.add_metric([name], duration_s)
+        self.gauge["collector_success"].add_metric([name], 1.0 if success else 0.0)
+        self.gauge["collector_duration"].add_metric([name], duration_s)
 
 
 def _extra_label_names(exposition: Exposition) -> list[str]:
@@ -433,7 +515,7 @@ class HangwatchCollector(Collector):
         else:
             self._log_recovery()
         fams.add_collector(EXPOSITION, ok, self._clock() - start)
-        fams.build_info.add_metric([self._version], 1.0)
+        fams.gauge["build_info"].add_metric([self._version], 1.0)
         return fams.populated()
 
     def _log_failure(self) -> None:
