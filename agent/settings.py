@@ -1,14 +1,28 @@
 """The settings that shape an observation, each with one default and one allowed range.
 
-The CLI flags, the config keys and the observer all read them from here, so a default or a
-range is written once. A value is checked where it enters (a flag, a config key) and the
-error names that flag or key.
+Two kinds of constants live here, so that a default or a range is written once:
+
+* the settings a user sets with a flag or a config key (the park threshold, the daemon's
+  interval, diagnose's duration). The CLI, the config and the observer all read them from
+  here; a value is checked where it enters, and the error names that flag or key;
+* the tunables no flag sets yet that still shape what a verdict or a report can see: how
+  long a wait must last before the probe reports it, the progress window's floor, the CPU a
+  thread must use to count as working, how often diagnose reads, the time stacks may take.
+  Several modules use each of them (the probe and the session, the observer and progress,
+  diagnose and the daemon); each imports it from here instead of keeping a copy.
+
+What stays beside its code: a limit of one reader (a subprocess timeout, a cache's lifetime,
+a byte cap: pystacks.READ_TIMEOUT_S, nvml.CACHE_S, tcpinfo.NETNS_TIMEOUT_S), which only
+bounds how that reader does its I/O, needs its reason next to the call it bounds and has one
+user; and a rule's own calibration in analysis/ (classify.STARTUP_S), which is part of what
+the rule means, measured on the software it was written for, not a choice of the caller.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import ClassVar
 
 from .errors import UsageError, show
 
@@ -16,23 +30,26 @@ _EXPONENT = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)[eE][-+]?\d{1,3}")
 
 
 @dataclass(frozen=True)
-class Seconds:
-    """A setting in seconds: its config key, its flag (if any), default and range."""
+class Bounded:
+    """A number with one default and one allowed range. ``key`` is its config key, or for a
+    tunable that no config sets, the name it would have there; ``flag`` its CLI flag, if any."""
 
     key: str
     flag: str | None
     default: float
     lo: float
     hi: float
+    unit: ClassVar[str] = ""
 
     def check(self, value: object, where: str) -> float:
-        """``value`` as seconds, or a UsageError that starts with ``where`` (a flag or a
+        """``value`` as a float, or a UsageError that starts with ``where`` (a flag or a
         config location) and names the bad value and the allowed range."""
         given = value
         if isinstance(value, str) and _EXPONENT.fullmatch(value.strip()):
             value = float(value)  # YAML 1.1 reads 1e3 (no dot, no sign) as a string
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise UsageError(f"{where}: want a number of seconds, got {show(value)}")
+            want = f"a number of {self.unit}" if self.unit else "a number"
+            raise UsageError(f"{where}: want {want}, got {show(value)}")
         if not self.lo <= value <= self.hi:  # also NaN
             shown = given[:60] if isinstance(given, str) else show(given)
             raise UsageError(f"{where}: {shown} is out of range {self.range_text}")
@@ -40,7 +57,13 @@ class Seconds:
 
     @property
     def range_text(self) -> str:
-        return f"{self.lo:g}-{self.hi:g} seconds"
+        return f"{self.lo:g}-{self.hi:g} {self.unit}".rstrip()
+
+
+class Seconds(Bounded):
+    """A setting in seconds."""
+
+    unit = "seconds"
 
 
 DAY = 86400.0
@@ -51,13 +74,45 @@ INTERVAL = Seconds("interval_seconds", None, 1.0, 0.1, 3600.0)
 # How long `diagnose` observes.
 DURATION = Seconds("duration_seconds", "--duration", 5.0, 0.5, DAY)
 
-DIAGNOSE_INTERVAL_S = 0.5  # diagnose reads this often: a cycle needs two reads
-# Waits longer than this go through the ring buffer. Compiled into the programs; below the
+# The tunables no flag sets. Each ``*_S`` name is its default, for the code that uses it.
+
+# diagnose reads this often: a cycle needs two reads, so even the shortest --duration has two.
+DIAGNOSE_INTERVAL = Seconds("diagnose_interval_seconds", None, 0.5, 0.05, DURATION.lo)
+DIAGNOSE_INTERVAL_S = DIAGNOSE_INTERVAL.default
+# Waits longer than this go through the ring buffer. Compiled into the programs; at most the
 # smallest threshold, so every wait that matters to a verdict is reported.
-LONG_WAIT_S = 1.0
+LONG_WAIT = Seconds("long_wait_seconds", None, 1.0, 0.01, PARK_THRESHOLD.lo)
+LONG_WAIT_S = LONG_WAIT.default
 # Progress is judged over at least this much history (the daemon): a log line every few
 # seconds is progress even at a short interval.
-MIN_WINDOW_S = 5.0
+MIN_WINDOW = Seconds("min_window_seconds", None, 5.0, 1.0, 3600.0)
+MIN_WINDOW_S = MIN_WINDOW.default
+# A thread "did work" in a tick when it used more CPU than this share of the tick: an idle
+# poll loop (Python's serve_forever wakes twice a second) uses ~0.01%; a torch rank polling
+# its own store every 10 ms while it waits for a peer, 1-2.5%.
+CPU_FLOOR_RATIO = Bounded("cpu_floor_ratio", None, 0.05, 0.0, 1.0)
+# ... and never less than this, so that a short tick does not count a wake-up as work: a
+# thread asleep on a 10 ms timer was seen charged 3-14 ms at once now and then. Below the
+# shortest interval, or no thread could ever work.
+CPU_FLOOR_MIN = Seconds("cpu_floor_min_seconds", None, 0.020, 0.0, INTERVAL.lo)
+# The Python stacks of one diagnose report, or of one daemon step's state changes, are read
+# within this in all: a server of 2,000 threads reads in well under a second, and a reader
+# that hangs must hold neither the engineer at the terminal nor the daemon's loop.
+STACKS_BUDGET = Seconds("stacks_budget_seconds", None, 5.0, 0.1, 60.0)
+STACKS_BUDGET_S = STACKS_BUDGET.default
+
+# Every number above, for the test that each default lies in its range.
+TUNABLES: tuple[Bounded, ...] = (
+    PARK_THRESHOLD,
+    INTERVAL,
+    DURATION,
+    DIAGNOSE_INTERVAL,
+    LONG_WAIT,
+    MIN_WINDOW,
+    CPU_FLOOR_RATIO,
+    CPU_FLOOR_MIN,
+    STACKS_BUDGET,
+)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,15 @@ from hypothesis import strategies as st
 
 from agent.config import load, load_text, parse_listen, validate
 from agent.errors import UsageError
+from agent.settings import (
+    CPU_FLOOR_RATIO,
+    DURATION,
+    INTERVAL,
+    LONG_WAIT,
+    PARK_THRESHOLD,
+    TUNABLES,
+    Settings,
+)
 
 GOOD = """
 listen: "127.0.0.1:9900"
@@ -292,6 +301,27 @@ def test_stacks_are_logged_unless_turned_off():
     assert load(None).stacks is True
     assert load_text("targets: [{name: a, pids: [1]}]", "x").stacks is True
     assert load_text("stacks: false\ntargets: [{name: a, pids: [1]}]", "x").stacks is False
+
+
+def test_every_tunable_has_its_default_in_its_range_and_one_name():
+    for t in TUNABLES:
+        assert t.lo <= t.default <= t.hi, t
+        t.check(t.default, t.key)
+    assert len({t.key for t in TUNABLES}) == len(TUNABLES)
+    # The probe reports every wait that could make a service stalled, at any threshold.
+    assert LONG_WAIT.hi <= PARK_THRESHOLD.lo
+    with pytest.raises(UsageError, match=r"--duration: 0\.1 is out of range 0\.5-86400 seconds"):
+        DURATION.check(0.1, "--duration")
+    with pytest.raises(UsageError, match=r"^cpu_floor_ratio: 2 is out of range 0-1$"):
+        CPU_FLOOR_RATIO.check(2, "cpu_floor_ratio")
+
+
+def test_the_config_fills_the_observers_settings():
+    cfg = validate({"interval_seconds": 4, "targets": [{"name": "x", "pids": [1]}]}, "test")
+    assert cfg.settings == Settings(PARK_THRESHOLD.default, 4.0, 8.0)
+    assert validate({"targets": [{"name": "x", "pids": [1]}]}, "t").settings == Settings(
+        PARK_THRESHOLD.default, INTERVAL.default, 5.0
+    )
 
 
 # --- a file that steers a root agent must be root's alone -----------------------------------
