@@ -1,9 +1,10 @@
 """`hangwatch run`: watch every inference service on the host and export what it sees.
 
-One loop, one interval: discover services, tick the observer (the same code path as
-`diagnose`), classify over the progress window, log state changes, publish the exposition
-that the /metrics collectors read. Nothing here may crash the loop: a failing stage is
-logged and exported as a failed collector, and the next tick tries again.
+One loop, one interval; each step: read NVML, discover services, observe (the same code path
+as `diagnose`), classify over the progress window, log state changes, publish the exposition
+that the /metrics collectors read. The stages that read the host (``STAGES``) go through
+``Daemon._timed``: a failing one is logged and exported as a failed collector, and the next
+step tries again.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from types import FrameType
-from typing import Any
+from typing import Any, TypeVar
 
 from . import __version__
 from . import config as config_mod
@@ -25,6 +26,10 @@ from .analysis.classify import DEADLOCKED, STALLED, ServiceVerdict
 from .analysis.frontdoor import FrontDoorConfig
 from .errors import UsageError
 from .export.exposition import (
+    BPF_STATS,
+    DISCOVERY,
+    GPU,
+    PROC,
     AgentStatus,
     CollectorStatus,
     Exposition,
@@ -38,6 +43,7 @@ from .observe.fdwaits import waits_on
 from .observe.observer import Scope, Tick
 from .report.sentences import render
 from .session import Session
+from .settings import STACKS_BUDGET_S
 from .sources.procfs import ProcFS
 from .sources.protocols import GpuSource, ProbeSource
 from .sources.pystacks import SourceLines, read_many, stack_facts
@@ -45,7 +51,7 @@ from .sources.symbols import named_verdicts, native_caller
 
 log = logging.getLogger(__name__)
 
-STACKS_BUDGET_S = 5.0  # per tick, for all the stacks logged at state changes
+T = TypeVar("T")
 
 
 def build_exposition(
@@ -109,7 +115,12 @@ def build_exposition(
     return Exposition(tuple(out), agent)
 
 
-DRAIN_SLICE_S = 0.1
+DRAIN_SLICE_S = 0.1  # the loop's wait is cut into drains this short, so a stop is seen soon
+
+
+def _as_reported(reading: GpuReading) -> CollectorStatus:
+    # NVML's source never raises and times its own reads (a cached one keeps its read's time).
+    return CollectorStatus(reading.ok, reading.duration_s)
 
 
 class Daemon:
@@ -127,7 +138,7 @@ class Daemon:
         self.gpu_errors = 0
         self.discovery = Discovery(proc, cfg.targets, gpu_pids=self._gpu_pids, self_pid=os.getpid())
         self.services: dict[int, Service] = {}
-        # Discovery's services, as found at the start of each tick; gone processes dropped.
+        # Discovery's services, as found at the start of each step; gone processes dropped.
         self.scope = Scope(
             lambda: {root: s.pids for root, s in self.services.items()},
             remember_gone=False,
@@ -165,39 +176,53 @@ class Daemon:
         gpu = self.session.gpu if self.session is not None else None
         return gpu.pids() if gpu is not None else set()
 
-    def _timed(self, name: str, fn: Any, *args: Any) -> Any:
+    def _timed(
+        self,
+        name: str,
+        fn: Callable[[], T],
+        status: Callable[[T], CollectorStatus] | None = None,
+    ) -> T | None:
+        """``fn()`` as the stage ``name`` (one of ``STAGES``), exported as its collector: its
+        success and duration, or what ``status`` says of its result (a source that never
+        raises and times itself). A stage that raises is logged and gives None."""
         t0 = time.monotonic()
         try:
-            result = fn(*args)
+            result = fn()
         except Exception:
             self.collectors[name] = CollectorStatus(False, time.monotonic() - t0)
             log.exception("collector %s failed; retrying next interval", name)
             return None
-        self.collectors[name] = CollectorStatus(True, time.monotonic() - t0)
+        took = time.monotonic() - t0
+        self.collectors[name] = CollectorStatus(True, took) if status is None else status(result)
         return result
 
     def _read_gpu(self, session: Session) -> GpuReading | None:
-        """NVML once per tick, before discovery (the gpu selector needs it). The source never
-        raises; a failed read is exported as a failed collector and used as no evidence."""
-        reading = session.read_gpu()
+        """NVML once per step, before discovery (the gpu selector needs it); a failed read is
+        exported as a failed collector and used as no evidence."""
+        if session.gpu is None:
+            return None
+        reading = self._timed(GPU, session.gpu.read, _as_reported)
         if reading is None:
             return None
-        self.collectors["gpu"] = CollectorStatus(reading.ok, reading.duration_s)
         self.gpu_errors = reading.errors_total
         if reading.ok:
             self.gpus = reading.devices
         return reading
 
-    def tick(self) -> None:
+    def step(self) -> None:
+        """One pass of the loop: NVML, discovery and the observation (timed stages), then the
+        verdicts, the log of state changes, and a new exposition with the BPF programs' run
+        time (the last timed stage). Without an observation nothing new is published, and
+        /metrics serves the last exposition, its last-tick time saying how old it is."""
         session = self.session
-        assert session is not None, "tick() before a session was attached"
+        assert session is not None, "step() before a session was attached"
         gpu = self._read_gpu(session)
-        services = self._timed("discovery", self.discovery.scan)
+        services = self._timed(DISCOVERY, self.discovery.scan)
         if services is not None:
             self.services = services
         # A service that is gone logs "new" if its root PID comes back: bounded by live ones.
         self.states = {k: v for k, v in self.states.items() if k[1] in self.services}
-        tick = self._timed("proc", session.tick, gpu)
+        tick = self._timed(PROC, lambda: session.tick(gpu))
         if tick is None:
             return
         # A process that exec'd is matched again by its new command line.
@@ -226,7 +251,7 @@ class Daemon:
         c = tick.reading.counters
         programs: dict[str, ProgramStats] = {}
         if self.cfg.bpf_stats and session.probe is not None:
-            programs = self._timed("bpf_stats", session.probe.program_stats) or {}
+            programs = self._timed(BPF_STATS, session.probe.program_stats) or {}
         return AgentStatus(
             version=__version__,
             events_dropped_total=c.get("events_dropped", 0),
@@ -315,12 +340,12 @@ class Daemon:
             if self.reload_requested.is_set():
                 self.reload_requested.clear()
                 self.reload()
-            self.tick()
+            self.step()
             self._wait_until(started + self.cfg.interval_seconds)
 
     def _wait_until(self, deadline: float) -> None:
-        """Sleep until the next tick, draining the ring buffer meanwhile: drained once per
-        tick, its 64 pages would hold about 4,000 events a second."""
+        """Sleep until the next step, draining the ring buffer meanwhile: drained once per
+        step, its 64 pages would hold about 4,000 events a second."""
         probe = self.session.probe if self.session is not None else None
         while not self.stop.is_set():
             left = deadline - self.clock()

@@ -1,7 +1,10 @@
-"""The daemon's wait between ticks drains the probe's ring buffer (no root: a recording probe)."""
+"""The daemon's loop without root (a recording probe, a fixture /proc): its stages are exported
+under their names, a failing one is logged and retried, and the wait between steps drains the
+probe's ring buffer."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable
 from dataclasses import replace
@@ -14,6 +17,7 @@ from agent import daemon as daemon_mod
 from agent.analysis.classify import ProcessVerdict, ServiceVerdict
 from agent.config import validate
 from agent.daemon import DRAIN_SLICE_S, Daemon
+from agent.export.exposition import STAGES
 from agent.sources.procfs import ProcFS
 from tests import synth
 from tests.fakeprobe import FakeClock, RecordingProbe
@@ -24,6 +28,33 @@ def make(tmp_path: Path, probe: RecordingProbe | None, clock: FakeClock | None =
     if clock is None:
         return Daemon.with_sources(cfg, ProcFS(str(tmp_path)), probe)
     return Daemon.with_sources(cfg, ProcFS(str(tmp_path)), probe, clock=clock)
+
+
+def test_the_exported_stage_names_are_the_contract() -> None:
+    # Alerts (deploy/prometheus) and docs/deploy.md name these collector="..." values.
+    assert STAGES == ("gpu", "discovery", "proc", "bpf_stats", "exposition")
+
+
+def test_a_step_exports_its_stages_and_a_failing_one_is_logged_and_retried(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    d = make(tmp_path, RecordingProbe())
+    d.cfg = replace(d.cfg, bpf_stats=True)
+    d.step()
+    assert set(d.collectors) == {"discovery", "proc", "bpf_stats"}  # no GPU source here
+    assert all(c.success for c in d.collectors.values())
+    first = d.exposition
+    assert first is not None and first.agent.collectors == d.collectors
+
+    def boom() -> None:
+        raise RuntimeError("boom")
+
+    d.discovery.scan = boom  # type: ignore[method-assign]
+    with caplog.at_level(logging.ERROR, logger="agent.daemon"):
+        d.step()
+    assert not d.collectors["discovery"].success and d.collectors["proc"].success
+    assert "collector discovery failed; retrying next interval" in caplog.text
+    assert d.exposition is not first  # the other stages went on
 
 
 def test_the_wait_between_ticks_drains_in_short_slices(tmp_path: Path) -> None:

@@ -54,7 +54,7 @@ def daemon(tmp_path: Path, fake: FakeNVML, clock: Clock) -> Daemon:
 def tick(d: Daemon, clock: Clock, fake: FakeNVML, util: int, stamp: int) -> None:
     clock.t += 1.0  # past the source's per-interval cache
     fake.devices[0].samples = [(100, stamp, util)]
-    d.tick()
+    d.step()
 
 
 def test_a_gpu_process_is_discovered_judged_and_exported(tmp_path: Path) -> None:
@@ -101,7 +101,7 @@ def test_idle_process_not_found_samples_and_errors_mid_run(tmp_path: Path) -> No
     for _ in range(3):
         clock.t += 1.0
         fake.devices[0].samples = []
-        d.tick()
+        d.step()
     assert d.collectors["gpu"].success
     (svc,) = d.exposition.services if d.exposition else ()
     assert svc.state != "progressing"
@@ -109,7 +109,7 @@ def test_idle_process_not_found_samples_and_errors_mid_run(tmp_path: Path) -> No
     # The GPU is lost mid-run: the collector fails, errors are counted, nothing is guessed.
     fake.fail("nvmlDeviceGetMemoryInfo", pynvml.NVML_ERROR_GPU_IS_LOST, times=None)
     clock.t += 1.0
-    d.tick()
+    d.step()
     assert not d.collectors["gpu"].success
     exp = d.exposition
     assert exp is not None and exp.agent.gpu_errors_total >= 1

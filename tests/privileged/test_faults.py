@@ -303,7 +303,7 @@ def test_full_map_and_full_ring_buffer_are_counted_and_verdicts_hold(tmp_path: P
             f"  - {{name: pool, pids: [{pool.pid}]}}\n  - {{name: dl, pids: [{dl.pid}]}}\n"
         )
         agent = AgentDaemon.with_sources(config_mod.load(str(cfg)), ProcFS(), probe)
-        agent.tick()  # watches both
+        agent.step()  # watches both
         pool.send("go")  # 12 waits begin under the probe; the threads map holds 4
         pool.wait_for("READY", timeout=30)
         # A flood of bind + listen events, none read meanwhile: a one-page ring overflows.
@@ -316,7 +316,7 @@ def test_full_map_and_full_ring_buffer_are_counted_and_verdicts_hold(tmp_path: P
         assert reading.counters["events_dropped"] > 0, reading.counters
         deadline = time.monotonic() + 30
         while True:
-            agent.tick()
+            agent.step()
             states = {v.pid: v.state for v in agent.session.verdicts()}
             if states == {pool.pid: "stalled", dl.pid: "deadlocked"}:
                 break
