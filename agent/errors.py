@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-EXIT_OK = 0
 EXIT_USAGE = 2
 EXIT_PRIVILEGE = 3
 

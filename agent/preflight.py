@@ -14,13 +14,6 @@ CAP_SYS_PTRACE = 19
 CAP_SYS_ADMIN = 21
 CAP_PERFMON = 38
 CAP_BPF = 39
-CAP_NAMES = {
-    CAP_DAC_READ_SEARCH: "CAP_DAC_READ_SEARCH",
-    CAP_SYS_PTRACE: "CAP_SYS_PTRACE",
-    CAP_SYS_ADMIN: "CAP_SYS_ADMIN",
-    CAP_PERFMON: "CAP_PERFMON",
-    CAP_BPF: "CAP_BPF",
-}
 HOW = (
     "run as root (sudo hangwatch ...), or grant CAP_BPF, CAP_PERFMON, CAP_SYS_PTRACE and "
     "CAP_DAC_READ_SEARCH (e.g. setpriv --ambient-caps +bpf,+perfmon,+sys_ptrace,+dac_read_search ...)"

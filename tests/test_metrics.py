@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
+from prometheus_client import make_wsgi_app
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import CollectorRegistry
 
 from agent.analysis.classify import DEADLOCKED, IDLE, STALLED, STATES
 from agent.export.exposition import (
@@ -38,7 +39,6 @@ from agent.export.metrics import (
     futex_buckets,
     label_name,
     registry_for,
-    render,
 )
 from agent.model import GpuDevice
 
@@ -168,6 +168,17 @@ def fixed_clock():
 
 def registry(exposition: Exposition | None = EXPOSITION):
     return registry_for(lambda: exposition, version=VERSION, clock=fixed_clock())
+
+
+def scrape(reg: CollectorRegistry, accept: str = "text/plain") -> str:
+    """The /metrics body as the daemon serves it (``make_wsgi_app`` over the registry, as in
+    ``daemon.run``), for a client that asks for ``accept``."""
+    environ = {"REQUEST_METHOD": "GET", "PATH_INFO": "/metrics", "HTTP_ACCEPT": accept}
+    replies: list[tuple[str, list[tuple[str, str]]]] = []
+    body = b"".join(make_wsgi_app(reg)(environ, lambda *reply: replies.append(reply)))
+    ((status, _),) = replies
+    assert status == "200 OK"
+    return body.decode()
 
 
 def plabels(service: str, root: int, pid: int, comm: str, **env: str) -> dict[str, str]:
@@ -391,7 +402,7 @@ def test_self_metrics():
 
 
 def test_golden_metrics_text():
-    text = render(registry()).decode()
+    text = scrape(registry())
     if os.environ.get("HANGWATCH_UPDATE_GOLDEN") == "1":
         GOLDEN.parent.mkdir(exist_ok=True)
         GOLDEN.write_text(text)
@@ -416,7 +427,7 @@ def test_golden_text_parses_and_every_family_has_help_and_type():
 
 def test_openmetrics_rendering_works_too():
     # The HTTP handler negotiates OpenMetrics when Prometheus asks for it.
-    text = generate_openmetrics(registry()).decode()
+    text = scrape(registry(), "application/openmetrics-text; version=1.0.0")
     assert text.endswith("# EOF\n")
     assert 'hangwatch_build_info{version="0.0.0-test"} 1.0' in text
 
@@ -430,7 +441,7 @@ def test_source_none_before_the_first_tick():
         "hangwatch_collector_success",
         "hangwatch_collector_duration_seconds",
     }
-    list(text_string_to_metric_families(render(reg).decode()))
+    list(text_string_to_metric_families(scrape(reg)))
 
 
 def test_source_raising_still_scrapes_and_logs_once_until_it_recovers(caplog):
@@ -444,7 +455,7 @@ def test_source_raising_still_scrapes_and_logs_once_until_it_recovers(caplog):
     reg = registry_for(source, version=VERSION)
     with caplog.at_level(logging.INFO, logger="agent.export.metrics"):
         for _ in range(3):
-            text = render(reg).decode()
+            text = scrape(reg)
             families = {f.name for f in text_string_to_metric_families(text)}
             assert families == {
                 "hangwatch_build_info",
@@ -523,7 +534,7 @@ def test_describe_names_the_families_without_reading_the_source():
     assert calls == []
     with pytest.raises(ValueError, match="Duplicated"):
         reg.register(HangwatchCollector(source))
-    render(reg)
+    scrape(reg)
     assert calls == [1]
 
 
@@ -589,7 +600,7 @@ def by_name(reg) -> dict[str, list]:
 def test_states_one_hot_and_samples_follow_the_current_exposition(a, b):
     current = [a]
     reg = registry_for(lambda: current[0], version=VERSION)
-    render(reg)  # a scrape of A first: nothing of it may survive into B's
+    scrape(reg)  # a scrape of A first: nothing of it may survive into B's
     current[0] = b
     got = by_name(reg)
     procs = [p for s in b.services for p in s.processes]
@@ -619,6 +630,6 @@ def test_states_one_hot_and_samples_follow_the_current_exposition(a, b):
     b_pids = {str(p.pid) for p in procs} | {str(s.pid) for s in b.services}
     seen = {s.labels["pid"] for v in got.values() for s in v if "pid" in s.labels}
     assert seen <= b_pids
-    text = render(reg).decode()
+    text = scrape(reg)
     for pid in {str(p.pid) for s in a.services for p in s.processes} - b_pids:
         assert f'pid="{pid}"' not in text

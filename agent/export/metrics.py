@@ -20,7 +20,6 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
-from prometheus_client.exposition import generate_latest
 from prometheus_client.metrics_core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -549,8 +548,3 @@ def registry_for(
     registry = CollectorRegistry(auto_describe=False)
     registry.register(HangwatchCollector(source, version=version, clock=clock))
     return registry
-
-
-def render(registry: CollectorRegistry) -> bytes:
-    """The /metrics text (Prometheus text format 0.0.4) of ``registry``."""
-    return generate_latest(registry)
