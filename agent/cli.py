@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from . import __version__
 from .errors import EXIT_USAGE, HangwatchError
-from .settings import DURATION, INTERVAL, PARK_THRESHOLD
+from .settings import DURATION, INTERVAL, PARK_THRESHOLD, STACKS_BUDGET_S
 
 DESCRIPTION = """\
 hangwatch tells whether a process that looks hung (GPU memory held, 0% utilisation,
@@ -89,6 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"hangwatch {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
+    _add_diagnose(sub)
+    _add_run(sub)
+    return parser
+
+
+def _add_diagnose(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     d = sub.add_parser(
         "diagnose",
         help="observe processes for a few seconds and give each service a verdict",
@@ -129,8 +135,12 @@ def build_parser() -> argparse.ArgumentParser:
         dest="stacks",
         action="store_false",
         help="skip the Python stacks. By default they are read with py-spy --nonblocking, which "
-        "reads the process's memory and never stops it (at most 5 s for all processes)",
+        f"reads the process's memory and never stops it (at most {STACKS_BUDGET_S:g} s for all "
+        "processes)",
     )
+
+
+def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     r = sub.add_parser(
         "run",
         help="the daemon: watch inference services and serve Prometheus metrics",
@@ -159,7 +169,6 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="print the built-in config and exit (a starting point for --config)",
     )
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
