@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 from . import __version__
 from . import config as config_mod
 from . import session as session_mod
-from .analysis.classify import DEADLOCKED, STALLED, ServiceVerdict
+from .analysis.classify import DEADLOCKED, STALLED, ProcessVerdict, ServiceVerdict
 from .analysis.frontdoor import FrontDoorConfig
 from .errors import UsageError
 from .export.exposition import (
@@ -62,57 +62,64 @@ def build_exposition(
     agent: AgentStatus,
 ) -> Exposition:
     """Plain data for the collectors, from one tick's verdicts, probe and GPU readings."""
-    reading: ProbeReading = tick.reading
     gpu = tick.gpu if tick.gpu is not None and tick.gpu.ok else None
-    now = tick.snapshot.mono_ns
     out = []
     for v in verdicts:
         svc = services.get(v.pid)
         name = svc.name if svc else "unknown"
-        procs = []
-        for p in v.processes:
-            sample = tick.snapshot.processes.get(p.pid)
-            if p.gone or sample is None:
-                continue
-            writes = reading.writes.get(p.pid, {})
-            last = max((w.last_ns for w in writes.values()), default=None)
-            uses = gpu.processes.get(p.pid, ()) if gpu is not None else ()
-            procs.append(
-                ProcessStatus(
-                    service=name,
-                    root_pid=v.pid,
-                    pid=p.pid,
-                    comm=p.comm,
-                    state=p.state,
-                    threads=p.threads,
-                    parked_threads=p.parked_threads,
-                    parked_seconds=p.parked_seconds,
-                    lock_cycles=len(p.cycles),
-                    no_waker=p.no_waker,
-                    labels=dict(labels.get(p.pid, {})),
-                    write_bytes_total=sum(w.bytes for w in writes.values()),
-                    last_write_age_seconds=max(0.0, (now - last) / 1e9) if last else None,
-                    accepts_total=reading.accepts.get(p.pid, 0),
-                    listening_ports=len({lst.port for lst in sample.listeners}),
-                    futex_wait_slots=dict(reading.wait_histogram.get(p.pid, {})),
-                    gpu_memory_bytes={
-                        str(u.gpu): u.memory_bytes for u in uses if u.memory_bytes is not None
-                    },
-                    gpu_utilization={str(u.gpu): u.sm_utilization for u in uses},
-                )
-            )
+        procs = tuple(
+            _process_status(name, v.pid, p, tick, labels.get(p.pid, {}), gpu)
+            for p in v.processes
+            if not p.gone and p.pid in tick.snapshot.processes
+        )
         out.append(
             ServiceStatus(
                 name,
                 v.pid,
                 v.state,
-                tuple(procs),
+                procs,
                 gpu_spin=v.gpu_spin,
                 unanswered_requests=v.unanswered_requests,
                 seconds_since_progress=v.seconds_since_progress,
             )
         )
     return Exposition(tuple(out), agent)
+
+
+def _process_status(
+    service: str,
+    root: int,
+    p: ProcessVerdict,
+    tick: Tick,
+    labels: Mapping[str, str],
+    gpu: GpuReading | None,
+) -> ProcessStatus:
+    """One live process of a service: its verdict, what the probe counted, its GPU use."""
+    reading: ProbeReading = tick.reading
+    sample = tick.snapshot.processes[p.pid]
+    writes = reading.writes.get(p.pid, {})
+    last = max((w.last_ns for w in writes.values()), default=None)
+    uses = gpu.processes.get(p.pid, ()) if gpu is not None else ()
+    return ProcessStatus(
+        service=service,
+        root_pid=root,
+        pid=p.pid,
+        comm=p.comm,
+        state=p.state,
+        threads=p.threads,
+        parked_threads=p.parked_threads,
+        parked_seconds=p.parked_seconds,
+        lock_cycles=len(p.cycles),
+        no_waker=p.no_waker,
+        labels=dict(labels),
+        write_bytes_total=sum(w.bytes for w in writes.values()),
+        last_write_age_seconds=max(0.0, (tick.snapshot.mono_ns - last) / 1e9) if last else None,
+        accepts_total=reading.accepts.get(p.pid, 0),
+        listening_ports=len({lst.port for lst in sample.listeners}),
+        futex_wait_slots=dict(reading.wait_histogram.get(p.pid, {})),
+        gpu_memory_bytes={str(u.gpu): u.memory_bytes for u in uses if u.memory_bytes is not None},
+        gpu_utilization={str(u.gpu): u.sm_utilization for u in uses},
+    )
 
 
 DRAIN_SLICE_S = 0.1  # the loop's wait is cut into drains this short, so a stop is seen soon
