@@ -8,8 +8,8 @@ Two kinds of constants live here, so that a default or a range is written once:
 * the tunables no flag sets yet that still shape what a verdict or a report can see: how
   long a wait must last before the probe reports it, the progress window's floor, the CPU a
   thread must use to count as working, how often diagnose reads, the time stacks may take.
-  Several modules use each of them (the probe and the session, the observer and progress,
-  diagnose and the daemon); each imports it from here instead of keeping a copy.
+  Each is needed by more than one module (the session and the probe, the observer and
+  progress, diagnose and the daemon): they take it from here, and a copy elsewhere is a bug.
 
 What stays beside its code: a limit of one reader (a subprocess timeout, a cache's lifetime,
 a byte cap: pystacks.READ_TIMEOUT_S, nvml.CACHE_S, tcpinfo.NETNS_TIMEOUT_S), which only
