@@ -23,7 +23,7 @@ from .settings import DURATION, PARK_THRESHOLD, Settings
 from .sources.procfs import ProcFS
 from .sources.pystacks import StackRead, read_many, stack_facts, stacks_json, wait_words
 from .sources.symbols import describe_address, named_verdicts, native_caller
-from .sources.syscalls import FUTEX, wait_kind
+from .syscalls import FUTEX, wait_kind
 
 # Stacks of all the processes of a report, in all: a server of 2,000 threads reads in well
 # under a second; a reader that hangs must not hold the engineer at the terminal.

@@ -24,7 +24,7 @@ from elftools.elf.elffile import ELFFile
 
 from agent.analysis import evidence as ev
 from agent.report.sentences import render
-from agent.sources.procfs import PID_MAX_LIMIT, SYS_FUTEX, MemMap, ProcFS
+from agent.sources.procfs import PID_MAX_LIMIT, MemMap, ProcFS
 from agent.sources.symbols import (
     Load,
     NativeFrame,
@@ -38,6 +38,7 @@ from agent.sources.symbols import (
     name_words,
     short_name,
 )
+from agent.syscalls import SYS_FUTEX
 from tests.realsw.serving.native import build_abba
 
 needs_linux_x86_64 = pytest.mark.skipif(

@@ -15,12 +15,14 @@ import struct
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from ..model import DEFAULT_EPHEMERAL_FROM, TORCHRUN_DEFAULT_MASTER_PORT, Plumbing, TcpInfo
+from ..model import (
+    DEFAULT_EPHEMERAL_FROM,
+    TORCHRUN_DEFAULT_MASTER_PORT,
+    Plumbing,
+    SyscallLine,
+    TcpInfo,
+)
 from .tcpinfo import read_tcp_info
-
-SYS_FUTEX = 202  # x86-64 syscall numbers: /proc/.../syscall reports them raw
-SYS_FUTEX_WAITV = 449
-SYS_FUTEX_WAIT = 455  # futex_wait(2), Linux 6.7+ (454 is futex_wake)
 
 # The kernel's ceiling for kernel.pid_max (PID_MAX_LIMIT on 64-bit): no PID is larger.
 PID_MAX_LIMIT = 1 << 22
@@ -61,14 +63,6 @@ class ProcStat:
     state: str
     ppid: int
     start_ticks: int
-
-
-@dataclass(frozen=True)
-class SyscallLine:
-    nr: int  # -1: blocked, but not in a syscall
-    args: tuple[int, ...]
-    sp: int | None = None  # user stack pointer
-    pc: int | None = None  # user program counter: the instruction after the syscall
 
 
 @dataclass(frozen=True)

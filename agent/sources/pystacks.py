@@ -27,10 +27,10 @@ from pathlib import Path
 
 from ..analysis import evidence as ev
 from ..model import ProcessSample, ThreadSample
+from ..syscalls import FUTEX, syscall_name, wait_kind
 from . import confined
 from .confined import FileLines
 from .procfs import printable
-from .syscalls import FUTEX, syscall_name, wait_kind
 
 READ_TIMEOUT_S = 3.0  # per process; py-spy reads a 100-thread process in tens of ms
 MAX_FRAMES = 32  # per thread, innermost first: enough to reach the program's own code
