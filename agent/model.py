@@ -325,6 +325,14 @@ class FdWrites:
 
 
 @dataclass(frozen=True)
+class ProgramStats:
+    """One BPF program's cumulative run time and count (kernel.bpf_stats_enabled)."""
+
+    run_seconds: float
+    run_count: int
+
+
+@dataclass(frozen=True)
 class ProbeReading:
     """What the kernel side holds at one instant, as plain data."""
 

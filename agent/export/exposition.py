@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from ..model import GpuDevice
+from ..model import GpuDevice, ProgramStats
 
 
 @dataclass(frozen=True)
@@ -57,14 +57,6 @@ class ServiceStatus:
 class CollectorStatus:
     success: bool
     duration_seconds: float
-
-
-@dataclass(frozen=True)
-class ProgramStats:
-    """One BPF program's cumulative run time and count (kernel.bpf_stats_enabled)."""
-
-    run_seconds: float
-    run_count: int
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The only module that talks to bcc: compile bpf/*.bpf.c, attach, read maps.
 
-Everything it returns is plain data (agent.model.ProbeReading, agent.export.exposition.ProgramStats),
-so nothing above this module needs root, bcc or a kernel to be tested.
+Everything it returns is plain data (agent.model.ProbeReading, agent.model.ProgramStats), so
+nothing above this module needs root, bcc or a kernel to be tested.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from typing import Any
 
 from ..abi import BPF_DIR, HEADER, header_defines
 from ..errors import KernelFeatureError
-from ..export.exposition import ProgramStats
 from ..model import (
     ExecEvent,
     FdWrites,
@@ -26,6 +25,7 @@ from ..model import (
     InflightWait,
     ProbeEvent,
     ProbeReading,
+    ProgramStats,
     SocketEvent,
 )
 from .procfs import ProcFS
