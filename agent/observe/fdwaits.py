@@ -12,7 +12,8 @@ import struct
 from collections.abc import Iterable, Mapping
 
 from ..model import ProcessSample
-from ..sources.procfs import TCP_LISTEN, ProcFS
+from ..sources.procfs import ProcFS
+from ..sources.tcpinfo import TCP_LISTEN
 from ..syscalls import EPOLL, FUTEX, ONE_FD, POLL, SELECT, fd_layout, wait_kind
 
 MAX_FDS = 4  # named per wait; the rest are counted

@@ -27,14 +27,8 @@ from ..model import (
     ThreadSample,
     is_blocked,
 )
-from ..sources.procfs import (
-    TCP_ESTABLISHED,
-    TCP_LISTEN,
-    MemMap,
-    ProcessMemory,
-    ProcFS,
-    TcpSocket,
-)
+from ..sources.procfs import MemMap, ProcessMemory, ProcFS, TcpSocket
+from ..sources.tcpinfo import TCP_ESTABLISHED, TCP_LISTEN
 from ..syscalls import FUTEX, SYS_FUTEX, SYS_FUTEX_WAIT, futex_private, syscall_wait, wait_kind
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")  # /proc/PID/stat counts starttime in these

@@ -22,12 +22,10 @@ from ..model import (
     SyscallLine,
     TcpInfo,
 )
-from .tcpinfo import read_tcp_info
+from .tcpinfo import TcpInfoRead, read_tcp_info
 
 # The kernel's ceiling for kernel.pid_max (PID_MAX_LIMIT on 64-bit): no PID is larger.
 PID_MAX_LIMIT = 1 << 22
-TCP_LISTEN = 0x0A
-TCP_ESTABLISHED = 0x01
 U64 = 1 << 64
 
 
@@ -350,10 +348,14 @@ def parse_maps_line(line: str) -> MemMap | None:
 
 
 class ProcFS:
-    """Reads one /proc tree. Every method returns None (or empty) when the entry vanished."""
+    """Reads one /proc tree. Every method returns None (or empty) when the entry vanished.
 
-    def __init__(self, root: str = "/proc") -> None:
+    ``tcp_info`` reads the kernel's tcp_info of a network namespace (agent.sources.tcpinfo);
+    None where there is no kernel to ask (a fixture tree) or a test stands in for it."""
+
+    def __init__(self, root: str = "/proc", tcp_info: TcpInfoRead | None = read_tcp_info) -> None:
         self.root = root
+        self._tcp_info = tcp_info
 
     def _read(self, *parts: object) -> str | None:
         try:
@@ -546,16 +548,18 @@ class ProcFS:
 
     def tcp_info(self, pid: int, ports: Iterable[tuple[str, int]] | None) -> dict[int, TcpInfo]:
         """Socket inode -> the kernel's tcp_info, for the established sockets on ``ports``
-        ((family, local port); None: all) of the process's network namespace, over netlink
-        (agent/sources/tcpinfo.py). Empty when it cannot be read, and for a tree other than the real
-        /proc: a fixture has no kernel behind it."""
-        if self.root != "/proc":
+        ((family, local port); None: all) of the process's network namespace: read by the
+        ``tcp_info`` reader, in that namespace where it is not ours. Empty when it cannot be
+        read, or without a reader."""
+        if self._tcp_info is None:
             return {}
         theirs = self.net_namespace(pid)
         if theirs is None:
             return {}
-        netns = None if theirs == self.net_namespace("self") else f"/proc/{pid}/ns/net"
-        return read_tcp_info(ports, netns)
+        own = theirs == self.net_namespace("self")
+        return self._tcp_info(
+            ports, None if own else os.path.join(self.root, str(pid), "ns", "net")
+        )
 
     def unix_socket_paths(self, pid: int) -> dict[int, str]:
         """Inode -> bound path of the unix sockets of the process's network namespace."""
