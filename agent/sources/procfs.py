@@ -533,6 +533,13 @@ class ProcFS:
         one could send it a signal and end a wait that nothing else can."""
         return bool((self._read(pid, "timers") or "").strip())
 
+    def exe(self, pid: int) -> str | None:
+        """The path of the process's executable (its /proc/PID/exe link)."""
+        try:
+            return os.readlink(os.path.join(self.root, str(pid), "exe"))
+        except OSError:
+            return None
+
     def fd_target(self, pid: int, fd: int) -> str | None:
         """What an fd points to: a path, 'socket:[inode]', 'pipe:[inode]', ..."""
         try:

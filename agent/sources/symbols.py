@@ -410,13 +410,12 @@ def _holds_a_thread_stack(proc: ProcFS, pid: int, m: MemMap) -> bool:
     return False
 
 
-def describe_address(pid: int, addr: int, proc: ProcFS | None = None) -> str | None:
+def describe_address(pid: int, addr: int, proc: ProcFS) -> str | None:
     """What ``addr`` (a futex or lock word) is in process ``pid``: "`abba_a` in
     libabba.so+0x40a0" (the ELF symbol that covers it, from .symtab else .dynsym, and its
     offset from the object's load base), "libabba.so+0x40a0" (no symbol covers it), "the
     heap", "a thread stack", "anonymous memory"; None when the maps cannot be read or
     nothing is mapped there."""
-    proc = proc or ProcFS()
     try:
         maps = proc.maps(pid)
         i = _find_map(maps, [m.start for m in maps], addr)
@@ -510,7 +509,7 @@ def _is_libc(path: str) -> bool:
     return name.startswith(_LIBC_PREFIXES)
 
 
-def caller_outside_libc(pid: int, tid: int, proc: ProcFS | None = None) -> NativeFrame | None:
+def caller_outside_libc(pid: int, tid: int, proc: ProcFS) -> NativeFrame | None:
     """The innermost native frame of thread ``tid`` of ``pid`` that is not in libc, ld.so,
     libpthread or the vDSO, for a thread blocked in a syscall: the code that called into the
     wait ("`abba_ab` in libabba.so+0x11a9"). None when it cannot be told.
@@ -527,7 +526,6 @@ def caller_outside_libc(pid: int, tid: int, proc: ProcFS | None = None) -> Nativ
     thread this names a C function of CPython (lock acquisition, say); its Python stack, read
     elsewhere (agent/sources/pystacks.py), says far more about where it waits.
     """
-    proc = proc or ProcFS()
     try:
         line = proc.thread_syscall(pid, tid)
         if line is None or line.sp is None or line.pc is None:
@@ -592,18 +590,18 @@ def caller_outside_libc(pid: int, tid: int, proc: ProcFS | None = None) -> Nativ
 def name_words(
     facts: Iterable[ev.Fact],
     pid_of: Callable[[int], int | None],
-    describe: Callable[[int, int], str | None] | None = None,
+    describe: Callable[[int, int], str | None],
 ) -> list[ev.Fact]:
     """The records, with the futex words of lock cycles and parked groups named where the
-    process's memory says what they are. ``pid_of``: a waiting TID -> its process."""
-    look = describe or describe_address
+    process's memory says what they are (``describe``: (pid, address) -> its name, as
+    describe_address gives it). ``pid_of``: a waiting TID -> its process."""
     seen: dict[tuple[int, int], str | None] = {}
 
     def word(pid: int | None, uaddr: int) -> str | None:
         if pid is None:
             return None
         if (pid, uaddr) not in seen:
-            seen[(pid, uaddr)] = look(pid, uaddr)
+            seen[(pid, uaddr)] = describe(pid, uaddr)
         return seen[(pid, uaddr)]
 
     def link(x: ev.CycleLink) -> ev.CycleLink:
@@ -619,7 +617,7 @@ def name_words(
     return [named(f) for f in facts]
 
 
-def native_caller(pid: int, tid: int, proc: ProcFS | None = None) -> str | None:
+def native_caller(pid: int, tid: int, proc: ProcFS) -> str | None:
     """The first native caller outside libc, in words, unless it is the Python interpreter
     itself (every Python lock and GIL wait comes from there: the Python stack says more)."""
     frame = caller_outside_libc(pid, tid, proc)
@@ -628,15 +626,23 @@ def native_caller(pid: int, tid: int, proc: ProcFS | None = None) -> str | None:
     return str(frame)
 
 
-def named_verdicts(verdicts: list[ServiceVerdict], snap: Snapshot) -> list[ServiceVerdict]:
+def named_verdicts(
+    verdicts: list[ServiceVerdict], snap: Snapshot, proc: ProcFS
+) -> list[ServiceVerdict]:
     """The verdicts with the futex words of their lock cycles named from the processes'
     memory ("`abba_a` in libabba.so+0x40a0"): the classifier works on numbers alone."""
     pid_of = {t.tid: p.pid for p in snap.processes.values() for t in p.threads}.get
+
+    def describe(pid: int, addr: int) -> str | None:
+        return describe_address(pid, addr, proc)
+
     return [
         replace(
             v,
-            reasons=name_words(v.reasons, pid_of),
-            processes=[replace(p, reasons=name_words(p.reasons, pid_of)) for p in v.processes],
+            reasons=name_words(v.reasons, pid_of, describe),
+            processes=[
+                replace(p, reasons=name_words(p.reasons, pid_of, describe)) for p in v.processes
+            ],
         )
         for v in verdicts
     ]
