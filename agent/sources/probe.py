@@ -28,6 +28,7 @@ from ..model import (
     ProgramStats,
     SocketEvent,
 )
+from ..settings import LONG_WAIT_S
 from .procfs import ProcFS
 
 FALLBACK_HEADERS = "/usr/src/hangwatch-kernel-headers"
@@ -168,13 +169,14 @@ class KernelProbes:
 
     def __init__(
         self,
-        long_wait_s: float = 1.0,
+        long_wait_s: float = LONG_WAIT_S,
         ringbuf_pages: int = 64,
         bpf_dir: Path | None = None,
         map_sizes: dict[str, int] | None = None,
         proc: ProcFS | None = None,
     ) -> None:
-        """``map_sizes`` overrides the entry limits of bpf/maps.bpf.h by name
+        """``long_wait_s``: waits longer than this go through the ring buffer (compiled in as
+        LONG_WAIT_NS). ``map_sizes`` overrides the entry limits of bpf/maps.bpf.h by name
         (``{"MAX_THREADS": 8}``): how tests fill a map on purpose. ``proc`` is where
         pid_max, thread liveness and the programs' fdinfo are read."""
         bpf_dir = bpf_dir or BPF_DIR
