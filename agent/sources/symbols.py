@@ -37,7 +37,7 @@ from ..analysis import evidence as ev
 from ..analysis.classify import ServiceVerdict
 from ..model import Snapshot
 from . import confined
-from .procfs import MemMap, ProcFS
+from .procfs import MemMap, ProcessMemory, ProcFS
 
 T = TypeVar("T")
 
@@ -509,6 +509,31 @@ def _is_libc(path: str) -> bool:
     return name.startswith(_LIBC_PREFIXES)
 
 
+def _return_address(
+    mem: ProcessMemory,
+    sp: int,
+    stack: MemMap,
+    candidate: Callable[[int], MemMap | None],
+    is_code: Callable[[int], bool],
+) -> tuple[MemMap, int] | None:
+    """The first word of the stack from ``sp`` that points into a ``candidate`` object just
+    after a call there, with that object; None when there is none or the stack is unreadable."""
+    data = mem.read(sp, min(STACK_SCAN_BYTES, stack.end - sp))
+    if data is None:
+        return None
+    for (word,) in struct.iter_unpack("<Q", data[: len(data) - len(data) % 8]):
+        m = candidate(word)
+        if m is None:
+            continue
+        start = max(word - 8, m.start)
+        before = mem.read(start, word - start)
+        if before is None:
+            return None  # as unreadable as the stack: no answer, not a guess
+        if after_call(before, word, is_code):
+            return m, word
+    return None
+
+
 def caller_outside_libc(pid: int, tid: int, proc: ProcFS) -> NativeFrame | None:
     """The innermost native frame of thread ``tid`` of ``pid`` that is not in libc, ld.so,
     libpthread or the vDSO, for a thread blocked in a syscall: the code that called into the
@@ -556,25 +581,13 @@ def caller_outside_libc(pid: int, tid: int, proc: ProcFS) -> NativeFrame | None:
             return None
         with mem:
             # A syscall issued outside libc (static code, a runtime's own stubs) is the frame.
-            found = candidate(pc)
-            ret = pc
-            if found is None:
-                data = mem.read(sp, min(STACK_SCAN_BYTES, stack.end - sp))
-                if data is None:
-                    return None
-                for (word,) in struct.iter_unpack("<Q", data[: len(data) - len(data) % 8]):
-                    m = candidate(word)
-                    if m is None:
-                        continue
-                    start = max(word - 8, m.start)
-                    before = mem.read(start, word - start)
-                    if before is None:
-                        return None  # as unreadable as the stack: no answer, not a guess
-                    if after_call(before, word, is_code):
-                        found, ret = m, word
-                        break
-        if found is None:
+            at_pc = candidate(pc)
+            hit = (at_pc, pc) if at_pc is not None else None
+            if hit is None:
+                hit = _return_address(mem, sp, stack, candidate, is_code)
+        if hit is None:
             return None
+        found, ret = hit
         try:  # ret - 1: the call itself, in the caller even when it is its last instruction
             name, _ = _symbol(proc, pid, found, ret - 1)
         except _FAILURES:
