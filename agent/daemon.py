@@ -157,7 +157,7 @@ class Daemon:
         self.stop = threading.Event()
         self.reload_requested = threading.Event()
         self.config_path: str | None = None
-        self.source_lines = SourceLines()  # the lines stacks point at, kept between changes
+        self.source_lines = SourceLines(proc)  # the lines stacks point at, kept between changes
 
     @classmethod
     def with_sources(
@@ -283,7 +283,7 @@ class Daemon:
                 self.states[key] = v.state
                 # Lock words named from memory at the change only: it reads /proc/PID/maps
                 # and symbol tables, too much to do every tick for every service.
-                (v,) = named_verdicts([v], tick.snapshot)
+                (v,) = named_verdicts([v], tick.snapshot, self.proc)
                 log.info(
                     "service %s pid %d: %s -> %s: %s",
                     key[0],
@@ -300,7 +300,7 @@ class Daemon:
         start = time.monotonic()
         snap = tick.snapshot
         pids = [p.pid for p in v.processes if not p.gone and p.pid in snap.processes]
-        reads = read_many(pids, budget, self.source_lines)
+        reads = read_many(pids, budget, self.proc, self.source_lines)
         on = waits_on(self.proc, (snap.processes[pid] for pid in reads))
         for pid, read in reads.items():
             facts = stack_facts(
@@ -308,7 +308,7 @@ class Daemon:
                 read,
                 snap.wall,
                 snap.mono_ns,
-                native=native_caller,
+                native=lambda pid, tid: native_caller(pid, tid, self.proc),
                 on=on,
             )
             for f in facts:

@@ -23,7 +23,7 @@ from .settings import DURATION, PARK_THRESHOLD, Settings
 from .sources.procfs import ProcFS
 from .sources.pystacks import StackRead, read_many, stack_facts, stacks_json, wait_words
 from .sources.symbols import describe_address, named_verdicts, native_caller
-from .sources.syscalls import FUTEX, wait_kind
+from .syscalls import FUTEX, wait_kind
 
 # Stacks of all the processes of a report, in all: a server of 2,000 threads reads in well
 # under a second; a reader that hangs must not hold the engineer at the terminal.
@@ -285,8 +285,10 @@ def render_text(
     on: Mapping[tuple[int, int], str] | None = None,
     stacks: Mapping[int, StackRead] | None = None,
     observed_s: float | None = None,
+    *,
+    proc: ProcFS,
 ) -> str:
-    """The report in words; ``on``: (pid, tid) -> what it waits on (waits_on); ``stacks``: the
+    """The report in words (``proc``: where lock words and native callers are read); ``on``: (pid, tid) -> what it waits on (waits_on); ``stacks``: the
     Python stacks by PID: a process that has them is shown by them, line by line of its
     code, rather than by futex words and syscalls; ``observed_s``: how long it watched."""
     snap, graph = tick.snapshot, tick.graph
@@ -343,7 +345,7 @@ def render_text(
                     read,
                     snap.wall,
                     snap.mono_ns,
-                    native=native_caller,
+                    native=lambda pid, tid: native_caller(pid, tid, proc),
                     on=on,
                 )
                 if read.error is None:
@@ -362,7 +364,7 @@ def render_text(
                 shown.update(tids)
                 since = _since(tick, g.since_ns)
                 group = replace(
-                    parked_group(g, snap.mono_ns), word=describe_address(p.pid, g.uaddr)
+                    parked_group(g, snap.mono_ns), word=describe_address(p.pid, g.uaddr, proc)
                 )
                 lines.append(
                     f"    {render(group)}"
@@ -375,7 +377,9 @@ def render_text(
                     continue
                 what = wait_words(t)
                 if t.blocked and t.syscall is not None and t.syscall >= 0:
-                    caller = native_caller(p.pid, t.tid) if wait_kind(t.syscall) == FUTEX else None
+                    caller = (
+                        native_caller(p.pid, t.tid, proc) if wait_kind(t.syscall) == FUTEX else None
+                    )
                     if caller:
                         what += f", called from {caller}"
                     fds = (on or {}).get((p.pid, t.tid))
@@ -425,11 +429,11 @@ def run(opts: DiagnoseOptions, out: TextIO = sys.stdout, log: TextIO = sys.stder
         verdicts = observe(session, opts, log)
         observer = session.observer
         tick = observer.ticks[-1]
-    verdicts = named_verdicts(verdicts, tick.snapshot)
+    verdicts = named_verdicts(verdicts, tick.snapshot, proc)
     stacks: dict[int, StackRead] = {}
     if opts.stacks:
         pids = [p.pid for v in verdicts for p in v.processes if not p.gone]
-        stacks = read_many(pids, STACKS_BUDGET_S)
+        stacks = read_many(pids, STACKS_BUDGET_S, proc)
         took = sum(r.seconds for r in stacks.values())
         print(
             f"hangwatch: read the Python stacks of {plural(len(stacks), 'process', 'processes')} "
@@ -455,6 +459,7 @@ def run(opts: DiagnoseOptions, out: TextIO = sys.stdout, log: TextIO = sys.stder
                 waits_on(proc, tick.snapshot.processes.values()),
                 stacks,
                 observed_s,
+                proc=proc,
             )
         )
     return 0

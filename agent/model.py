@@ -55,6 +55,17 @@ def plural(n: int, noun: str, many: str | None = None) -> str:
 
 
 @dataclass(frozen=True)
+class SyscallLine:
+    """/proc/PID/task/TID/syscall, parsed: the syscall a thread is blocked in and its raw
+    arguments (agent.syscalls says what they mean)."""
+
+    nr: int  # -1: blocked, but not in a syscall
+    args: tuple[int, ...]
+    sp: int | None = None  # user stack pointer
+    pc: int | None = None  # user program counter: the instruction after the syscall
+
+
+@dataclass(frozen=True)
 class LockRead:
     """Words at a futex address, read from /proc/PID/mem when the snapshot was taken."""
 
@@ -98,7 +109,7 @@ class ThreadSample:
     last_ran_ns: int | None = None  # CLOCK_MONOTONIC of se.exec_start: when it last ran
     syscall: int | None = None  # syscall it is blocked in; None when running or unknown
     # Its wait ends by itself (a timeout, a sleep): True; it has none: False; None: unknown
-    # (agent.sources.syscalls reads it from the syscall's arguments).
+    # (agent.syscalls reads it from the syscall's arguments).
     timed: bool | None = None
     # Its futex wait is process-private (FUTEX_PRIVATE_FLAG): no other process can wake it.
     private_futex: bool | None = None
@@ -311,6 +322,14 @@ class FdWrites:
     # The last bytes of the last write (up to 16; empty where its buffer was not read): how
     # an HTTP answer on a socket ends (agent.analysis.answers).
     tail: builtins.bytes = b""  # (the field `bytes` above shadows the type)
+
+
+@dataclass(frozen=True)
+class ProgramStats:
+    """One BPF program's cumulative run time and count (kernel.bpf_stats_enabled)."""
+
+    run_seconds: float
+    run_count: int
 
 
 @dataclass(frozen=True)

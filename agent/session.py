@@ -13,7 +13,7 @@ from .analysis.classify import ServiceVerdict
 from .model import GpuReading
 from .observe.observer import Observer, Scope, Tick
 from .observe.sampler import Sampler
-from .settings import LONG_WAIT_S, Settings
+from .settings import Settings
 from .sources.procfs import ProcFS
 from .sources.protocols import GpuSource, ProbeSource
 
@@ -73,7 +73,7 @@ def start(
     from .sources.probe import KernelProbes  # bcc only after preflight mounted tracefs
 
     with contextlib.ExitStack() as stack:
-        probe: ProbeSource = stack.enter_context(KernelProbes(long_wait_s=LONG_WAIT_S, proc=proc))
+        probe: ProbeSource = stack.enter_context(KernelProbes(proc=proc))
         if bpf_stats:
             restore = probe.enable_stats()
             if restore is not None:

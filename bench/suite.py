@@ -422,9 +422,11 @@ def stacks(rep: Report, quick: bool) -> None:
     """What a flight record costs, per process: read only at a change to stalled or
     deadlocked and in diagnose, so a healthy host pays nothing for it."""
     from agent.observe.sampler import Sampler
+    from agent.sources.procfs import ProcFS
     from agent.sources.pystacks import SourceLines, read_stacks
 
     reps = 3 if quick else 15
+    proc = ProcFS()
     rows = []
     for n in (100,) if quick else (100, 2000):
         with Fixture.py("py_pool", str(n), timeout=90) as fx:
@@ -437,10 +439,10 @@ def stacks(rep: Report, quick: bool) -> None:
                 base.append(time.perf_counter() - t0)
                 # Without source lines: what the child that reads them as the target costs.
                 t0 = time.perf_counter()
-                read_stacks(fx.pid, source=None)
+                read_stacks(fx.pid, proc, source=None)
                 bare.append(time.perf_counter() - t0)
                 t0 = time.perf_counter()
-                got = read_stacks(fx.pid, source=SourceLines())
+                got = read_stacks(fx.pid, proc, source=SourceLines(proc))
                 read.append(time.perf_counter() - t0)
                 if got is None or got.error is not None or len(got.threads) < n:
                     raise SystemExit(f"bench: stacks of {n} threads not read: {got}")

@@ -2,7 +2,7 @@
  *
  * User space never redeclares these structs: bcc derives the ctypes of map
  * keys, values and ring-buffer events from this header's debug info, and
- * agent/probe.py reads the HW_* defines below from this file.
+ * agent/sources/probe.py reads the HW_* defines below from this file.
  */
 #ifndef HANGWATCH_H
 #define HANGWATCH_H

@@ -15,7 +15,7 @@
  *   end.
  *
  * Part of one object: follows maps.bpf.h (see there). Each tracepoint pair is
- * compiled in only when agent/probe.py found it (-DHAVE_*).
+ * compiled in only when agent/sources/probe.py found it (-DHAVE_*).
  */
 
 #define SOCKADDR_IN_LEN 16

@@ -1,17 +1,19 @@
 /* hangwatch: the maps, settings and helpers that every program file shares.
  *
- * agent/probe.py builds ONE BPF object from this file followed by
+ * agent/sources/probe.py builds ONE BPF object from this file followed by
  * futex.bpf.c, io.bpf.c and exec.bpf.c (BPF_SOURCES there), joined as one text with
  * #line directives. They are not #included: bcc rewrites map calls such as
  * watched.lookup() only in its main file, so a map call in an included file
  * compiles to an indirect call the verifier rejects ("unknown opcode 8d").
  *
- * Settings arrive as -D compile-time constants from agent/probe.py.
+ * Settings arrive as -D compile-time constants from agent/sources/probe.py. Those it always
+ * passes (WATCHED_WORDS, LONG_WAIT_NS, RINGBUF_PAGES) have no default here, so each value is
+ * written in one place; the map sizes, which tests may override, keep theirs.
  */
 #include "hangwatch.h"
 
 #ifndef WATCHED_WORDS
-#define WATCHED_WORDS 65536 /* pid_max / 64 + 1; agent/probe.py passes the host's */
+#error "WATCHED_WORDS (pid_max / 64 + 1) comes from agent/sources/probe.py"
 #endif
 #ifndef MAX_THREADS
 #define MAX_THREADS 65536 /* threads of watched processes that waited or wrote */
@@ -35,10 +37,10 @@
 #define MAX_ACCEPTS 4096
 #endif
 #ifndef LONG_WAIT_NS
-#define LONG_WAIT_NS 1000000000ULL
+#error "LONG_WAIT_NS comes from agent/sources/probe.py (agent/settings.py's LONG_WAIT_S)"
 #endif
 #ifndef RINGBUF_PAGES
-#define RINGBUF_PAGES 64
+#error "RINGBUF_PAGES comes from agent/sources/probe.py"
 #endif
 
 /* Bit tgid % 64 of word tgid / 64 is set for a watched process, by user space. An

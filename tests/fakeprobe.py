@@ -6,8 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 
-from agent.export.exposition import ProgramStats
-from agent.model import ProbeReading
+from agent.model import ProbeReading, ProgramStats
 from agent.sources.protocols import ProbeSource
 
 

@@ -93,7 +93,9 @@ def test_stacks_are_read_only_when_a_service_turns_stalled_or_deadlocked(
     read once, at the change to stalled or deadlocked, and with ``stacks: false`` never."""
     reads: list[list[int]] = []
 
-    def read_many(pids: Iterable[int], budget_s: float, source: object = None) -> dict:
+    def read_many(
+        pids: Iterable[int], budget_s: float, proc: object, source: object = None
+    ) -> dict:
         reads.append(list(pids))
         return {}
 

@@ -24,7 +24,7 @@ from elftools.elf.elffile import ELFFile
 
 from agent.analysis import evidence as ev
 from agent.report.sentences import render
-from agent.sources.procfs import PID_MAX_LIMIT, SYS_FUTEX, MemMap, ProcFS
+from agent.sources.procfs import PID_MAX_LIMIT, MemMap, ProcFS
 from agent.sources.symbols import (
     Load,
     NativeFrame,
@@ -38,6 +38,7 @@ from agent.sources.symbols import (
     name_words,
     short_name,
 )
+from agent.syscalls import SYS_FUTEX
 from tests.realsw.serving.native import build_abba
 
 needs_linux_x86_64 = pytest.mark.skipif(
@@ -175,8 +176,8 @@ def test_elf_vaddr_of_bss_in_the_anonymous_mapping_after_the_file() -> None:
 
 def test_an_unreadable_pid_gives_none(tmp_path: Path) -> None:
     gone = PID_MAX_LIMIT + 1  # no process can have it
-    assert describe_address(gone, 0x1000) is None
-    assert caller_outside_libc(gone, gone) is None
+    assert describe_address(gone, 0x1000, ProcFS()) is None
+    assert caller_outside_libc(gone, gone, ProcFS()) is None
     empty = ProcFS(str(tmp_path))
     assert describe_address(os.getpid(), id(empty), empty) is None
     assert caller_outside_libc(os.getpid(), os.getpid(), empty) is None
@@ -336,19 +337,21 @@ def test_lock_words_are_named_by_their_symbols(
     deadlocked: tuple[int, dict], abba_lib: Path
 ) -> None:
     pid, info = deadlocked
+    proc = ProcFS()
     syms = symbols(abba_lib)  # the library's first segment is at vaddr 0: offset = st_value
     for name in ("abba_a", "abba_b"):  # .bss: PTHREAD_MUTEX_INITIALIZER is all zeros
-        assert describe_address(pid, info[name]) == f"`{name}` in libabba.so+0x{syms[name][0]:x}"
-    inside = describe_address(pid, info["abba_a"] + 4)  # a word inside: the same symbol
+        assert (
+            describe_address(pid, info[name], proc) == f"`{name}` in libabba.so+0x{syms[name][0]:x}"
+        )
+    inside = describe_address(pid, info["abba_a"] + 4, proc)  # a word inside: the same symbol
     assert inside == f"`abba_a` in libabba.so+0x{syms['abba_a'][0] + 4:x}"
-    function = describe_address(pid, info["function"])
+    function = describe_address(pid, info["function"], proc)
     assert function == f"`abba_ab` in libabba.so+0x{syms['abba_ab'][0]:x}"
     # The futex word each locker sleeps on is the other's mutex (its first word, __lock).
-    proc = ProcFS()
     for name, other in (("abba_ab", "abba_b"), ("abba_ba", "abba_a")):
         line = proc.thread_syscall(pid, info["tids"][name])
         assert line is not None and line.args[0] == info[other]
-        assert f"`{other}` in libabba.so" in (describe_address(pid, line.args[0]) or "")
+        assert f"`{other}` in libabba.so" in (describe_address(pid, line.args[0], proc) or "")
     assert tracer_pid(pid) == 0
 
 
@@ -357,16 +360,16 @@ def test_libc_bss_and_memory_kinds(deadlocked: tuple[int, dict]) -> None:
     pid, info = deadlocked
     proc = ProcFS()
     maps = proc.maps(pid)
-    optarg = describe_address(pid, info["optarg"])  # from .dynsym: libc has no .symtab
+    optarg = describe_address(pid, info["optarg"], proc)  # from .dynsym: libc has no .symtab
     assert optarg is not None and optarg.startswith("`optarg` in libc.so")
     heap = next(m for m in maps if m.path == "[heap]")
-    assert describe_address(pid, (heap.start + heap.end) // 2) == "the heap"
-    assert describe_address(pid, info["private"]) == "anonymous memory"
+    assert describe_address(pid, (heap.start + heap.end) // 2, proc) == "the heap"
+    assert describe_address(pid, info["private"], proc) == "anonymous memory"
     for tid in [pid, *info["tids"].values()]:  # [stack], and glibc's mmapped thread stacks
         line = proc.thread_syscall(pid, tid)
         assert line is not None and line.sp is not None
-        assert describe_address(pid, line.sp) == "a thread stack"
-    assert describe_address(pid, 8) is None  # nothing mapped there
+        assert describe_address(pid, line.sp, proc) == "a thread stack"
+    assert describe_address(pid, 8, proc) is None  # nothing mapped there
     assert tracer_pid(pid) == 0
 
 
@@ -376,7 +379,7 @@ def test_callers_outside_libc(deadlocked: tuple[int, dict], abba_lib: Path) -> N
     syms = symbols(abba_lib)
     proc = ProcFS()
     for name, tid in info["tids"].items():
-        frame = caller_outside_libc(pid, tid)
+        frame = caller_outside_libc(pid, tid, proc)
         assert frame is not None, f"no native caller for {name}"
         assert frame.object == "libabba.so"
         # lock_both is static; gcc -O1 inlines it into both callers, -O0 keeps it
@@ -385,7 +388,7 @@ def test_callers_outside_libc(deadlocked: tuple[int, dict], abba_lib: Path) -> N
         assert start < frame.offset <= start + size  # a return address inside the caller
         assert str(frame) == f"`{frame.symbol}` in libabba.so+0x{frame.offset:x}"
         wait_asleep_in_futex(proc, pid, tid, timeout=0.1)  # still asleep: nothing woke it
-    main = caller_outside_libc(pid, pid)  # in join: CPython's lock code called futex
+    main = caller_outside_libc(pid, pid, proc)  # in join: CPython's lock code called futex
     assert main is not None, "no native caller for the main thread"
     interpreter = os.path.basename(os.path.realpath(sys.executable))
     assert main.object == interpreter or main.object.startswith("libpython"), main

@@ -244,7 +244,7 @@ def make_job(tmp_path: Path) -> Path:
 
 class CountingProcFS(ProcFS):
     def __init__(self, root: str) -> None:
-        super().__init__(root)
+        super().__init__(root, tcp_info=None)  # a fixture tree has no kernel to ask
         self.net_reads = 0
         self.plumbing_reads: list[int] = []
 

@@ -22,6 +22,7 @@ from agent.analysis import evidence as ev
 from agent.model import ProcessSample, ThreadSample
 from agent.report.sentences import reasons
 from agent.sources.confined import FileLines
+from agent.sources.procfs import ProcFS
 from agent.sources.pystacks import (
     MAX_FRAMES,
     PyFrame,
@@ -39,6 +40,7 @@ from agent.sources.pystacks import (
 )
 from tests.synth import S, parked, process, running
 
+PROC = ProcFS()
 EPOLL_WAIT = 232
 LIB = "/usr/lib/python3.11"  # where Debian's CPython keeps its standard library
 APP = "/srv/app"
@@ -210,7 +212,7 @@ def test_a_dump_gets_its_source_lines(tmp_path: Path):
     src = tmp_path / "server.py"
     src.write_text("import queue\n\n\n    item = work.get()  \n")
     text = DUMP.replace("/srv/app/server.py", str(src))
-    threads = parse_dump(os.getpid(), text, SourceLines())
+    threads = parse_dump(os.getpid(), text, SourceLines(PROC))
     assert threads[4244].frames[2].code == "item = work.get()"  # stripped
     assert threads[4245].frames[0].code is None  # line 8: past the end
 
@@ -557,7 +559,7 @@ def test_source_lines_are_read_as_the_target_reads_them(tmp_path: Path):
     src = tmp_path / "app.py"
     src.write_text("import os\n\n    with self.lock:   \n")
     me = os.getpid()
-    got = SourceLines().of(
+    got = SourceLines(PROC).of(
         me,
         [
             (str(src), 1),
@@ -575,15 +577,18 @@ def test_source_lines_are_read_as_the_target_reads_them(tmp_path: Path):
     assert got["<string>"].withheld == "not a file" and got["<string>"].short == "<string>"
     assert got[str(tmp_path / "missing.py")].withheld == "no such file in the target's root"
     assert got["relative.py"].withheld == "relative file name"
-    gone = SourceLines().of(2**22 + 1, [(str(src), 1)])  # no such process: nothing read
+    gone = SourceLines(PROC).of(2**22 + 1, [(str(src), 1)])  # no such process: nothing read
     assert gone[str(src)] == FileLines(withheld="the target is gone")
+    # Read in the tree it is given: a tree without this process has no target to read as.
+    elsewhere = SourceLines(ProcFS(str(tmp_path))).of(me, [(str(src), 1)])
+    assert elsewhere[str(src)] == FileLines(withheld="the target is gone")
 
 
 def test_a_dump_says_why_a_frame_has_no_line(tmp_path: Path):
     src = tmp_path / "server.py"
     src.write_text("import queue\n")
     text = DUMP.replace("/srv/app/server.py", str(src))
-    threads = parse_dump(os.getpid(), text, SourceLines())
+    threads = parse_dump(os.getpid(), text, SourceLines(PROC))
     frames = {(f.file, f.line): f for t in threads.values() for f in t.frames}
     assert frames[(str(src), 4)].code is None
     assert frames[(str(src), 4)].code_withheld == "no such line"
@@ -634,7 +639,7 @@ def test_a_relative_file_is_never_read_from_our_own_cwd(tmp_path: Path, sleeper,
     (ours / "job.py").write_text("ours = 1\n")
     (tmp_path / "its-cwd" / "job.py").write_text("theirs = 1\n")
     monkeypatch.chdir(ours)
-    got = SourceLines().of(sleeper.pid, [("job.py", 1)])["job.py"]
+    got = SourceLines(PROC).of(sleeper.pid, [("job.py", 1)])["job.py"]
     assert got == FileLines(withheld="relative file name")
 
 
@@ -651,7 +656,7 @@ def reader(tmp_path: Path, body: str) -> str:
 def test_a_python_process_is_read_with_a_nonblocking_dump(tmp_path: Path):
     argv = tmp_path / "argv"
     exe = reader(tmp_path, f'echo "$@" > {argv}\necho "[]"')
-    read = read_stacks(os.getpid(), reader=exe)
+    read = read_stacks(os.getpid(), PROC, reader=exe)
     assert read == StackRead(os.getpid(), {}, None, read.seconds)
     assert argv.read_text().split() == [
         "dump",
@@ -665,7 +670,7 @@ def test_a_python_process_is_read_with_a_nonblocking_dump(tmp_path: Path):
 
 def test_a_reader_that_fails_says_why(tmp_path: Path):
     exe = reader(tmp_path, 'echo "Error: Permission denied (os error 13)" >&2\nexit 1')
-    read = read_stacks(os.getpid(), reader=exe)
+    read = read_stacks(os.getpid(), PROC, reader=exe)
     assert read is not None and read.threads == {}
     assert read.error == "py-spy failed: permission denied"
 
@@ -674,7 +679,7 @@ def test_a_readers_other_words_are_never_shown(tmp_path: Path):
     """py-spy may quote what it read of a file the target named (an ELF header it could not
     parse): only its known failures are told, in our words, and the rest by status."""
     exe = reader(tmp_path, 'echo "Error: Invalid magic number: 0x54455243455350" >&2\nexit 1')
-    read = read_stacks(os.getpid(), reader=exe)
+    read = read_stacks(os.getpid(), PROC, reader=exe)
     assert read is not None and read.error == "py-spy failed with exit status 1"
 
 
@@ -683,7 +688,7 @@ def test_the_reader_inherits_nothing_of_ours(tmp_path: Path, monkeypatch):
     monkeypatch.setenv("HANGWATCH_TEST_SECRET", "s3cr3t")
     exe = reader(tmp_path, f'{{ env; echo "cwd=$(pwd)"; ls -l /proc/$$/fd; }} > {seen}\necho "[]"')
     with open(tmp_path / "held", "w"):  # an fd of ours
-        read_stacks(os.getpid(), reader=exe)
+        read_stacks(os.getpid(), PROC, reader=exe)
     told = seen.read_text()
     assert "s3cr3t" not in told
     assert "cwd=/\n" in told  # not ours
@@ -691,14 +696,14 @@ def test_the_reader_inherits_nothing_of_ours(tmp_path: Path, monkeypatch):
 
 
 def test_a_reader_that_fails_silently_gives_its_status(tmp_path: Path):
-    read = read_stacks(os.getpid(), reader=reader(tmp_path, "exit 3"))
+    read = read_stacks(os.getpid(), PROC, reader=reader(tmp_path, "exit 3"))
     assert read is not None and read.error is not None and "3" in read.error
 
 
 def test_a_reader_past_its_timeout_is_killed(tmp_path: Path):
     exe = reader(tmp_path, "exec sleep 30")
     start = time.monotonic()
-    read = read_stacks(os.getpid(), timeout_s=0.3, reader=exe)
+    read = read_stacks(os.getpid(), PROC, timeout_s=0.3, reader=exe)
     assert time.monotonic() - start < 5
     assert read is not None and read.error is not None and "timed out" in read.error
     assert read.threads == {}
@@ -706,24 +711,39 @@ def test_a_reader_past_its_timeout_is_killed(tmp_path: Path):
 
 @pytest.mark.parametrize("out", ["Error: not json", '{"threads": 1}', "[1, 2]", "[{"])
 def test_output_that_is_not_a_dump_is_not_understood(tmp_path: Path, out: str):
-    read = read_stacks(os.getpid(), reader=reader(tmp_path, f"echo '{out}'"))
+    read = read_stacks(os.getpid(), PROC, reader=reader(tmp_path, f"echo '{out}'"))
     assert read is not None and read.threads == {}
     assert read.error is not None and "not understood" in read.error
 
 
 def test_a_reader_that_cannot_run(tmp_path: Path):
-    read = read_stacks(os.getpid(), reader=str(tmp_path / "no-such-py-spy"))
+    read = read_stacks(os.getpid(), PROC, reader=str(tmp_path / "no-such-py-spy"))
     assert read is not None and read.error is not None and "could not run" in read.error
 
 
 def test_a_process_that_runs_no_python_is_not_read(tmp_path: Path, sleeper):
     exe = reader(tmp_path, f"touch {tmp_path / 'ran'}\necho '[]'")
-    assert is_python(os.getpid()) and not is_python(sleeper.pid)
-    assert read_stacks(sleeper.pid, reader=exe) is None
+    assert is_python(os.getpid(), PROC) and not is_python(sleeper.pid, PROC)
+    assert read_stacks(sleeper.pid, PROC, reader=exe) is None
     assert not (tmp_path / "ran").exists()
-    assert read_stacks(2**22 + 1, reader=exe) is None  # no such process
+    assert read_stacks(2**22 + 1, PROC, reader=exe) is None  # no such process
 
 
 def test_our_own_interpreter_is_python():
     assert os.path.basename(sys.executable).startswith("python")
-    assert is_python(os.getpid())
+    assert is_python(os.getpid(), PROC)
+
+
+def test_python_is_told_from_the_tree_it_is_given(tmp_path: Path):
+    """By its executable's name, else by a mapped libpython (an embedded interpreter)."""
+    lib = "7f0000000000-7f0000001000 r-xp 00000000 fe:00 7 /usr/lib/libpython3.11.so.1.0\n"
+    for pid, exe, maps in ((1, "/usr/bin/python3.11", ""), (2, "/opt/app/server", lib)):
+        (tmp_path / str(pid)).mkdir()
+        os.symlink(exe, tmp_path / str(pid) / "exe")
+        (tmp_path / str(pid) / "maps").write_text(maps)
+    (tmp_path / "3").mkdir()
+    os.symlink("/usr/bin/sleep", tmp_path / "3" / "exe")
+    tree = ProcFS(str(tmp_path))
+    assert is_python(1, tree) and is_python(2, tree)
+    assert not is_python(3, tree)  # no maps to read: not Python
+    assert not is_python(4, tree)  # gone

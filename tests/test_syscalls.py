@@ -1,5 +1,6 @@
-"""What a blocked thread waits in (agent.sources.syscalls): from synthetic syscall lines, and end to
-end from real lines of /proc/self/task/TID/syscall of this test process's own threads."""
+"""What a blocked thread waits in (agent.syscalls): the table checked against itself, from
+synthetic syscall lines, and end to end from real lines of /proc/self/task/TID/syscall of
+this test process's own threads."""
 
 from __future__ import annotations
 
@@ -11,15 +12,33 @@ from collections.abc import Callable
 
 import pytest
 
-from agent.sources.procfs import SyscallLine, parse_stat, parse_syscall
-from agent.sources.syscalls import (
+from agent import syscalls
+from agent.model import SyscallLine
+from agent.sources.procfs import parse_stat, parse_syscall
+from agent.syscalls import (
+    BY_NAME,
+    BY_NR,
     CHILD,
+    EPOLL,
+    FD_LAYOUTS,
     FUTEX,
+    FUTEX_PRIVATE_FLAG,
     IO,
+    KINDS,
+    ONE_FD,
     OTHER,
+    POLL,
+    SELECT,
     SIGNAL,
     SLEEP,
+    SYS_FUTEX,
+    SYS_FUTEX_WAIT,
+    SYS_FUTEX_WAITV,
+    TABLE,
     SyscallWait,
+    fd_layout,
+    futex_private,
+    kind_by_name,
     syscall_name,
     syscall_wait,
     wait_kind,
@@ -40,6 +59,57 @@ def wait(nr: int, *args: int) -> SyscallWait:
     w = syscall_wait(line(nr, *args))
     assert w is not None
     return w
+
+
+# --- the table itself ------------------------------------------------------------------------
+
+
+def test_every_entry_of_the_table_is_consistent() -> None:
+    assert len(BY_NR) == len(TABLE) and len(BY_NAME) == len(TABLE)  # numbers, names unique
+    for s in TABLE:
+        assert 0 <= s.nr < 1 << 16 and s.name and s.kind in KINDS, s
+        # A timeout argument says how it reads; a sleep is timed with no argument to read.
+        if s.timeout_arg is not None:
+            assert 0 <= s.timeout_arg < 6 and s.timeout_reads in (syscalls.PTR, syscalls.MS), s
+        else:
+            assert s.timeout_reads in (None, syscalls.ALWAYS), s
+        assert (s.timeout_reads == syscalls.ALWAYS) == (s.kind == SLEEP), s
+        # Every syscall with an fd layout waits for I/O, and its timeout is not an fd argument.
+        if s.fds is not None:
+            assert s.fds in FD_LAYOUTS and s.kind == IO, s
+            fd_args = {0} if s.fds in (ONE_FD, EPOLL) else {0, 1}
+            assert s.timeout_arg not in fd_args, s
+        # Only a futex wait has futex flags, never in its timeout's argument.
+        if s.flags_arg is not None:
+            assert s.kind == FUTEX and 0 <= s.flags_arg < 6 and s.flags_arg != s.timeout_arg, s
+
+
+def test_the_futex_syscalls_are_named_once() -> None:
+    futexes = {s.nr for s in TABLE if s.kind == FUTEX}
+    assert futexes == {SYS_FUTEX, SYS_FUTEX_WAITV, SYS_FUTEX_WAIT} == {202, 449, 455}
+    assert {s.name for s in TABLE if s.kind == FUTEX} == {"futex", "futex_waitv", "futex_wait"}
+    assert all(kind_by_name(s.name) == s.kind for s in TABLE)
+    assert kind_by_name("syscall 999") == OTHER and kind_by_name("no syscall") == OTHER
+
+
+def test_fd_layouts() -> None:
+    assert {nr for nr in BY_NR if fd_layout(nr) == ONE_FD} == {0, 1, 17, 19, 43, 45, 47, 288, 299}
+    assert {nr for nr in BY_NR if fd_layout(nr) == EPOLL} == {232, 281, 441}
+    assert {nr for nr in BY_NR if fd_layout(nr) == POLL} == {7, 271}
+    assert {nr for nr in BY_NR if fd_layout(nr) == SELECT} == {23, 270}
+    assert fd_layout(202) is None and fd_layout(426) is None and fd_layout(12345) is None
+
+
+def test_futex_private_reads_each_calls_flags() -> None:
+    assert futex_private(line(202, PTR, 0x80, 0)) is True  # FUTEX_WAIT_PRIVATE
+    assert futex_private(line(202, PTR, 0, 0)) is False  # FUTEX_WAIT: shared
+    # futex_wait(2): FUTEX2_SIZE_U32 | FUTEX2_PRIVATE in its flags, args[3]
+    assert futex_private(line(455, PTR, 0, U32_MINUS_1, 2 | FUTEX_PRIVATE_FLAG)) is True
+    assert futex_private(line(455, PTR, 0, U32_MINUS_1, 2)) is False
+    assert futex_private(line(449, PTR, 2, 0, 0)) is None  # per word, in user memory
+    assert futex_private(line(232, 5, PTR, 64, U32_MINUS_1)) is None  # not a futex
+    assert futex_private(SyscallLine(202, (PTR, 0x80, 0))) is None  # too short to tell
+    assert futex_private(None) is None
 
 
 # --- futex ----------------------------------------------------------------------------------

@@ -224,13 +224,31 @@ def test_reader_failures_give_nothing(monkeypatch):
         assert read_tcp_info([("tcp", port)]) == {}
 
 
-def test_procfs_reads_only_the_real_kernel(tmp_path):
-    """A fixture tree of /proc has no kernel behind it; the real one does."""
+def test_procfs_reads_the_real_kernel_by_default():
     with pair() as (server, client, port):
         client.sendall(b"x")
-        assert ProcFS(str(tmp_path)).tcp_info(os.getpid(), [("tcp", port)]) == {}
         assert inode(server) in ProcFS().tcp_info(os.getpid(), [("tcp", port)])
         assert ProcFS().tcp_info(2**22 + 1, [("tcp", port)]) == {}  # no such process
+
+
+def test_procfs_asks_its_reader_in_the_process_namespace(tmp_path):
+    """A fixture tree has no kernel behind it: it is given a stand-in reader, or none. The
+    reader is asked in the process's namespace, as the tree names it, where it is not ours."""
+    for pid, ns in (("self", "net:[4026531840]"), (10, "net:[4026531840]"), (11, "net:[99]")):
+        (tmp_path / str(pid) / "ns").mkdir(parents=True)
+        os.symlink(ns, tmp_path / str(pid) / "ns" / "net")
+    asked = []
+
+    def reader(ports, netns):
+        asked.append((list(ports) if ports is not None else None, netns))
+        return {7: TcpInfo(1, 2, 3, 4)}
+
+    proc = ProcFS(str(tmp_path), tcp_info=reader)
+    assert proc.tcp_info(10, [("tcp", 80)]) == {7: TcpInfo(1, 2, 3, 4)}
+    assert proc.tcp_info(11, None) == {7: TcpInfo(1, 2, 3, 4)}
+    assert proc.tcp_info(12, None) == {}  # no namespace: gone, not asked
+    assert asked == [([("tcp", 80)], None), (None, str(tmp_path / "11" / "ns" / "net"))]
+    assert ProcFS(str(tmp_path), tcp_info=None).tcp_info(10, None) == {}
 
 
 def test_sampler_fills_tcp_info_of_accepted_connections_only():

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from ..model import Connection, Listener, ProcessSample
 from ..report.sentences import reasons
-from ..sources.syscalls import FUTEX, syscall_name, wait_kind
+from ..syscalls import FUTEX, kind_by_name, syscall_name, wait_kind
 from . import evidence as ev
 from .gpu import ProcessGpu
 from .progress import ProcessProgress
@@ -537,7 +537,9 @@ def find_culprit(v: ServiceVerdict, procs: Sequence[ProcessFacts]) -> ev.Culprit
             lead = (len(began), main_stopped, f.sample.pid == last)
             scored.append((lead, len(began), max(began, default=None), f.sample.pid))
             continue
-        untimed = sum(n for name, timed, n in f.waits.waits if _is_futex(name) and timed is False)
+        untimed = sum(
+            n for name, timed, n in f.waits.waits if kind_by_name(name) == FUTEX and timed is False
+        )
         timed = sum(n for _name, timed, n in f.waits.waits if timed)
         lead = (untimed - timed, False, False)
         scored.append((lead, untimed, f.waits.oldest_untimed_s, f.sample.pid))
@@ -548,7 +550,3 @@ def find_culprit(v: ServiceVerdict, procs: Sequence[ProcessFacts]) -> ev.Culprit
     if lead[0] < 1 or (len(scored) > 1 and scored[1][0] >= lead):
         return None
     return ev.Culprit(pid, comm[pid], "own waits", threads=untimed, age_s=age)
-
-
-def _is_futex(name: str) -> bool:
-    return name in ("futex", "futex_wait", "futex_waitv")

@@ -33,7 +33,7 @@ from collections.abc import Collection, Sequence
 
 from ..model import ProcessSample
 from ..sources.procfs import ProcFS
-from ..sources.syscalls import FUTEX, wait_kind
+from ..syscalls import FUTEX, wait_kind
 from . import evidence as ev
 from .outbound import CLIENT, LEAVES, ServiceEnds
 

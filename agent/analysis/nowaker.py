@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from ..model import ProcessSample, ThreadSample
-from ..sources.syscalls import FUTEX, wait_kind
+from ..syscalls import FUTEX, wait_kind
 
 
 def _waits_forever_privately(t: ThreadSample, shared: Mapping[int, object]) -> bool:

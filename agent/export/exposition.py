@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from ..model import GpuDevice
+from ..model import GpuDevice, ProgramStats
 
 # The agent's stages, as hangwatch_collector_success{collector} and _duration_seconds name them
 # (alerts and dashboards match these values). The daemon runs the first four in this order
@@ -70,14 +70,6 @@ class ServiceStatus:
 class CollectorStatus:
     success: bool
     duration_seconds: float
-
-
-@dataclass(frozen=True)
-class ProgramStats:
-    """One BPF program's cumulative run time and count (kernel.bpf_stats_enabled)."""
-
-    run_seconds: float
-    run_count: int
 
 
 @dataclass(frozen=True)

@@ -12,17 +12,13 @@ import struct
 from collections.abc import Iterable, Mapping
 
 from ..model import ProcessSample
-from ..sources.procfs import TCP_LISTEN, ProcFS
-from ..sources.syscalls import FUTEX, wait_kind
+from ..sources.procfs import ProcFS
+from ..sources.tcpinfo import TCP_LISTEN
+from ..syscalls import EPOLL, FUTEX, ONE_FD, POLL, SELECT, fd_layout, wait_kind
 
 MAX_FDS = 4  # named per wait; the rest are counted
 MAX_POLL = 64  # pollfd entries read from a poll(2) list
 MAX_SELECT_BYTES = 128  # of a select(2) read set: fds up to 1024, FD_SETSIZE
-
-_ONE_FD = frozenset({0, 1, 17, 19, 43, 45, 47, 288, 299})  # read ... accept4, recvmmsg
-_EPOLL = frozenset({232, 281, 441})  # epoll_wait, epoll_pwait, epoll_pwait2
-_POLL = frozenset({7, 271})  # poll, ppoll
-_SELECT = frozenset({23, 270})  # select, pselect6
 
 
 def describe_fd(target: str | None, fd: int, sockets: Mapping[int, str] | None = None) -> str:
@@ -98,14 +94,14 @@ def waited_on(
     sc = proc.thread_syscall(pid, tid)
     if sc is None or not sc.args:
         return None
-    nr, args = sc.nr, sc.args
-    if nr in _ONE_FD:
+    layout, args = fd_layout(sc.nr), sc.args
+    if layout == ONE_FD:
         fds = [args[0]]
-    elif nr in _EPOLL:
+    elif layout == EPOLL:
         fds = proc.epoll_fds(pid, args[0])
-    elif nr in _POLL and len(args) > 1:
+    elif layout == POLL and len(args) > 1:
         fds = poll_fds(proc, pid, args[0], args[1])
-    elif nr in _SELECT and len(args) > 1:
+    elif layout == SELECT and len(args) > 1:
         fds = select_fds(proc, pid, args[0], args[1])
     else:
         return None

@@ -23,26 +23,15 @@ from ..model import (
     ProcessSample,
     Refusal,
     Snapshot,
+    SyscallLine,
     ThreadSample,
     is_blocked,
 )
-from ..sources.procfs import (
-    SYS_FUTEX,
-    SYS_FUTEX_WAIT,
-    SYS_FUTEX_WAITV,
-    TCP_ESTABLISHED,
-    TCP_LISTEN,
-    MemMap,
-    ProcessMemory,
-    ProcFS,
-    SyscallLine,
-    TcpSocket,
-)
-from ..sources.syscalls import futex_private, syscall_wait
+from ..sources.procfs import MemMap, ProcessMemory, ProcFS, TcpSocket
+from ..sources.tcpinfo import TCP_ESTABLISHED, TCP_LISTEN
+from ..syscalls import FUTEX, SYS_FUTEX, SYS_FUTEX_WAIT, futex_private, syscall_wait, wait_kind
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")  # /proc/PID/stat counts starttime in these
-
-FUTEX_SYSCALLS = frozenset({SYS_FUTEX, SYS_FUTEX_WAIT, SYS_FUTEX_WAITV})
 
 
 def descendants(proc: ProcFS, roots: Iterable[int]) -> dict[int, list[int]]:
@@ -65,7 +54,7 @@ def descendants(proc: ProcFS, roots: Iterable[int]) -> dict[int, list[int]]:
 
 def seeded_wait(sc: SyscallLine | None) -> FutexWait | None:
     """A futex wait as /proc/PID/task/TID/syscall shows it, for threads blocked before we attached."""
-    if sc is None or sc.nr not in FUTEX_SYSCALLS or len(sc.args) < 3:
+    if sc is None or wait_kind(sc.nr) != FUTEX or len(sc.args) < 3:
         return None
     if sc.nr == SYS_FUTEX:
         op = sc.args[1] & FUTEX_CMD_MASK
@@ -255,7 +244,7 @@ class Sampler:
         self._next_reads[(pid, tid)] = read
         sc = read.syscall
         wait = None
-        if sc is not None and sc.nr in FUTEX_SYSCALLS:
+        if sc is not None and wait_kind(sc.nr) == FUTEX:
             # The probe saw the wait begin (start time, exact op); /proc only says where it is.
             # A probe entry without /proc agreement is stale: the thread died or moved on.
             hit = probe.inflight.get(tid)

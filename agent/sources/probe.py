@@ -1,7 +1,7 @@
 """The only module that talks to bcc: compile bpf/*.bpf.c, attach, read maps.
 
-Everything it returns is plain data (agent.model.ProbeReading, agent.export.exposition.ProgramStats),
-so nothing above this module needs root, bcc or a kernel to be tested.
+Everything it returns is plain data (agent.model.ProbeReading, agent.model.ProgramStats), so
+nothing above this module needs root, bcc or a kernel to be tested.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from typing import Any
 
 from ..abi import BPF_DIR, HEADER, header_defines
 from ..errors import KernelFeatureError
-from ..export.exposition import ProgramStats
 from ..model import (
     ExecEvent,
     FdWrites,
@@ -26,8 +25,10 @@ from ..model import (
     InflightWait,
     ProbeEvent,
     ProbeReading,
+    ProgramStats,
     SocketEvent,
 )
+from ..settings import LONG_WAIT_S
 from .procfs import ProcFS
 
 FALLBACK_HEADERS = "/usr/src/hangwatch-kernel-headers"
@@ -162,75 +163,96 @@ def _once(undo: Callable[[], object]) -> Callable[[], None]:
     return run
 
 
+def _check_map_sizes(map_sizes: dict[str, int]) -> None:
+    for name, size in map_sizes.items():
+        if not re.fullmatch(r"MAX_[A-Z_]+", name) or not 0 < size <= 1 << 24:
+            raise ValueError(f"bad map size {name}={size}")
+
+
+def _bcc() -> Any:
+    """bcc's BPF class, with the kernel headers it compiles against set (BCC_KERNEL_SOURCE)."""
+    try:
+        from bcc import BPF  # only this module imports bcc
+    except ImportError as e:
+        raise KernelFeatureError(
+            "bcc is not importable",
+            "install the distribution's python3-bpfcc (make setup does), and run with a "
+            "Python that sees system site packages",
+        ) from e
+    headers = kernel_headers()
+    if headers is None:
+        raise KernelFeatureError(
+            f"no kernel headers for {os.uname().release}",
+            f"install linux-headers-{os.uname().release}, or run `make setup` to build the "
+            f"merged fallback at {FALLBACK_HEADERS}",
+        )
+    os.environ["BCC_KERNEL_SOURCE"] = headers
+    return BPF
+
+
+def optional_flags(bpf_class: Any) -> list[str]:
+    """The -D flags of the optional tracepoints this kernel has (the others are left out)."""
+    flags = []
+    for name, flag in OPTIONAL_SYSCALLS.items():
+        if all(
+            bpf_class.tracepoint_exists("syscalls", f"sys_{side}_{name}")
+            for side in ("enter", "exit")
+        ):
+            flags.append(f"-D{flag}")
+    for (category, event), flag in OPTIONAL_TRACEPOINTS.items():
+        if bpf_class.tracepoint_exists(category, event):
+            flags.append(f"-D{flag}")
+    return flags
+
+
 class KernelProbes:
     """All of hangwatch's BPF programs in one object, attached for as long as it lives
     (use as a context manager): futex waits, bind/listen, accepts and writes."""
 
     def __init__(
         self,
-        long_wait_s: float = 1.0,
+        long_wait_s: float = LONG_WAIT_S,
         ringbuf_pages: int = 64,
         bpf_dir: Path | None = None,
         map_sizes: dict[str, int] | None = None,
         proc: ProcFS | None = None,
     ) -> None:
-        """``map_sizes`` overrides the entry limits of bpf/maps.bpf.h by name
+        """``long_wait_s``: waits longer than this go through the ring buffer (compiled in as
+        LONG_WAIT_NS). ``map_sizes`` overrides the entry limits of bpf/maps.bpf.h by name
         (``{"MAX_THREADS": 8}``): how tests fill a map on purpose. ``proc`` is where
         pid_max, thread liveness and the programs' fdinfo are read."""
         bpf_dir = bpf_dir or BPF_DIR
         self._proc = proc or ProcFS()
-        for name, size in (map_sizes or {}).items():
-            if not re.fullmatch(r"MAX_[A-Z_]+", name) or not 0 < size <= 1 << 24:
-                raise ValueError(f"bad map size {name}={size}")
-        try:
-            from bcc import BPF  # only this module imports bcc
-        except ImportError as e:
-            raise KernelFeatureError(
-                "bcc is not importable",
-                "install the distribution's python3-bpfcc (make setup does), and run with a "
-                "Python that sees system site packages",
-            ) from e
-        headers = kernel_headers()
-        if headers is None:
-            raise KernelFeatureError(
-                f"no kernel headers for {os.uname().release}",
-                f"install linux-headers-{os.uname().release}, or run `make setup` to build the "
-                f"merged fallback at {FALLBACK_HEADERS}",
-            )
-        os.environ["BCC_KERNEL_SOURCE"] = headers
+        _check_map_sizes(map_sizes or {})
+        bpf_class = _bcc()
         self._defs = header_defines(bpf_dir / HEADER)
-        cflags = [
+        settings = [
             f"-I{bpf_dir}",
             f"-DLONG_WAIT_NS={int(long_wait_s * 1e9)}ULL",
             f"-DRINGBUF_PAGES={ringbuf_pages}",
             f"-DWATCHED_WORDS={watched_words(self._proc.pid_max())}",
             *(f"-D{name}={size}" for name, size in (map_sizes or {}).items()),
         ]
-        self.missing: list[str] = []  # optional syscalls (and tracepoints) this kernel lacks
-        for name, flag in OPTIONAL_SYSCALLS.items():
-            if all(
-                BPF.tracepoint_exists("syscalls", f"sys_{side}_{name}")
-                for side in ("enter", "exit")
-            ):
-                cflags.append(f"-D{flag}")
-            else:
-                self.missing.append(name)
-        for (category, event), flag in OPTIONAL_TRACEPOINTS.items():
-            if BPF.tracepoint_exists(category, event):
-                cflags.append(f"-D{flag}")
-            else:
-                self.missing.append(event)
+        self._bpf = self._load(bpf_class, bpf_dir, [*settings, *optional_flags(bpf_class)])
+        release_compiler_memory(self._proc)
+        self.programs = self._bpf.num_open_tracepoints()
+        self._open_maps()
+        self._open_events()
+
+    def _load(self, bpf_class: Any, bpf_dir: Path, cflags: list[str]) -> Any:
+        """Compile, load and attach the programs (bcc attaches TRACEPOINT_PROBEs as it loads)."""
         t0 = time.monotonic()
         try:
-            self._bpf = BPF(text=bpf_text(bpf_dir).encode(), cflags=cflags)
+            loaded = bpf_class(text=bpf_text(bpf_dir).encode(), cflags=cflags)
         except Exception as e:  # bcc raises bare Exception for compile and load failures
             raise KernelFeatureError(
                 f"the kernel refused the BPF programs ({e})",
                 "check that the kernel has BPF, syscall tracepoints and tracefs mounted",
             ) from e
         self.load_seconds = time.monotonic() - t0
-        release_compiler_memory(self._proc)
-        self.programs = self._bpf.num_open_tracepoints()
+        return loaded
+
+    def _open_maps(self) -> None:
         self._watched = self._bpf[b"watched"]
         self._threads = self._bpf[b"threads"]
         self._pi_ops = self._bpf[b"pi_ops"]
@@ -239,6 +261,10 @@ class KernelProbes:
         self._counters = self._bpf[b"counters"]
         self._accepts = self._bpf[b"accepts"]
         self._fd_writes = self._bpf[b"fd_writes"]
+        self._watching: set[int] = set()
+
+    def _open_events(self) -> None:
+        """The ring buffer, and what its records are kept in until the next read."""
         self._events: list[ProbeEvent] = []
         self._socket_events: list[SocketEvent] = []
         self._execs: list[ExecEvent] = []
@@ -252,7 +278,6 @@ class KernelProbes:
         self._overflow = 0  # records dropped here because nobody read them: see drain()
         self._ring = self._bpf[b"events"]
         self._ring.open_ring_buffer(self._on_event)
-        self._watching: set[int] = set()
 
     def _on_event(self, _ctx: object, data: int, _size: int) -> None:
         if len(self._events) + len(self._socket_events) + len(self._execs) >= MAX_PENDING_EVENTS:

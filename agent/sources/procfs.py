@@ -15,17 +15,17 @@ import struct
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from ..model import DEFAULT_EPHEMERAL_FROM, TORCHRUN_DEFAULT_MASTER_PORT, Plumbing, TcpInfo
-from .tcpinfo import read_tcp_info
-
-SYS_FUTEX = 202  # x86-64 syscall numbers: /proc/.../syscall reports them raw
-SYS_FUTEX_WAITV = 449
-SYS_FUTEX_WAIT = 455  # futex_wait(2), Linux 6.7+ (454 is futex_wake)
+from ..model import (
+    DEFAULT_EPHEMERAL_FROM,
+    TORCHRUN_DEFAULT_MASTER_PORT,
+    Plumbing,
+    SyscallLine,
+    TcpInfo,
+)
+from .tcpinfo import TcpInfoRead, read_tcp_info
 
 # The kernel's ceiling for kernel.pid_max (PID_MAX_LIMIT on 64-bit): no PID is larger.
 PID_MAX_LIMIT = 1 << 22
-TCP_LISTEN = 0x0A
-TCP_ESTABLISHED = 0x01
 U64 = 1 << 64
 
 
@@ -61,14 +61,6 @@ class ProcStat:
     state: str
     ppid: int
     start_ticks: int
-
-
-@dataclass(frozen=True)
-class SyscallLine:
-    nr: int  # -1: blocked, but not in a syscall
-    args: tuple[int, ...]
-    sp: int | None = None  # user stack pointer
-    pc: int | None = None  # user program counter: the instruction after the syscall
 
 
 @dataclass(frozen=True)
@@ -356,10 +348,14 @@ def parse_maps_line(line: str) -> MemMap | None:
 
 
 class ProcFS:
-    """Reads one /proc tree. Every method returns None (or empty) when the entry vanished."""
+    """Reads one /proc tree. Every method returns None (or empty) when the entry vanished.
 
-    def __init__(self, root: str = "/proc") -> None:
+    ``tcp_info`` reads the kernel's tcp_info of a network namespace (agent.sources.tcpinfo);
+    None where there is no kernel to ask (a fixture tree) or a test stands in for it."""
+
+    def __init__(self, root: str = "/proc", tcp_info: TcpInfoRead | None = read_tcp_info) -> None:
         self.root = root
+        self._tcp_info = tcp_info
 
     def _read(self, *parts: object) -> str | None:
         try:
@@ -537,6 +533,13 @@ class ProcFS:
         one could send it a signal and end a wait that nothing else can."""
         return bool((self._read(pid, "timers") or "").strip())
 
+    def exe(self, pid: int) -> str | None:
+        """The path of the process's executable (its /proc/PID/exe link)."""
+        try:
+            return os.readlink(os.path.join(self.root, str(pid), "exe"))
+        except OSError:
+            return None
+
     def fd_target(self, pid: int, fd: int) -> str | None:
         """What an fd points to: a path, 'socket:[inode]', 'pipe:[inode]', ..."""
         try:
@@ -552,16 +555,18 @@ class ProcFS:
 
     def tcp_info(self, pid: int, ports: Iterable[tuple[str, int]] | None) -> dict[int, TcpInfo]:
         """Socket inode -> the kernel's tcp_info, for the established sockets on ``ports``
-        ((family, local port); None: all) of the process's network namespace, over netlink
-        (agent/sources/tcpinfo.py). Empty when it cannot be read, and for a tree other than the real
-        /proc: a fixture has no kernel behind it."""
-        if self.root != "/proc":
+        ((family, local port); None: all) of the process's network namespace: read by the
+        ``tcp_info`` reader, in that namespace where it is not ours. Empty when it cannot be
+        read, or without a reader."""
+        if self._tcp_info is None:
             return {}
         theirs = self.net_namespace(pid)
         if theirs is None:
             return {}
-        netns = None if theirs == self.net_namespace("self") else f"/proc/{pid}/ns/net"
-        return read_tcp_info(ports, netns)
+        own = theirs == self.net_namespace("self")
+        return self._tcp_info(
+            ports, None if own else os.path.join(self.root, str(pid), "ns", "net")
+        )
 
     def unix_socket_paths(self, pid: int) -> dict[int, str]:
         """Inode -> bound path of the unix sockets of the process's network namespace."""

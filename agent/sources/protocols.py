@@ -10,8 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
-from ..export.exposition import ProgramStats
-from ..model import GpuReading, ProbeReading
+from ..model import GpuReading, ProbeReading, ProgramStats
 
 
 class ProbeSource(Protocol):

@@ -27,10 +27,10 @@ from pathlib import Path
 
 from ..analysis import evidence as ev
 from ..model import ProcessSample, ThreadSample
+from ..syscalls import FUTEX, syscall_name, wait_kind
 from . import confined
 from .confined import FileLines
-from .procfs import printable
-from .syscalls import FUTEX, syscall_name, wait_kind
+from .procfs import ProcFS, printable
 
 READ_TIMEOUT_S = 3.0  # per process; py-spy reads a 100-thread process in tens of ms
 MAX_FRAMES = 32  # per thread, innermost first: enough to reach the program's own code
@@ -96,34 +96,31 @@ def find_reader() -> str | None:
     return shutil.which("py-spy")
 
 
-def is_python(pid: int, root: str = "/proc") -> bool:
+def is_python(pid: int, proc: ProcFS) -> bool:
     """Whether the process runs a CPython interpreter: its executable or a mapped library is
     named python (static builds map no libpython; embedded ones map no python binary)."""
-    try:
-        exe = os.path.basename(os.readlink(f"{root}/{pid}/exe"))
-    except OSError:
+    exe = proc.exe(pid)
+    if exe is None:
         return False
-    if exe.startswith("python"):
+    if os.path.basename(exe).startswith("python"):
         return True
-    try:
-        with open(f"{root}/{pid}/maps") as f:
-            return any("libpython" in line for line in f)
-    except OSError:
-        return False
+    return any("libpython" in m.path for m in proc.maps(pid))
 
 
 class SourceLines:
     """The source lines a dump's frames point at, read as the target would read them: inside
-    its root, with its rights (agent.sources.confined), one batch per process read. Nothing is kept
-    between reads: rights are checked again each time, and a PID reused by another tenant's
-    process can never be shown the first one's files."""
+    its root (under ``proc``'s tree), with its rights (agent.sources.confined), one batch per
+    process read. Nothing is kept between reads: rights are checked again each time, and a PID
+    reused by another tenant's process can never be shown the first one's files."""
 
     def __init__(
         self,
-        read: Callable[[int, Mapping[str, Collection[int]]], Mapping[str, FileLines]] = (
+        proc: ProcFS,
+        read: Callable[[int, Mapping[str, Collection[int]], str], Mapping[str, FileLines]] = (
             confined.read_lines
         ),
     ) -> None:
+        self._root = proc.root
         self._read = read
 
     def of(self, pid: int, frames: Iterable[tuple[str, int]]) -> dict[str, FileLines]:
@@ -137,7 +134,7 @@ class SourceLines:
             else:
                 wanted.setdefault(path, set()).add(line)
         if wanted:
-            out.update(self._read(pid, wanted))
+            out.update(self._read(pid, wanted, self._root))
         return out
 
 
@@ -217,13 +214,15 @@ def reader_error(stderr: bytes, status: int) -> str:
 
 def read_stacks(
     pid: int,
+    proc: ProcFS,
     timeout_s: float = READ_TIMEOUT_S,
     reader: str | None = None,
     source: SourceLines | None = None,
 ) -> StackRead | None:
-    """The Python stacks of ``pid``, None when it runs no Python. Never raises: a reader
-    that is missing, fails or times out gives a StackRead with the reason."""
-    if not is_python(pid):
+    """The Python stacks of ``pid``, None when it runs no Python (as ``proc`` shows it). Never
+    raises: a reader that is missing, fails or times out gives a StackRead with the reason;
+    without ``source``, frames come without their source lines."""
+    if not is_python(pid, proc):
         return None
     exe = reader or find_reader()
     if exe is None:
@@ -369,12 +368,13 @@ def lock_cycle_hint(waiters: Sequence[LockWaiter]) -> list[LockWaiter]:
 
 
 def read_many(
-    pids: Iterable[int], budget_s: float, source: SourceLines | None = None
+    pids: Iterable[int], budget_s: float, proc: ProcFS, source: SourceLines | None = None
 ) -> dict[int, StackRead]:
     """Stacks of several processes within ``budget_s`` in all: each read gets what is left
-    (at most READ_TIMEOUT_S); those past the budget get a line saying so."""
+    (at most READ_TIMEOUT_S); those past the budget get a line saying so. ``source``: where
+    their source lines are read (by default afresh, in ``proc``'s tree)."""
     out: dict[int, StackRead] = {}
-    source = source or SourceLines()
+    source = source or SourceLines(proc)
     deadline = time.monotonic() + budget_s
     for pid in pids:
         left = deadline - time.monotonic()
@@ -383,7 +383,7 @@ def read_many(
                 pid, error=f"not read: the {budget_s:g} s budget for stacks was spent"
             )
             continue
-        read = read_stacks(pid, timeout_s=min(READ_TIMEOUT_S, left), source=source)
+        read = read_stacks(pid, proc, timeout_s=min(READ_TIMEOUT_S, left), source=source)
         if read is not None:
             out[pid] = read
     return out

@@ -37,7 +37,7 @@ from ..analysis import evidence as ev
 from ..analysis.classify import ServiceVerdict
 from ..model import Snapshot
 from . import confined
-from .procfs import MemMap, ProcFS
+from .procfs import MemMap, ProcessMemory, ProcFS
 
 T = TypeVar("T")
 
@@ -410,13 +410,12 @@ def _holds_a_thread_stack(proc: ProcFS, pid: int, m: MemMap) -> bool:
     return False
 
 
-def describe_address(pid: int, addr: int, proc: ProcFS | None = None) -> str | None:
+def describe_address(pid: int, addr: int, proc: ProcFS) -> str | None:
     """What ``addr`` (a futex or lock word) is in process ``pid``: "`abba_a` in
     libabba.so+0x40a0" (the ELF symbol that covers it, from .symtab else .dynsym, and its
     offset from the object's load base), "libabba.so+0x40a0" (no symbol covers it), "the
     heap", "a thread stack", "anonymous memory"; None when the maps cannot be read or
     nothing is mapped there."""
-    proc = proc or ProcFS()
     try:
         maps = proc.maps(pid)
         i = _find_map(maps, [m.start for m in maps], addr)
@@ -510,7 +509,32 @@ def _is_libc(path: str) -> bool:
     return name.startswith(_LIBC_PREFIXES)
 
 
-def caller_outside_libc(pid: int, tid: int, proc: ProcFS | None = None) -> NativeFrame | None:
+def _return_address(
+    mem: ProcessMemory,
+    sp: int,
+    stack: MemMap,
+    candidate: Callable[[int], MemMap | None],
+    is_code: Callable[[int], bool],
+) -> tuple[MemMap, int] | None:
+    """The first word of the stack from ``sp`` that points into a ``candidate`` object just
+    after a call there, with that object; None when there is none or the stack is unreadable."""
+    data = mem.read(sp, min(STACK_SCAN_BYTES, stack.end - sp))
+    if data is None:
+        return None
+    for (word,) in struct.iter_unpack("<Q", data[: len(data) - len(data) % 8]):
+        m = candidate(word)
+        if m is None:
+            continue
+        start = max(word - 8, m.start)
+        before = mem.read(start, word - start)
+        if before is None:
+            return None  # as unreadable as the stack: no answer, not a guess
+        if after_call(before, word, is_code):
+            return m, word
+    return None
+
+
+def caller_outside_libc(pid: int, tid: int, proc: ProcFS) -> NativeFrame | None:
     """The innermost native frame of thread ``tid`` of ``pid`` that is not in libc, ld.so,
     libpthread or the vDSO, for a thread blocked in a syscall: the code that called into the
     wait ("`abba_ab` in libabba.so+0x11a9"). None when it cannot be told.
@@ -527,7 +551,6 @@ def caller_outside_libc(pid: int, tid: int, proc: ProcFS | None = None) -> Nativ
     thread this names a C function of CPython (lock acquisition, say); its Python stack, read
     elsewhere (agent/sources/pystacks.py), says far more about where it waits.
     """
-    proc = proc or ProcFS()
     try:
         line = proc.thread_syscall(pid, tid)
         if line is None or line.sp is None or line.pc is None:
@@ -558,25 +581,13 @@ def caller_outside_libc(pid: int, tid: int, proc: ProcFS | None = None) -> Nativ
             return None
         with mem:
             # A syscall issued outside libc (static code, a runtime's own stubs) is the frame.
-            found = candidate(pc)
-            ret = pc
-            if found is None:
-                data = mem.read(sp, min(STACK_SCAN_BYTES, stack.end - sp))
-                if data is None:
-                    return None
-                for (word,) in struct.iter_unpack("<Q", data[: len(data) - len(data) % 8]):
-                    m = candidate(word)
-                    if m is None:
-                        continue
-                    start = max(word - 8, m.start)
-                    before = mem.read(start, word - start)
-                    if before is None:
-                        return None  # as unreadable as the stack: no answer, not a guess
-                    if after_call(before, word, is_code):
-                        found, ret = m, word
-                        break
-        if found is None:
+            at_pc = candidate(pc)
+            hit = (at_pc, pc) if at_pc is not None else None
+            if hit is None:
+                hit = _return_address(mem, sp, stack, candidate, is_code)
+        if hit is None:
             return None
+        found, ret = hit
         try:  # ret - 1: the call itself, in the caller even when it is its last instruction
             name, _ = _symbol(proc, pid, found, ret - 1)
         except _FAILURES:
@@ -592,18 +603,18 @@ def caller_outside_libc(pid: int, tid: int, proc: ProcFS | None = None) -> Nativ
 def name_words(
     facts: Iterable[ev.Fact],
     pid_of: Callable[[int], int | None],
-    describe: Callable[[int, int], str | None] | None = None,
+    describe: Callable[[int, int], str | None],
 ) -> list[ev.Fact]:
     """The records, with the futex words of lock cycles and parked groups named where the
-    process's memory says what they are. ``pid_of``: a waiting TID -> its process."""
-    look = describe or describe_address
+    process's memory says what they are (``describe``: (pid, address) -> its name, as
+    describe_address gives it). ``pid_of``: a waiting TID -> its process."""
     seen: dict[tuple[int, int], str | None] = {}
 
     def word(pid: int | None, uaddr: int) -> str | None:
         if pid is None:
             return None
         if (pid, uaddr) not in seen:
-            seen[(pid, uaddr)] = look(pid, uaddr)
+            seen[(pid, uaddr)] = describe(pid, uaddr)
         return seen[(pid, uaddr)]
 
     def link(x: ev.CycleLink) -> ev.CycleLink:
@@ -619,7 +630,7 @@ def name_words(
     return [named(f) for f in facts]
 
 
-def native_caller(pid: int, tid: int, proc: ProcFS | None = None) -> str | None:
+def native_caller(pid: int, tid: int, proc: ProcFS) -> str | None:
     """The first native caller outside libc, in words, unless it is the Python interpreter
     itself (every Python lock and GIL wait comes from there: the Python stack says more)."""
     frame = caller_outside_libc(pid, tid, proc)
@@ -628,15 +639,23 @@ def native_caller(pid: int, tid: int, proc: ProcFS | None = None) -> str | None:
     return str(frame)
 
 
-def named_verdicts(verdicts: list[ServiceVerdict], snap: Snapshot) -> list[ServiceVerdict]:
+def named_verdicts(
+    verdicts: list[ServiceVerdict], snap: Snapshot, proc: ProcFS
+) -> list[ServiceVerdict]:
     """The verdicts with the futex words of their lock cycles named from the processes'
     memory ("`abba_a` in libabba.so+0x40a0"): the classifier works on numbers alone."""
     pid_of = {t.tid: p.pid for p in snap.processes.values() for t in p.threads}.get
+
+    def describe(pid: int, addr: int) -> str | None:
+        return describe_address(pid, addr, proc)
+
     return [
         replace(
             v,
-            reasons=name_words(v.reasons, pid_of),
-            processes=[replace(p, reasons=name_words(p.reasons, pid_of)) for p in v.processes],
+            reasons=name_words(v.reasons, pid_of, describe),
+            processes=[
+                replace(p, reasons=name_words(p.reasons, pid_of, describe)) for p in v.processes
+            ],
         )
         for v in verdicts
     ]

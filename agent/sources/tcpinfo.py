@@ -35,7 +35,10 @@ from ..model import TcpInfo
 
 log = logging.getLogger(__name__)
 
-TCP_ESTABLISHED = 1  # include/net/tcp_states.h
+# The kernel's TCP states (include/net/tcp_states.h), as both inet_diag and /proc/net/tcp
+# report them.
+TCP_ESTABLISHED = 0x01
+TCP_LISTEN = 0x0A
 INET_DIAG_INFO = 2  # include/uapi/linux/inet_diag.h: the tcp_info extension
 CLONE_NEWNET = 0x40000000
 FAMILIES = {"tcp": socket.AF_INET, "tcp6": socket.AF_INET6}
@@ -44,6 +47,9 @@ MAX_FILTERED_PORTS = 8
 NETNS_TIMEOUT_S = 5.0
 
 T = TypeVar("T")
+
+# How a namespace's tcp_info is read: (ports, netns path or None for our own) -> by inode.
+TcpInfoRead = Callable[[Iterable[tuple[str, int]] | None, str | None], dict[int, TcpInfo]]
 
 
 def read_tcp_info(

@@ -24,6 +24,7 @@ from agent.model import ProcessSample, Snapshot
 from agent.observe.sampler import Sampler
 from agent.report.sentences import reasons
 from agent.sources.probe import kernel_headers
+from agent.sources.procfs import ProcFS
 from agent.sources.pystacks import (
     SourceLines,
     find_reader,
@@ -297,7 +298,8 @@ def test_a_stuck_service_is_read_by_its_own_lines_without_stopping_it(service, w
     assert (w[SIGNALS], w[PTRACE_CALLS]) == (0, 0)
 
     before = switches(pid, parked)
-    read = read_stacks(pid, source=SourceLines())
+    proc = ProcFS()
+    read = read_stacks(pid, proc, source=SourceLines(proc))
     time.sleep(0.1)  # anything the read set off has landed
     assert w[SIGNALS] == 0, "the target got a signal while it was read"
     assert w[PTRACE_CALLS] == 0, "something ptraced the target while it was read"
@@ -364,8 +366,9 @@ def test_time_to_read_a_hundred_parked_threads(tmp_path: Path):
     path = tmp_path / "pool.py"
     path.write_text(POOL)
     with Fixture([sys.executable, path], timeout=30) as fx:
-        source = SourceLines()
-        reads = [read_stacks(fx.pid, source=source) for _ in range(5)]
+        proc = ProcFS()
+        source = SourceLines(proc)
+        reads = [read_stacks(fx.pid, proc, source=source) for _ in range(5)]
         for read in reads:
             assert read is not None and read.error is None, read
             assert len(read.threads) == 101
