@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 
 from ..analysis import evidence as ev
 from ..model import plural
+from .fds import fds_words
 
 
 def seconds(s: float) -> str:
@@ -312,8 +313,14 @@ def _(f: ev.Culprit) -> str:
 
 
 @render.register
+def _(f: ev.ThreadWait) -> str:
+    return wait_words(f)
+
+
+@render.register
 def _(f: ev.NoPythonStack) -> str:
-    what = ", ".join(f"{n} {w}" for w, n in f.waits)
+    # In the order of their words, as the waits were once keyed by them.
+    what = ", ".join(f"{n} {w}" for w, n in sorted((wait_words(w), n) for w, n in f.waits))
     return f"{plural(f.threads, 'thread')} with no Python frames ({what})"
 
 
@@ -330,6 +337,16 @@ def _(f: ev.LockAt) -> str:
 @render.register
 def _(f: ev.MoreStackGroups) -> str:
     return f"and {plural(f.groups, 'other stack')} ({plural(f.threads, 'thread')})"
+
+
+def wait_words(w: ev.ThreadWait) -> str:
+    """ "in futex WAIT_BITSET with no timeout", "in epoll_wait", "running", "gone": what a
+    thread waits in, as a group of threads is told by it."""
+    if w.status != "syscall":
+        return w.status
+    how = "" if w.timed is None else " with a timeout" if w.timed else " with no timeout"
+    op = f" {w.op}" if w.op else ""
+    return f"in {w.syscall}{op}{how}"
 
 
 def _word(uaddr: int, word: str | None) -> str:
@@ -361,12 +378,12 @@ def stack_group(f: ev.StackGroup) -> str:
     """ "14 threads at `Queue.get` (scheduler.py:212) in `event_loop`, in futex WAIT_BITSET
     with no timeout": the line of the program's own code, and what it called there."""
     what = f"`{f.callee}`" if f.callee else _at(f.code, f"`{f.function}`")
-    on = f" on {f.on}" if f.on else ""
+    on = f" on {fds_words(f.on)}" if f.on is not None else ""
     native = f" (native: {f.native})" if f.native else ""
     gil = f", thread {f.gil} holds the GIL" if f.gil is not None else ""
     return (
         f"{plural(f.threads, 'thread')} at {what} ({f.file}:{f.line}) in `{f.function}`, "
-        f"{f.wait}{on}{native}{gil}: {who(list(zip(f.tids, f.names)))}"
+        f"{wait_words(f.wait)}{on}{native}{gil}: {who(list(zip(f.tids, f.names)))}"
     )
 
 
