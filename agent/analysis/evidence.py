@@ -357,9 +357,7 @@ class StackGroup(Fact):
     gil: int | None = None  # the TID among them that holds the GIL
     names: tuple[str, ...] = ()
     native: str | None = None  # the first native caller outside libc, where it says more
-    on: FdWait | None = (
-        None  # the fds they wait on (agent.observe.fdwaits), when all wait on the same
-    )
+    on: FdWait | None = None  # the fds they all wait on, when they wait on the same
 
 
 @dataclass(frozen=True)
