@@ -14,11 +14,11 @@ from .analysis.classify import PROGRESSING, ServiceVerdict
 from .analysis.evidence import UnderThreshold
 from .analysis.lockwords import named_verdicts
 from .errors import UsageError
-from .model import plural
 from .observe import enrich
 from .observe.discovery import env_labels
 from .observe.observer import Observer, Scope
 from .report import as_json as json_report
+from .report import notices
 from .report import text as text_report
 from .report.diagnosis import Report
 from .session import Session
@@ -87,16 +87,14 @@ def observe(session: Session, opts: DiagnoseOptions, log: TextIO) -> list[Servic
                 break
             if not told:
                 print(
-                    f"hangwatch: {plural(len(waiting), 'service')} did nothing in "
-                    f"{elapsed:.1f} s, with no evidence yet as old as the "
-                    f"{opts.threshold_s:g} s threshold: watching until it",
+                    notices.watching_on(len(waiting), elapsed, opts.threshold_s),
                     file=log,
                     flush=True,
                 )
                 told = True
             longest = opts.threshold_s
         time.sleep(max(0.0, min(interval, longest - elapsed)) or interval)
-    print(f"hangwatch: observed for {time.monotonic() - start:.1f} s ({n} reads)", file=log)
+    print(notices.observed(time.monotonic() - start, n), file=log)
     return verdicts
 
 
@@ -112,13 +110,10 @@ def run(opts: DiagnoseOptions, out: TextIO = sys.stdout, log: TextIO = sys.stder
         probe = session.probe
         assert probe is not None  # start() always attaches one
         watched = session.observer.discover()  # before "attached": from here on, waits are seen
-        print(
-            f"hangwatch: attached probes ({probe.programs} tracepoints) in "
-            f"{probe.load_seconds:.1f} s; watching {plural(len(watched), 'process', 'processes')} of "
-            f"{plural(len(opts.pids), 'service')} for {opts.duration_s:g} s",
-            file=log,
-            flush=True,
+        attached = notices.attached(
+            probe.programs, probe.load_seconds, len(watched), len(opts.pids), opts.duration_s
         )
+        print(attached, file=log, flush=True)
         verdicts = observe(session, opts, log)
     write_report(opts, proc, session.observer, verdicts, out, log)
     return 0
@@ -161,12 +156,7 @@ def write_report(
     )
     if opts.stacks:
         took = sum(r.seconds for r in inputs.stacks.values())
-        print(
-            f"hangwatch: read the Python stacks of "
-            f"{plural(len(inputs.stacks), 'process', 'processes')} "
-            f"in {took:.2f} s (py-spy --nonblocking: not stopped)",
-            file=log,
-        )
+        print(notices.stacks_read(len(inputs.stacks), took), file=log)
     report = replace(base, verdicts=named_verdicts(verdicts, snap, inputs.words), inputs=inputs)
     if opts.as_json:
         json.dump(json_report.to_json(report), out, indent=2)
