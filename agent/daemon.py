@@ -24,6 +24,8 @@ from . import config as config_mod
 from . import session as session_mod
 from .analysis.classify import DEADLOCKED, STALLED, ProcessVerdict, ServiceVerdict
 from .analysis.frontdoor import FrontDoorConfig
+from .analysis.lockwords import named_verdicts, words_wanted
+from .analysis.stacks import native_asks, stack_facts
 from .errors import UsageError
 from .export.exposition import (
     BPF_STATS,
@@ -37,17 +39,16 @@ from .export.exposition import (
     ProgramStats,
     ServiceStatus,
 )
-from .model import GpuDevice, GpuReading, ProbeReading
+from .model import Enrichment, GpuDevice, GpuReading, ProbeReading, StackRead, Wanted
+from .observe import enrich
 from .observe.discovery import Discovery, Service
-from .observe.fdwaits import waits_on
 from .observe.observer import Scope, Tick
 from .report.sentences import render
 from .session import Session
 from .settings import STACKS_BUDGET_S
 from .sources.procfs import ProcFS
 from .sources.protocols import GpuSource, ProbeSource
-from .sources.pystacks import SourceLines, read_many, stack_facts
-from .sources.symbols import named_verdicts, native_caller
+from .sources.pystacks import SourceLines
 
 log = logging.getLogger(__name__)
 
@@ -279,41 +280,59 @@ class Daemon:
             svc = self.services.get(v.pid)
             key = (svc.name if svc else "unknown", v.pid)
             old = self.states.get(key)
-            if old != v.state:
-                self.states[key] = v.state
-                # Lock words named from memory at the change only: it reads /proc/PID/maps
-                # and symbol tables, too much to do every tick for every service.
-                (v,) = named_verdicts([v], tick.snapshot, self.proc)
-                log.info(
-                    "service %s pid %d: %s -> %s: %s",
-                    key[0],
-                    v.pid,
-                    old or "new",
-                    v.state,
-                    "; ".join(v.words),
-                )
-                if v.state in (STALLED, DEADLOCKED) and self.cfg.stacks and budget > 0:
-                    budget -= self._log_stacks(key[0], v, tick, budget)
+            if old == v.state:
+                continue
+            self.states[key] = v.state
+            start = time.monotonic()
+            flight = v.state in (STALLED, DEADLOCKED) and self.cfg.stacks and budget > 0
+            # Lock words named from memory at the change only: it reads /proc/PID/maps
+            # and symbol tables, too much to do every tick for every service.
+            inputs = self._enrich(v, tick, budget if flight else 0.0)
+            (v,) = named_verdicts([v], tick.snapshot, inputs.words)
+            log.info(
+                "service %s pid %d: %s -> %s: %s",
+                key[0],
+                v.pid,
+                old or "new",
+                v.state,
+                "; ".join(v.words),
+            )
+            if flight:
+                self._log_stacks(key[0], v, tick, inputs)
+                budget -= time.monotonic() - start
 
-    def _log_stacks(self, name: str, v: ServiceVerdict, tick: Tick, budget: float) -> float:
-        """Log the stacks of a service's processes; the seconds it took."""
-        start = time.monotonic()
+    def _enrich(self, v: ServiceVerdict, tick: Tick, budget: float) -> Enrichment:
+        """What the change's lines show beyond the snapshot: the names of its lock words, and
+        with a budget, the stacks of its processes and what their threads wait on."""
         snap = tick.snapshot
         pids = [p.pid for p in v.processes if not p.gone and p.pid in snap.processes]
-        reads = read_many(pids, budget, self.proc, self.source_lines)
-        on = waits_on(self.proc, (snap.processes[pid] for pid in reads))
-        for pid, read in reads.items():
+
+        def wanted(stacks: Mapping[int, StackRead]) -> Wanted:
+            natives = [
+                ask
+                for pid, read in stacks.items()
+                for ask in native_asks(snap.processes[pid], read)
+            ]
+            return Wanted(natives, words_wanted([v], snap), fds=list(stacks))
+
+        return enrich.gather(
+            self.proc, snap.processes, pids if budget > 0 else [], wanted, budget, self.source_lines
+        )
+
+    def _log_stacks(self, name: str, v: ServiceVerdict, tick: Tick, inputs: Enrichment) -> None:
+        """Log the stacks of a service's processes, as read."""
+        snap = tick.snapshot
+        for pid, read in inputs.stacks.items():
             facts = stack_facts(
                 snap.processes[pid],
                 read,
                 snap.wall,
                 snap.mono_ns,
-                native=lambda pid, tid: native_caller(pid, tid, self.proc),
-                on=on,
+                natives=inputs.natives,
+                fds=inputs.fds,
             )
             for f in facts:
                 log.info("service %s pid %d: process %d: %s", name, v.pid, pid, render(f))
-        return time.monotonic() - start
 
     def reload(self) -> None:
         """SIGHUP: load the config again; a bad one is logged and the old one kept."""

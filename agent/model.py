@@ -8,7 +8,8 @@ they can be tested from synthetic snapshots without root or BPF.
 from __future__ import annotations
 
 import builtins
-from collections.abc import Mapping
+import re
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 
 from .abi import HW
@@ -383,3 +384,108 @@ class GpuReading:
     processes: Mapping[int, tuple[GpuProcessUse, ...]] = field(default_factory=dict)  # by pid
     errors_total: int = 0  # NVML errors since the source started
     duration_s: float = 0.0
+
+
+# --- read at report time: Python stacks, fd waits, native callers, lock words --------------
+# Not part of a tick's snapshot: agent.observe.enrich reads them once, when a report or the
+# daemon's flight record is written, and the analysis and the report take them as data.
+
+_STDLIB = re.compile(r"/lib(?:64)?/python3")
+
+
+@dataclass(frozen=True)
+class PyFrame:
+    function: str
+    file: str  # as the target sees it
+    short: str  # py-spy's short name: "server.py", "uvicorn/server.py"
+    line: int
+    code: str | None = None  # the source line, when the target could read its file
+    code_withheld: str | None = None  # why there is no line (agent.sources.confined's words)
+
+    @property
+    def stdlib(self) -> bool:
+        """Standard library or interpreter internals: where every wait of a kind looks alike."""
+        f = self.file
+        if f.startswith("<"):  # <frozen importlib._bootstrap>, <string>
+            return True
+        # lib64 where sys.platlibdir says so (Fedora, RHEL, SUSE)
+        return bool(_STDLIB.search(f)) and "-packages/" not in f
+
+
+@dataclass(frozen=True)
+class PyThread:
+    tid: int
+    name: str | None
+    owns_gil: bool
+    frames: tuple[PyFrame, ...]  # innermost first
+
+    def site(self) -> tuple[str | None, PyFrame] | None:
+        """(the function it called there, the frame) where the program's own code waits:
+        the innermost frame outside the standard library, else the innermost frame."""
+        if not self.frames:
+            return None
+        for i, f in enumerate(self.frames):
+            if not f.stdlib:
+                return (self.frames[i - 1].function if i else None), f
+        return None, self.frames[0]
+
+
+@dataclass(frozen=True)
+class StackRead:
+    """One process's Python threads by TID, or why they could not be read."""
+
+    pid: int
+    threads: Mapping[int, PyThread] = field(default_factory=dict)
+    error: str | None = None
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class SocketPeer:
+    """What a socket is, from the tables of its network namespace."""
+
+    kind: str  # "listening" (port), "tcp" (address, port of the peer), "unix" (path)
+    port: int = 0
+    address: str = ""
+    path: str = ""
+
+
+@dataclass(frozen=True)
+class FdLink:
+    """One fd a thread waits on: its name from its /proc/PID/fd link, as evidence names fds
+    (agent.observe.fdwaits.fd_name), and for a socket the namespace's tables know, its peer."""
+
+    fd: int
+    name: str  # "a pipe (fd 3)", "a socket (fd 7)", "fd 9" (the link could not be read)
+    peer: SocketPeer | None = None
+
+
+@dataclass(frozen=True)
+class FdWait:
+    """The fds of a thread's blocking read, accept, poll, select or epoll_wait: the first
+    few, and how many more there are."""
+
+    fds: tuple[FdLink, ...]
+    more: int = 0
+
+
+@dataclass(frozen=True)
+class Wanted:
+    """What a report asks to be read beyond its snapshot."""
+
+    natives: Collection[tuple[int, int]] = ()  # (pid, tid): its first native caller
+    words: Collection[tuple[int, int]] = ()  # (pid, address): what the memory there is
+    fds: Collection[int] = ()  # pids whose threads blocked on fds are asked what they wait on
+
+
+@dataclass(frozen=True)
+class Enrichment:
+    """Everything a report shows that the snapshot does not hold, read once at report time."""
+
+    stacks: Mapping[int, StackRead] = field(default_factory=dict)  # by pid; absent: not read
+    # (pid, tid) -> its first native caller outside libc and the interpreter, in its own
+    # names ("`abba_ab` in libabba.so+0x11a9"), for the threads a report asked about
+    natives: Mapping[tuple[int, int], str] = field(default_factory=dict)
+    fds: Mapping[tuple[int, int], FdWait] = field(default_factory=dict)  # (pid, tid)
+    # (pid, address) -> what a futex or lock word is ("`abba_a` in libabba.so+0x40a0")
+    words: Mapping[tuple[int, int], str | None] = field(default_factory=dict)

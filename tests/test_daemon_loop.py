@@ -13,11 +13,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from agent import daemon as daemon_mod
 from agent.analysis.classify import ProcessVerdict, ServiceVerdict
 from agent.config import validate
 from agent.daemon import DRAIN_SLICE_S, Daemon
 from agent.export.exposition import STAGES
+from agent.observe import enrich
 from agent.sources.procfs import ProcFS
 from tests import synth
 from tests.fakeprobe import FakeClock, RecordingProbe
@@ -99,7 +99,7 @@ def test_stacks_are_read_only_when_a_service_turns_stalled_or_deadlocked(
         reads.append(list(pids))
         return {}
 
-    monkeypatch.setattr(daemon_mod, "read_many", read_many)
+    monkeypatch.setattr(enrich, "read_many", read_many)
     d = make(tmp_path, None)
     tick = SimpleNamespace(snapshot=synth.snapshot(synth.process(10, synth.parked(10, 0xA0))))
 

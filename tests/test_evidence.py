@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from agent.analysis import evidence as ev
+from agent.model import FdLink, FdWait, SocketPeer
 from agent.report import sentences as words
 
 FACTS = sorted(
@@ -30,6 +31,7 @@ BY_TYPE: dict[str, Any] = {
     "float": 12.345678,
     "str": "text",
     "bool": True,
+    "bool | None": False,
     "int | None": 2,
     "float | None": 7.25,
     "tuple[int, ...]": (0, 1, 2),
@@ -41,7 +43,8 @@ BY_TYPE: dict[str, Any] = {
     "tuple[tuple[str, bool | None, int], ...]": (("futex", False, 3), ("epoll_wait", None, 1)),
     "str | None": "with self.lock:",
     "tuple[str, ...]": ("worker-0", "worker-1", "worker-2"),
-    "tuple[tuple[str, int], ...]": (("in epoll_wait with no timeout", 2),),
+    "tuple[tuple[ThreadWait, int], ...]": ((ev.ThreadWait("syscall", "epoll_wait", "io"), 2),),
+    "ThreadWait": ev.ThreadWait("syscall", "futex", "futex", "WAIT_BITSET", False),
     "tuple[LockAt, ...]": (
         ev.LockAt(11, "evict", "sched.py", 154, "with self.b:"),
         ev.LockAt(12, "update", "sched.py", 160, None),
@@ -62,7 +65,7 @@ BY_NAME: dict[str, Any] = {
     "name": "worker",
     "word": "`abba_a` in libabba.so+0x40a0",
     "native": "`abba_ab` in libabba.so+0x1188",
-    "on": "a socket to 10.0.0.2:5000 (fd 7)",
+    "on": FdWait((FdLink(7, "a socket (fd 7)", SocketPeer("tcp", 5000, "10.0.0.2")),)),
 }
 
 
@@ -137,6 +140,10 @@ def test_as_json_gives_the_kind_and_every_field(cls: type[ev.Fact]) -> None:
             assert out[name] == round(v, 3)
         elif isinstance(v, tuple):
             assert isinstance(out[name], list) and len(out[name]) == len(v)
+        elif isinstance(v, ev.Fact):
+            assert out[name] == ev.as_json(v)
+        elif dataclasses.is_dataclass(v):
+            assert out[name] == dataclasses.asdict(v)
         else:
             assert out[name] == v
     assert json.loads(json.dumps(out))["kind"] == f.kind  # it is JSON as it stands

@@ -1,5 +1,6 @@
 """agent.observe.fdwaits: what a thread blocked on fds waits on, read from /proc of real threads of
-this test process (read, poll, select, epoll_wait on real pipes, eventfds and sockets)."""
+this test process (read, poll, select, epoll_wait on real pipes, eventfds and sockets), and
+its words (agent.report.fds)."""
 
 from __future__ import annotations
 
@@ -16,10 +17,21 @@ from pathlib import Path
 
 import pytest
 
-from agent.observe.fdwaits import MAX_FDS, describe_fd, poll_fds, select_fds, sockets, waited_on
+from agent.model import SocketPeer
+from agent.observe import fdwaits
+from agent.observe.fdwaits import MAX_FDS, fd_link, poll_fds, select_fds, sockets
+from agent.report.fds import fd_words, fds_words
 from agent.sources.procfs import ProcFS
 
 PROC = ProcFS()
+
+
+def waited_on(
+    proc: ProcFS, pid: int, tid: int, known: dict[int, SocketPeer] | None = None
+) -> str | None:
+    """What the thread waits on, as read and then said in words."""
+    wait = fdwaits.waited_on(proc, pid, tid, known)
+    return fds_words(wait) if wait is not None else None
 
 
 @contextmanager
@@ -158,5 +170,6 @@ def test_poll_and_select_lists_read_from_memory() -> None:
         ("/var/log/x.log", "/var/log/x.log (fd 3)"),
     ],
 )
-def test_describe_fd(target: str | None, want: str) -> None:
-    assert describe_fd(target, 3, {42: "a socket to 10.0.0.2:5000"}) == want
+def test_fd_words(target: str | None, want: str) -> None:
+    peer = SocketPeer("tcp", port=5000, address="10.0.0.2")
+    assert fd_words(fd_link(target, 3, {42: peer})) == want

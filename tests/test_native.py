@@ -23,6 +23,7 @@ import pytest
 from elftools.elf.elffile import ELFFile
 
 from agent.analysis import evidence as ev
+from agent.analysis.lockwords import name_words
 from agent.report.sentences import render
 from agent.sources.procfs import PID_MAX_LIMIT, MemMap, ProcFS
 from agent.sources.symbols import (
@@ -35,7 +36,6 @@ from agent.sources.symbols import (
     direct_call_target,
     elf_vaddr,
     indirect_call_before,
-    name_words,
     short_name,
 )
 from agent.syscalls import SYS_FUTEX

@@ -1,5 +1,5 @@
-"""agent.sources.pystacks: Python stacks read with py-spy --nonblocking, grouped by the line of the
-program's own code where threads wait, and the Python lock-cycle hint. Pure: synthetic
+"""agent.sources.pystacks: Python stacks read with py-spy --nonblocking; agent.analysis.stacks: grouped
+by the line of the program's own code where threads wait, and the Python lock-cycle hint. Pure: synthetic
 samples, a hard-coded dump in py-spy's own JSON shape, and stand-in readers (shell scripts)
 for the ways a real py-spy fails. tests/privileged/test_stacks.py runs the real one."""
 
@@ -19,8 +19,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from agent.analysis import evidence as ev
+from agent.analysis.stacks import (
+    group_stacks,
+    lock_cycle_hint,
+    lock_waiters,
+    stack_facts,
+    wait_of,
+)
 from agent.model import ProcessSample, ThreadSample
-from agent.report.sentences import reasons
+from agent.report.sentences import reasons, wait_words
 from agent.sources.confined import FileLines
 from agent.sources.procfs import ProcFS
 from agent.sources.pystacks import (
@@ -29,14 +36,9 @@ from agent.sources.pystacks import (
     PyThread,
     SourceLines,
     StackRead,
-    group_stacks,
     is_python,
-    lock_cycle_hint,
-    lock_waiters,
     parse_dump,
     read_stacks,
-    stack_facts,
-    wait_words,
 )
 from tests.synth import S, parked, process, running
 
@@ -226,7 +228,8 @@ def test_threads_with_the_same_stack_and_wait_are_one_group():
     groups, bare = group_stacks(sample, stacks)
     assert bare == []
     assert [g.tids for g in groups] == [(11, 12, 13)]
-    assert groups[0].wait == "in futex WAIT with no timeout"
+    assert groups[0].wait == UNTIMED_FUTEX
+    assert wait_words(groups[0].wait) == "in futex WAIT with no timeout"
     assert groups[0].names == ("worker-11", "worker-12", "worker-13")
     assert groups[0].thread.frames == QUEUE_STACK
 
@@ -235,7 +238,7 @@ def test_the_same_stack_with_a_timed_and_an_untimed_wait_splits():
     sample = process(10, untimed(11, 0x1100), replace(untimed(12, 0x1200), timed=True))
     stacks = {t: py(t, *QUEUE_STACK) for t in (11, 12)}
     groups, _ = group_stacks(sample, stacks)
-    assert sorted((g.tids, g.wait) for g in groups) == [
+    assert sorted((g.tids, wait_words(g.wait)) for g in groups) == [
         ((11,), "in futex WAIT with no timeout"),
         ((12,), "in futex WAIT with a timeout"),
     ]
@@ -262,7 +265,7 @@ def test_the_gil_holder_comes_first_then_the_larger_groups():
     groups, _ = group_stacks(sample, stacks)
     assert [g.tids for g in groups] == [(40,), (11, 12, 13), (21, 22)]
     assert [g.gil for g in groups] == [40, None, None]
-    assert groups[0].wait == "running"
+    assert groups[0].wait == ev.ThreadWait("running")
 
 
 def test_thread_names_come_from_py_spy_else_from_the_sample():
@@ -271,13 +274,22 @@ def test_thread_names_come_from_py_spy_else_from_the_sample():
     assert groups[0].names == ("comm-11", "evictor")
 
 
+UNTIMED_FUTEX = ev.ThreadWait("syscall", "futex", "futex", "WAIT", False)
+UNTIMED_EPOLL = ev.ThreadWait("syscall", "epoll_wait", "io", None, False)
+
+
 def test_wait_words():
-    assert wait_words(None) == "gone"
-    assert wait_words(running(1)) == "running"
-    assert wait_words(ThreadSample(1, "w", "S", 0)) == "blocked"
-    assert wait_words(untimed(1, 0x10)) == "in futex WAIT with no timeout"
-    assert wait_words(parked(1)) == "in futex WAIT"  # timed unknown
-    assert wait_words(in_epoll(1)) == "in epoll_wait with no timeout"
+    def said(t: ThreadSample | None) -> str:
+        return wait_words(wait_of(t))
+
+    assert said(None) == "gone"
+    assert said(running(1)) == "running"
+    assert said(ThreadSample(1, "w", "S", 0)) == "blocked"
+    assert said(untimed(1, 0x10)) == "in futex WAIT with no timeout"
+    assert said(parked(1)) == "in futex WAIT"  # timed unknown
+    assert said(in_epoll(1)) == "in epoll_wait with no timeout"
+    assert wait_of(untimed(1, 0x10)) == UNTIMED_FUTEX
+    assert wait_of(in_epoll(1)) == UNTIMED_EPOLL
 
 
 # --- lock_waiters and lock_cycle_hint ---------------------------------------------------------
@@ -437,7 +449,7 @@ def test_stack_facts_are_the_groups_the_native_threads_and_the_lock_hint():
         pid=10,
         threads=1,
         tids=(14,),
-        wait="running",
+        wait=ev.ThreadWait("running"),
         function="generate",
         file="model.py",
         line=88,
@@ -450,7 +462,7 @@ def test_stack_facts_are_the_groups_the_native_threads_and_the_lock_hint():
         pid=10,
         threads=3,
         tids=(11, 12, 13),
-        wait="in futex WAIT with no timeout",
+        wait=UNTIMED_FUTEX,
         function="event_loop",
         file="scheduler.py",
         line=212,
@@ -466,7 +478,7 @@ def test_stack_facts_are_the_groups_the_native_threads_and_the_lock_hint():
         "with self.b:",
     )
     assert (update.tids, update.line, update.code) == ((22,), 160, "with self.a:")
-    assert facts[4] == ev.NoPythonStack(10, 1, (("in epoll_wait with no timeout", 1),))
+    assert facts[4] == ev.NoPythonStack(10, 1, ((UNTIMED_EPOLL, 1),))
     hint = facts[5]
     assert isinstance(hint, ev.PyLockHint)
     assert hint.pid == 10 and hint.words == 2

@@ -10,8 +10,10 @@ snapshot it happened or began), never how to phrase it.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, is_dataclass
 from typing import Any
+
+from ..model import FdWait
 
 
 @dataclass(frozen=True)
@@ -30,11 +32,24 @@ def as_json(f: Fact) -> dict[str, Any]:
         if isinstance(v, float):
             v = round(v, 3)
         elif isinstance(v, tuple):
-            v = [as_json(x) if isinstance(x, Fact) else x for x in v]
+            v = [_nested(x) for x in v]
         elif isinstance(v, Fact):
             v = as_json(v)
+        elif is_dataclass(v) and not isinstance(v, type):
+            v = _nested(v)
         out[fl.name] = v
     return out
+
+
+def _nested(v: Any) -> Any:
+    """A value inside a record's field: records and plain data as dicts, numbers as they are."""
+    if isinstance(v, Fact):
+        return as_json(v)
+    if isinstance(v, tuple):
+        return tuple(_nested(x) for x in v)
+    if is_dataclass(v) and not isinstance(v, type):
+        return {fl.name: _nested(getattr(v, fl.name)) for fl in fields(v)}
+    return v
 
 
 # --- progress in the window ----------------------------------------------------------------
@@ -311,7 +326,19 @@ class ProcessWaits(Fact):
     main_untimed_s: float | None = None  # of those, the main thread's (tid = pid), if one
 
 
-# --- where threads wait: Python stacks (agent.sources.pystacks) ----------------------------------------
+# --- where threads wait: Python stacks (agent.analysis.stacks) -------------------------------
+
+
+@dataclass(frozen=True)
+class ThreadWait(Fact):
+    """What a thread waits in, as threads are grouped by it: not the fd or the futex word
+    (each waiter of a condition has its own)."""
+
+    status: str  # "gone", "running", "blocked" (in no syscall that was read) or "syscall"
+    syscall: str | None = None  # its name: "futex", "epoll_wait"
+    syscall_kind: str | None = None  # its kind in the syscall table: "futex", "io", ...
+    op: str | None = None  # a futex wait's operation: "WAIT_BITSET"
+    timed: bool | None = None  # its wait ends by itself; None: not known
 
 
 @dataclass(frozen=True)
@@ -321,7 +348,7 @@ class StackGroup(Fact):
     pid: int
     threads: int
     tids: tuple[int, ...]
-    wait: str  # "in futex WAIT_BITSET with no timeout" (stacks.wait_words)
+    wait: ThreadWait
     function: str  # the function of the program's own code where they wait
     file: str  # py-spy's short name: "scheduler.py", "uvicorn/server.py"
     line: int
@@ -330,7 +357,7 @@ class StackGroup(Fact):
     gil: int | None = None  # the TID among them that holds the GIL
     names: tuple[str, ...] = ()
     native: str | None = None  # the first native caller outside libc, where it says more
-    on: str | None = None  # the fds they wait on (agent.observe.fdwaits), when all wait on the same
+    on: FdWait | None = None  # the fds they all wait on, when they wait on the same
 
 
 @dataclass(frozen=True)
@@ -339,7 +366,7 @@ class NoPythonStack(Fact):
 
     pid: int
     threads: int
-    waits: tuple[tuple[str, int], ...]  # (what they wait in, threads)
+    waits: tuple[tuple[ThreadWait, int], ...]  # (what they wait in, threads)
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,10 @@
-"""What a thread blocked on file descriptors waits for, in words: the socket and its peer, the
+"""What a thread blocked on file descriptors waits for, as data: the socket and its peer, the
 pipe, the eventfd or file behind each fd of its read, accept, poll, select or epoll_wait.
 
 Read at report time from /proc (the syscall's arguments, /proc/PID/fd links, an epoll set's
-fdinfo, and for poll and select the fd lists in the thread's memory, read-only): diagnose
-asks once per waiting thread, never per tick. Bounded: at most MAX_FDS fds named per wait.
+fdinfo, and for poll and select the fd lists in the thread's memory, read-only): a report
+asks once per waiting thread, never per tick. Bounded: at most MAX_FDS fds kept per wait.
+agent.report.fds says it in words.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Iterable, Mapping
 
-from ..model import ProcessSample
+from ..model import FdLink, FdWait, ProcessSample, SocketPeer
 from ..sources.procfs import ProcFS
 from ..sources.tcpinfo import TCP_LISTEN
 from ..syscalls import EPOLL, FUTEX, ONE_FD, POLL, SELECT, fd_layout, wait_kind
@@ -21,15 +22,14 @@ MAX_POLL = 64  # pollfd entries read from a poll(2) list
 MAX_SELECT_BYTES = 128  # of a select(2) read set: fds up to 1024, FD_SETSIZE
 
 
-def describe_fd(target: str | None, fd: int, sockets: Mapping[int, str] | None = None) -> str:
-    """One fd in words, from its /proc/PID/fd link; a socket by what ``sockets`` (inode ->
-    words, see Sockets) knows of it."""
+def fd_name(target: str | None, fd: int) -> str:
+    """An fd by its /proc/PID/fd link, as evidence names it: "a pipe (fd 3)", "the terminal
+    /dev/pts/1", "/var/log/x.log (fd 3)"; a socket, whose peer the link does not say, as
+    "a socket (fd 3)"."""
     if target is None:
         return f"fd {fd}"
     if target.startswith("socket:["):
-        inner = target[8:-1]
-        known = (sockets or {}).get(int(inner)) if inner.isdigit() else None
-        return f"{known or 'a socket'} (fd {fd})"
+        return f"a socket (fd {fd})"
     if target.startswith("pipe:"):
         return f"a pipe (fd {fd})"
     if target == "anon_inode:[eventfd]":
@@ -43,18 +43,27 @@ def describe_fd(target: str | None, fd: int, sockets: Mapping[int, str] | None =
     return f"{target} (fd {fd})"
 
 
-def sockets(proc: ProcFS, pid: int) -> dict[int, str]:
-    """Inode -> words for the sockets of the process's network namespace: TCP by peer or
+def sockets(proc: ProcFS, pid: int) -> dict[int, SocketPeer]:
+    """Inode -> what each socket of the process's network namespace is: TCP by peer or
     listening port, unix sockets by their bound path (the side that connected has none)."""
-    out: dict[int, str] = {}
+    out: dict[int, SocketPeer] = {}
     for s in proc.tcp_sockets(pid):
         if s.state == TCP_LISTEN:
-            out[s.inode] = f"the listening socket on port {s.port}"
+            out[s.inode] = SocketPeer("listening", port=s.port)
         elif s.remote_port:
-            out[s.inode] = f"a socket to {s.remote_address}:{s.remote_port}"
+            out[s.inode] = SocketPeer("tcp", port=s.remote_port, address=s.remote_address)
     for inode, path in proc.unix_socket_paths(pid).items():
-        out[inode] = f"the unix socket {path}"
+        out[inode] = SocketPeer("unix", path=path)
     return out
+
+
+def fd_link(target: str | None, fd: int, known: Mapping[int, SocketPeer] | None = None) -> FdLink:
+    """One fd, with its socket's peer where ``known`` (inode -> peer, see sockets) has it."""
+    peer = None
+    if target is not None and target.startswith("socket:["):
+        inner = target[8:-1]
+        peer = (known or {}).get(int(inner)) if inner.isdigit() else None
+    return FdLink(fd, fd_name(target, fd), peer)
 
 
 def _read(proc: ProcFS, pid: int, addr: int, size: int) -> bytes | None:
@@ -87,10 +96,10 @@ def waited_on(
     proc: ProcFS,
     pid: int,
     tid: int,
-    known: Mapping[int, str] | None = None,
-) -> str | None:
-    """What the thread's blocking syscall waits on, in words; None when it waits on no fd or
-    nothing could be read. ``known``: the process's sockets (``sockets``), read once."""
+    known: Mapping[int, SocketPeer] | None = None,
+) -> FdWait | None:
+    """What the thread's blocking syscall waits on; None when it waits on no fd or nothing
+    could be read. ``known``: the process's sockets (``sockets``), read once."""
     sc = proc.thread_syscall(pid, tid)
     if sc is None or not sc.args:
         return None
@@ -108,22 +117,21 @@ def waited_on(
     fds = [fd for fd in fds if 0 <= fd < 1 << 31]
     if not fds:
         return None
-    named = [describe_fd(proc.fd_target(pid, fd), fd, known) for fd in fds[:MAX_FDS]]
-    more = f" and {len(fds) - MAX_FDS} more fds" if len(fds) > MAX_FDS else ""
-    return ", ".join(named) + more
+    links = tuple(fd_link(proc.fd_target(pid, fd), fd, known) for fd in fds[:MAX_FDS])
+    return FdWait(links, max(0, len(fds) - MAX_FDS))
 
 
-def waits_on(proc: ProcFS, samples: Iterable[ProcessSample]) -> dict[tuple[int, int], str]:
+def waits_on(proc: ProcFS, samples: Iterable[ProcessSample]) -> dict[tuple[int, int], FdWait]:
     """(pid, tid) -> what each thread blocked on fds waits on, for every thread of
     ``samples`` that is (a futex wait has no fd)."""
     out = {}
     for p in samples:
-        known: dict[int, str] | None = None
+        known: dict[int, SocketPeer] | None = None
         for t in p.threads:
             if t.blocked and t.syscall is not None and wait_kind(t.syscall) != FUTEX:
                 if known is None:
                     known = sockets(proc, p.pid)  # once per process, and only if needed
                 what = waited_on(proc, p.pid, t.tid, known)
-                if what:
+                if what is not None:
                     out[(p.pid, t.tid)] = what
     return out

@@ -76,7 +76,7 @@ def describe_fd(target: str | None, fd: int) -> str:
     """What an fd is, in words, from its /proc/PID/fd link: a file by its path alone."""
     if target is not None and target.startswith("/") and not target.startswith("/dev/"):
         return target
-    return fdwords.describe_fd(target, fd)
+    return fdwords.fd_name(target, fd)
 
 
 @dataclass(frozen=True)

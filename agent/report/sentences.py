@@ -6,14 +6,14 @@ writes, so a phrase is changed here or nowhere.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Iterable, Sequence
 
 from ..analysis import evidence as ev
 from ..model import plural
-
-NS = 1_000_000_000
+from .fds import fds_words
 
 
 def seconds(s: float) -> str:
@@ -57,7 +57,8 @@ def _all_threads(n: int, processes: int = 1) -> str:
     return who + (f" of {processes} processes" if processes > 1 else "")
 
 
-def _labels(labels: Sequence[tuple[str, str]]) -> str:
+def labels_text(labels: Sequence[tuple[str, str]]) -> str:
+    """' [rank=1 world_size=2]' for a rank's job labels; '' for a process without them."""
     return " [" + " ".join(f"{k}={v}" for k, v in labels) + "]" if labels else ""
 
 
@@ -70,159 +71,282 @@ _SINCE = {
 }
 
 
+@functools.singledispatch
 def render(f: ev.Fact) -> str:
-    if isinstance(f, ev.CpuWork):
-        return f"{plural(f.threads, 'thread')} used CPU ({f.cpu_s:.2f} CPU-s in {f.window_s:.1f} s)"
-    if isinstance(f, ev.WroteOut):
-        return f"wrote {size(f.bytes)} to files or clients in {f.window_s:.1f} s"
-    if isinstance(f, ev.Heartbeat):
-        return (
-            f"wrote only {size(f.bytes)} to {f.to} in {f.window_s:.1f} s and did nothing else: "
-            "a status write, not progress"
-        )
-    if isinstance(f, ev.ReceivedIn):
-        return f"received {size(f.bytes)} from outside the service in {f.window_s:.1f} s"
-    if isinstance(f, ev.Accepted):
-        return f"accepted {plural(f.connections, 'connection')}"
-    if isinstance(f, ev.GpuActive):
-        if f.utilization > 0:
-            return f"{gpu_list(f.gpus)}: {f.utilization:.0%} SM utilisation"
-        verb = "grew" if f.memory_change > 0 else "shrank"
-        return f"GPU memory {verb} by {gb(abs(f.memory_change))} (loading?)"
-    if isinstance(f, ev.NotParked):
-        return f"{f.running} of {plural(f.threads, 'thread')} not parked"
-    if isinstance(f, ev.ProcessWorks):
-        return f"process {f.pid} ({f.comm}): {'; '.join(render(x) for x in f.facts)}"
-    if isinstance(f, ev.PeersParked):
-        return (
-            f"{plural(f.processes, 'other process', 'other processes')} parked while a "
-            "peer works: not a stall"
-        )
-    if isinstance(f, ev.AllParked):
-        return (
-            f"{_all_threads(f.threads, f.processes)} parked for {seconds(f.seconds)}, "
-            "no progress in the window"
-        )
-    if isinstance(f, ev.WaitingForRequests):
-        return (
-            f"listening on port {_ports(f.ports)} with an empty accept queue: waiting for requests"
-        )
-    if isinstance(f, ev.WorkWaiting):
-        pend = []
-        if f.queued:
-            pend.append(f"{plural(f.queued, 'connection')} waiting in the accept queue")
-        if f.unread:
-            pend.append(f"{plural(f.unread, 'byte')} of requests unread")
-        if f.unanswered:
-            pend.append(f"{plural(f.unanswered, 'request')} unanswered for {seconds(f.oldest_s)}")
-        where = "connections accepted on port" if f.accepted_only else "listening on port"
-        return f"{where} {_ports(f.ports)}: " + " and ".join(pend)
-    if isinstance(f, ev.WorkWaited):
-        return (
-            f"listening on port {_ports(f.ports)}: a request waited {seconds(f.age_s)} ago "
-            "and went unanswered (a client that gave up or retries), not idle"
-        )
-    if isinstance(f, ev.NoFrontDoor):
-        return "no front door: nothing outside the service is waiting to be served"
-    if isinstance(f, ev.PastThreshold):
-        past = f"past the {seconds(f.threshold_s)} threshold"
-        if f.since in _SINCE:
-            return f"no progress for {seconds(f.stuck_s)} (since {_SINCE[f.since]}), {past}"
-        return past
-    if isinstance(f, ev.UnderThreshold):
-        return f"no progress for {seconds(f.stuck_s)}, under the {seconds(f.threshold_s)} threshold"
-    if isinstance(f, ev.LastProgress):
-        verb = {
-            "write": "last write out of the service",
-            "sent": "last data sent",
-            "received": "last data received",
-            "ran": "last thread to run stopped",
-        }.get(f.what, f.what)
-        to = {"write": "to", "sent": "to", "received": "from", "ran": ":"}.get(f.what, "")
-        return f"{verb} {seconds(f.age_s)} ago {to} {f.target} (pid {f.pid})".replace(" : ", ": ")
-    if isinstance(f, ev.ParkedGroup):
-        if f.owner_kind == "join":
-            owner = f"joining thread {f.owner}"
-        elif f.owner:
-            owner = f"{f.owner_kind} held by {f.owner}"
-        else:
-            owner = "no owner"
-        since = f" for {seconds(f.age_s)}" if f.age_s is not None else ""
-        where = f" across {f.processes} processes" if f.processes > 1 else ""
-        return (
-            f"{plural(f.threads, 'thread')} parked on one word {_word(f.uaddr, f.word)} ({f.op})"
-            f"{where}, {owner}{since}"
-        )
-    if isinstance(f, ev.CycleLink):
-        return (
-            f"{f.tid} ({f.name}) waits for {f.lock_kind} {_word(f.uaddr, f.word)} held by {f.owner}"
-        )
-    if isinstance(f, ev.LockCycle):
-        links = "; ".join(render(x) for x in f.links)
-        return f"lock cycle of {plural(len(f.links), 'thread')}: {links}"
-    if isinstance(f, ev.NoWaker):
-        since = f" for {seconds(f.age_s)}" if f.age_s is not None else ""
-        return (
-            f"process {f.pid} ({f.comm}): {_all_threads(f.threads)} wait{'s' if f.threads == 1 else ''}"
-            f"{since} on {plural(f.words, 'process-private futex word')} with no timeout, the "
-            "same in two reads: no thread of it can wake another and no other process can "
-            "reach them; only a signal can end it"
-        )
-    if isinstance(f, ev.MoreNoWaker):
-        return f"and {plural(f.processes, 'other process', 'other processes')} like them"
-    if isinstance(f, ev.CyclesStable):
-        where = "among its threads" if f.among_threads else "stable across two reads"
-        return f"{plural(f.cycles, 'lock cycle')} {where}"
-    if isinstance(f, ev.Doors):
-        if not (f.front or f.plumbing):
-            return "no listener"
-        parts = []
-        if f.front:
-            s = "s" if len(f.front) > 1 else ""
-            parts.append(f"front door{s} " + ", ".join(f"{p} ({w})" for p, w in f.front))
-        if f.plumbing:
-            parts.append("not front doors: " + ", ".join(f"{p} ({w})" for p, w in f.plumbing))
-        return "; ".join(parts)
-    if isinstance(f, ev.ListeningSince):
-        return f"port {f.port} listening since {f.at}"
-    if isinstance(f, ev.LastWrite):
-        return f"last write {f.age_s:.0f} s ago, to {f.target} (pid {f.pid})"
-    if isinstance(f, ev.GpuIdle):
-        each = (
-            f"{gb(f.memory_each)} held each"
-            if f.memory_each is not None
-            else f"{gb(f.memory_total)} held"
-        )
-        return f"{gpu_list(f.gpus)}: 0% for {f.idle_s:.0f} s, {each}"
-    if isinstance(f, ev.GpuSpin):
-        return (
-            f"{gpu_list(f.gpus)} at {f.utilization:.0%} or more for {f.seconds:.0f} s while "
-            "every host thread is parked: a collective spinning on the GPU?"
-        )
-    if isinstance(f, ev.WaitsWithService):
-        return f"waits with its service, which is {f.state}"
-    if isinstance(f, ev.Exited):
-        return "exited while watched" if f.pid is None else f"process {f.pid} exited while watched"
-    if isinstance(f, ev.NothingLeft):
-        return "nothing left to watch"
-    if isinstance(f, ev.Culprit):
-        return f"held up by process {f.pid} ({f.comm}){_labels(f.labels)}: {culprit_why(f)}"
-    if isinstance(f, ev.ProcessWaits):
-        return process_waits(f)
-    if isinstance(f, ev.StackGroup):
-        return stack_group(f)
-    if isinstance(f, ev.NoPythonStack):
-        what = ", ".join(f"{n} {w}" for w, n in f.waits)
-        return f"{plural(f.threads, 'thread')} with no Python frames ({what})"
-    if isinstance(f, ev.StacksUnread):
-        return f"Python stacks of process {f.pid} not read: {f.why}"
-    if isinstance(f, ev.PyLockHint):
-        return lock_hint(f)
-    if isinstance(f, ev.LockAt):
-        return f"thread {f.tid} at {_lock_site(f)}"
-    if isinstance(f, ev.MoreStackGroups):
-        return f"and {plural(f.groups, 'other stack')} ({plural(f.threads, 'thread')})"
+    """A record in words: each kind of record has its function below, registered for its
+    type; a kind with none is told by its name ("brand new thing")."""
     return f.kind.replace("_", " ")
+
+
+@render.register
+def _(f: ev.CpuWork) -> str:
+    return f"{plural(f.threads, 'thread')} used CPU ({f.cpu_s:.2f} CPU-s in {f.window_s:.1f} s)"
+
+
+@render.register
+def _(f: ev.WroteOut) -> str:
+    return f"wrote {size(f.bytes)} to files or clients in {f.window_s:.1f} s"
+
+
+@render.register
+def _(f: ev.Heartbeat) -> str:
+    return (
+        f"wrote only {size(f.bytes)} to {f.to} in {f.window_s:.1f} s and did nothing else: "
+        "a status write, not progress"
+    )
+
+
+@render.register
+def _(f: ev.ReceivedIn) -> str:
+    return f"received {size(f.bytes)} from outside the service in {f.window_s:.1f} s"
+
+
+@render.register
+def _(f: ev.Accepted) -> str:
+    return f"accepted {plural(f.connections, 'connection')}"
+
+
+@render.register
+def _(f: ev.GpuActive) -> str:
+    if f.utilization > 0:
+        return f"{gpu_list(f.gpus)}: {f.utilization:.0%} SM utilisation"
+    verb = "grew" if f.memory_change > 0 else "shrank"
+    return f"GPU memory {verb} by {gb(abs(f.memory_change))} (loading?)"
+
+
+@render.register
+def _(f: ev.NotParked) -> str:
+    return f"{f.running} of {plural(f.threads, 'thread')} not parked"
+
+
+@render.register
+def _(f: ev.ProcessWorks) -> str:
+    return f"process {f.pid} ({f.comm}): {'; '.join(render(x) for x in f.facts)}"
+
+
+@render.register
+def _(f: ev.PeersParked) -> str:
+    return (
+        f"{plural(f.processes, 'other process', 'other processes')} parked while a "
+        "peer works: not a stall"
+    )
+
+
+@render.register
+def _(f: ev.AllParked) -> str:
+    return (
+        f"{_all_threads(f.threads, f.processes)} parked for {seconds(f.seconds)}, "
+        "no progress in the window"
+    )
+
+
+@render.register
+def _(f: ev.WaitingForRequests) -> str:
+    return f"listening on port {_ports(f.ports)} with an empty accept queue: waiting for requests"
+
+
+@render.register
+def _(f: ev.WorkWaiting) -> str:
+    pend = []
+    if f.queued:
+        pend.append(f"{plural(f.queued, 'connection')} waiting in the accept queue")
+    if f.unread:
+        pend.append(f"{plural(f.unread, 'byte')} of requests unread")
+    if f.unanswered:
+        pend.append(f"{plural(f.unanswered, 'request')} unanswered for {seconds(f.oldest_s)}")
+    where = "connections accepted on port" if f.accepted_only else "listening on port"
+    return f"{where} {_ports(f.ports)}: " + " and ".join(pend)
+
+
+@render.register
+def _(f: ev.WorkWaited) -> str:
+    return (
+        f"listening on port {_ports(f.ports)}: a request waited {seconds(f.age_s)} ago "
+        "and went unanswered (a client that gave up or retries), not idle"
+    )
+
+
+@render.register
+def _(f: ev.NoFrontDoor) -> str:
+    return "no front door: nothing outside the service is waiting to be served"
+
+
+@render.register
+def _(f: ev.PastThreshold) -> str:
+    past = f"past the {seconds(f.threshold_s)} threshold"
+    if f.since in _SINCE:
+        return f"no progress for {seconds(f.stuck_s)} (since {_SINCE[f.since]}), {past}"
+    return past
+
+
+@render.register
+def _(f: ev.UnderThreshold) -> str:
+    return f"no progress for {seconds(f.stuck_s)}, under the {seconds(f.threshold_s)} threshold"
+
+
+_LAST = {
+    "write": "last write out of the service",
+    "sent": "last data sent",
+    "received": "last data received",
+    "ran": "last thread to run stopped",
+}
+_LAST_TO = {"write": "to", "sent": "to", "received": "from", "ran": ":"}
+
+
+@render.register
+def _(f: ev.LastProgress) -> str:
+    verb, to = _LAST.get(f.what, f.what), _LAST_TO.get(f.what, "")
+    return f"{verb} {seconds(f.age_s)} ago {to} {f.target} (pid {f.pid})".replace(" : ", ": ")
+
+
+@render.register
+def _(f: ev.ParkedGroup) -> str:
+    if f.owner_kind == "join":
+        owner = f"joining thread {f.owner}"
+    elif f.owner:
+        owner = f"{f.owner_kind} held by {f.owner}"
+    else:
+        owner = "no owner"
+    since = f" for {seconds(f.age_s)}" if f.age_s is not None else ""
+    where = f" across {f.processes} processes" if f.processes > 1 else ""
+    return (
+        f"{plural(f.threads, 'thread')} parked on one word {_word(f.uaddr, f.word)} ({f.op})"
+        f"{where}, {owner}{since}"
+    )
+
+
+@render.register
+def _(f: ev.CycleLink) -> str:
+    return f"{f.tid} ({f.name}) waits for {f.lock_kind} {_word(f.uaddr, f.word)} held by {f.owner}"
+
+
+@render.register
+def _(f: ev.LockCycle) -> str:
+    links = "; ".join(render(x) for x in f.links)
+    return f"lock cycle of {plural(len(f.links), 'thread')}: {links}"
+
+
+@render.register
+def _(f: ev.NoWaker) -> str:
+    since = f" for {seconds(f.age_s)}" if f.age_s is not None else ""
+    return (
+        f"process {f.pid} ({f.comm}): {_all_threads(f.threads)} wait{'s' if f.threads == 1 else ''}"
+        f"{since} on {plural(f.words, 'process-private futex word')} with no timeout, the "
+        "same in two reads: no thread of it can wake another and no other process can "
+        "reach them; only a signal can end it"
+    )
+
+
+@render.register
+def _(f: ev.MoreNoWaker) -> str:
+    return f"and {plural(f.processes, 'other process', 'other processes')} like them"
+
+
+@render.register
+def _(f: ev.CyclesStable) -> str:
+    where = "among its threads" if f.among_threads else "stable across two reads"
+    return f"{plural(f.cycles, 'lock cycle')} {where}"
+
+
+@render.register
+def _(f: ev.Doors) -> str:
+    if not (f.front or f.plumbing):
+        return "no listener"
+    parts = []
+    if f.front:
+        s = "s" if len(f.front) > 1 else ""
+        parts.append(f"front door{s} " + ", ".join(f"{p} ({w})" for p, w in f.front))
+    if f.plumbing:
+        parts.append("not front doors: " + ", ".join(f"{p} ({w})" for p, w in f.plumbing))
+    return "; ".join(parts)
+
+
+@render.register
+def _(f: ev.ListeningSince) -> str:
+    return f"port {f.port} listening since {f.at}"
+
+
+@render.register
+def _(f: ev.LastWrite) -> str:
+    return f"last write {f.age_s:.0f} s ago, to {f.target} (pid {f.pid})"
+
+
+@render.register
+def _(f: ev.GpuIdle) -> str:
+    each = (
+        f"{gb(f.memory_each)} held each"
+        if f.memory_each is not None
+        else f"{gb(f.memory_total)} held"
+    )
+    return f"{gpu_list(f.gpus)}: 0% for {f.idle_s:.0f} s, {each}"
+
+
+@render.register
+def _(f: ev.GpuSpin) -> str:
+    return (
+        f"{gpu_list(f.gpus)} at {f.utilization:.0%} or more for {f.seconds:.0f} s while "
+        "every host thread is parked: a collective spinning on the GPU?"
+    )
+
+
+@render.register
+def _(f: ev.WaitsWithService) -> str:
+    return f"waits with its service, which is {f.state}"
+
+
+EXITED = "exited while watched"
+
+
+@render.register
+def _(f: ev.Exited) -> str:
+    return EXITED if f.pid is None else f"process {f.pid} {EXITED}"
+
+
+@render.register
+def _(f: ev.NothingLeft) -> str:
+    return "nothing left to watch"
+
+
+@render.register
+def _(f: ev.Culprit) -> str:
+    return f"held up by process {f.pid} ({f.comm}){labels_text(f.labels)}: {culprit_why(f)}"
+
+
+@render.register
+def _(f: ev.ThreadWait) -> str:
+    return wait_words(f)
+
+
+@render.register
+def _(f: ev.NoPythonStack) -> str:
+    # In the order of their words, as the waits were once keyed by them.
+    what = ", ".join(f"{n} {w}" for w, n in sorted((wait_words(w), n) for w, n in f.waits))
+    return f"{plural(f.threads, 'thread')} with no Python frames ({what})"
+
+
+@render.register
+def _(f: ev.StacksUnread) -> str:
+    return f"Python stacks of process {f.pid} not read: {f.why}"
+
+
+@render.register
+def _(f: ev.LockAt) -> str:
+    return f"thread {f.tid} at {_lock_site(f)}"
+
+
+@render.register
+def _(f: ev.MoreStackGroups) -> str:
+    return f"and {plural(f.groups, 'other stack')} ({plural(f.threads, 'thread')})"
+
+
+def wait_words(w: ev.ThreadWait) -> str:
+    """ "in futex WAIT_BITSET with no timeout", "in epoll_wait", "running", "gone": what a
+    thread waits in, as a group of threads is told by it."""
+    if w.status != "syscall":
+        return w.status
+    how = "" if w.timed is None else " with a timeout" if w.timed else " with no timeout"
+    op = f" {w.op}" if w.op else ""
+    return f"in {w.syscall}{op}{how}"
 
 
 def _word(uaddr: int, word: str | None) -> str:
@@ -249,19 +373,21 @@ def _lock_site(w: ev.LockAt) -> str:
     return f"{_at(w.code, f'`{w.function}`')} ({w.file}:{w.line})"
 
 
+@render.register
 def stack_group(f: ev.StackGroup) -> str:
     """ "14 threads at `Queue.get` (scheduler.py:212) in `event_loop`, in futex WAIT_BITSET
     with no timeout": the line of the program's own code, and what it called there."""
     what = f"`{f.callee}`" if f.callee else _at(f.code, f"`{f.function}`")
-    on = f" on {f.on}" if f.on else ""
+    on = f" on {fds_words(f.on)}" if f.on is not None else ""
     native = f" (native: {f.native})" if f.native else ""
     gil = f", thread {f.gil} holds the GIL" if f.gil is not None else ""
     return (
         f"{plural(f.threads, 'thread')} at {what} ({f.file}:{f.line}) in `{f.function}`, "
-        f"{f.wait}{on}{native}{gil}: {who(list(zip(f.tids, f.names)))}"
+        f"{wait_words(f.wait)}{on}{native}{gil}: {who(list(zip(f.tids, f.names)))}"
     )
 
 
+@render.register
 def lock_hint(f: ev.PyLockHint) -> str:
     """ "2 threads of process 9 wait with no timeout at `with self.b:` (sched.py:154) and
     `with self.a:` (sched.py:160) on 2 lock words, all since 05:13:06: a Python lock cycle?" """
@@ -293,6 +419,7 @@ def culprit_why(f: ev.Culprit) -> str:
     )
 
 
+@render.register
 def process_waits(f: ev.ProcessWaits) -> str:
     """'waits: 3 threads on futex with no timeout (the oldest 95 s), 1 in epoll_wait, ...'"""
     parts = []

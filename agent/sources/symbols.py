@@ -27,15 +27,12 @@ import time
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from elftools.common.exceptions import ELFError
 from elftools.elf.elffile import ELFFile
 
-from ..analysis import evidence as ev
-from ..analysis.classify import ServiceVerdict
-from ..model import Snapshot
 from . import confined
 from .procfs import MemMap, ProcessMemory, ProcFS
 
@@ -595,67 +592,3 @@ def caller_outside_libc(pid: int, tid: int, proc: ProcFS) -> NativeFrame | None:
         return NativeFrame(_object_name(found.path), ret - _load_base(maps, found), name, ret)
     except _FAILURES:
         return None
-
-
-# --- naming the words in evidence --------------------------------------------------------
-
-
-def name_words(
-    facts: Iterable[ev.Fact],
-    pid_of: Callable[[int], int | None],
-    describe: Callable[[int, int], str | None],
-) -> list[ev.Fact]:
-    """The records, with the futex words of lock cycles and parked groups named where the
-    process's memory says what they are (``describe``: (pid, address) -> its name, as
-    describe_address gives it). ``pid_of``: a waiting TID -> its process."""
-    seen: dict[tuple[int, int], str | None] = {}
-
-    def word(pid: int | None, uaddr: int) -> str | None:
-        if pid is None:
-            return None
-        if (pid, uaddr) not in seen:
-            seen[(pid, uaddr)] = describe(pid, uaddr)
-        return seen[(pid, uaddr)]
-
-    def link(x: ev.CycleLink) -> ev.CycleLink:
-        return x if x.word is not None else replace(x, word=word(pid_of(x.tid), x.uaddr))
-
-    def named(f: ev.Fact) -> ev.Fact:
-        if isinstance(f, ev.CycleLink):
-            return link(f)
-        if isinstance(f, ev.LockCycle):
-            return replace(f, links=tuple(link(x) for x in f.links))
-        return f
-
-    return [named(f) for f in facts]
-
-
-def native_caller(pid: int, tid: int, proc: ProcFS) -> str | None:
-    """The first native caller outside libc, in words, unless it is the Python interpreter
-    itself (every Python lock and GIL wait comes from there: the Python stack says more)."""
-    frame = caller_outside_libc(pid, tid, proc)
-    if frame is None or frame.object.startswith(("python", "libpython")):
-        return None
-    return str(frame)
-
-
-def named_verdicts(
-    verdicts: list[ServiceVerdict], snap: Snapshot, proc: ProcFS
-) -> list[ServiceVerdict]:
-    """The verdicts with the futex words of their lock cycles named from the processes'
-    memory ("`abba_a` in libabba.so+0x40a0"): the classifier works on numbers alone."""
-    pid_of = {t.tid: p.pid for p in snap.processes.values() for t in p.threads}.get
-
-    def describe(pid: int, addr: int) -> str | None:
-        return describe_address(pid, addr, proc)
-
-    return [
-        replace(
-            v,
-            reasons=name_words(v.reasons, pid_of, describe),
-            processes=[
-                replace(p, reasons=name_words(p.reasons, pid_of, describe)) for p in v.processes
-            ],
-        )
-        for v in verdicts
-    ]

@@ -20,20 +20,13 @@ from typing import Any
 import pytest
 
 from agent.analysis import evidence as ev
+from agent.analysis.stacks import group_stacks, lock_cycle_hint, lock_waiters, stack_facts
 from agent.model import ProcessSample, Snapshot
 from agent.observe.sampler import Sampler
-from agent.report.sentences import reasons
+from agent.report.sentences import reasons, wait_words
 from agent.sources.probe import kernel_headers
 from agent.sources.procfs import ProcFS
-from agent.sources.pystacks import (
-    SourceLines,
-    find_reader,
-    group_stacks,
-    lock_cycle_hint,
-    lock_waiters,
-    read_stacks,
-    stack_facts,
-)
+from agent.sources.pystacks import SourceLines, find_reader, read_stacks
 from scripts.fixturelib import Fixture, tasks, wait_until
 from scripts.realsw import ptrace_stop
 from tests.privileged.harness import Untouched
@@ -316,7 +309,8 @@ def test_a_stuck_service_is_read_by_its_own_lines_without_stopping_it(service, w
     pool = next(g for g in groups if workers[0] in g.tids)
     assert sorted(pool.tids) == sorted(workers)
     # glibc's sem_wait waits with FUTEX_WAIT_BITSET; the op is told, whichever it is
-    assert re.fullmatch(r"in futex [A-Z_]+ with no timeout", pool.wait), pool.wait
+    said = wait_words(pool.wait)
+    assert re.fullmatch(r"in futex [A-Z_]+ with no timeout", said), said
     site = pool.thread.site()
     assert site is not None
     callee, at = site

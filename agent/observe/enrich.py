@@ -1,0 +1,53 @@
+"""The reads a report makes beyond its snapshot, all in one place: the Python stacks of its
+processes, the first native caller of the threads it asks about, the fds its threads blocked
+on wait on, and what its futex words are. `diagnose` and the daemon's flight record both read
+through here, once per report, and hand the result (agent.model.Enrichment) to the analysis
+and the renderer as plain data: nothing past this step reads /proc.
+
+What to read is the report's to say (agent.model.Wanted): which threads and words matter
+depends on the stacks, so ``gather`` reads the stacks first and then asks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+from ..model import Enrichment, ProcessSample, StackRead, Wanted
+from ..settings import STACKS_BUDGET_S
+from ..sources.procfs import ProcFS
+from ..sources.pystacks import SourceLines, read_many
+from ..sources.symbols import caller_outside_libc, describe_address
+from .fdwaits import waits_on
+
+
+def native_caller(proc: ProcFS, pid: int, tid: int) -> str | None:
+    """The first native caller outside libc, by its names, unless it is the Python
+    interpreter itself (every Python lock and GIL wait comes from there: the Python stack
+    says more)."""
+    frame = caller_outside_libc(pid, tid, proc)
+    if frame is None or frame.object.startswith(("python", "libpython")):
+        return None
+    return str(frame)
+
+
+def gather(
+    proc: ProcFS,
+    samples: Mapping[int, ProcessSample],
+    stacks_of: Sequence[int],
+    wanted: Callable[[Mapping[int, StackRead]], Wanted],
+    budget_s: float = STACKS_BUDGET_S,
+    source: SourceLines | None = None,
+) -> Enrichment:
+    """Read the Python stacks of ``stacks_of`` (within ``budget_s``), then what ``wanted``
+    asks given them. ``samples``: the snapshot's processes by pid; fd waits are read only
+    for those (a process gone since has no fds to ask about)."""
+    stacks = read_many(stacks_of, budget_s, proc, source) if stacks_of else {}
+    asks = wanted(stacks)
+    natives: dict[tuple[int, int], str] = {}
+    for pid, tid in asks.natives:
+        caller = native_caller(proc, pid, tid)
+        if caller:
+            natives[(pid, tid)] = caller
+    words = {(pid, addr): describe_address(pid, addr, proc) for pid, addr in asks.words}
+    fds = waits_on(proc, (samples[pid] for pid in asks.fds if pid in samples))
+    return Enrichment(stacks, natives, fds, words)
