@@ -7,8 +7,15 @@ from dataclasses import replace
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agent.analysis.waitgraph import WaitForGraph, owner_candidate, strongly_connected
-from agent.model import FUTEX_WAIT_BITSET, FutexWait, LockRead, Refusal, ThreadSample
+from agent.analysis.waitgraph import WaitForGraph, strongly_connected
+from agent.model import (
+    FUTEX_WAIT_BITSET,
+    FutexWait,
+    LockRead,
+    Refusal,
+    ThreadSample,
+    owner_candidate,
+)
 from tests.synth import on_mutex, on_pi, parked, process, running, snapshot
 
 

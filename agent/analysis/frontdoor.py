@@ -60,7 +60,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from ..model import DEFAULT_EPHEMERAL_FROM, Connection, ProcessSample
+from ..model import DEFAULT_EPHEMERAL_FROM, Connection, ProcessSample, endpoint
 from . import evidence as ev
 
 
@@ -101,18 +101,6 @@ class FrontDoors:
             tuple((d.port, d.reason) for d in self.doors if d.front),
             tuple((d.port, d.reason) for d in self.doors if not d.front),
         )
-
-
-def _host(address: str) -> str:
-    """An IPv4-mapped IPv6 address as the IPv4 address: one connection, two tables."""
-    if address.startswith("::ffff:") and "." in address:
-        return address[len("::ffff:") :]
-    return address
-
-
-def endpoint(address: str, port: int) -> tuple[str, int]:
-    """(address, port) of one end of a connection, IPv4-mapped addresses as IPv4."""
-    return _host(address), port
 
 
 def _local(c: Connection) -> tuple[str, int]:

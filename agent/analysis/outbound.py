@@ -18,8 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from ..model import Connection, ProcessSample
-from .frontdoor import endpoint
+from ..model import Connection, ProcessSample, endpoint
 
 FILE = "file"
 TERMINAL = "terminal"

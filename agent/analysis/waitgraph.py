@@ -12,21 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from ..model import (
-    FUTEX_TID_MASK,
-    FUTEX_WAIT,
-    FUTEX_WAIT_BITSET,
-    FUTEX_WAITERS,
-    PI_LOCK_OPS,
-    LockRead,
-    ProcessSample,
-    Snapshot,
-    ThreadSample,
-)
-
-# glibc pthread_mutex_t.__kind: type (0-3) | robust 16 | PI 32 | PP 64 | pshared 128 | elision 256/512
-_MUTEX_KIND_BITS = 0x3 | 0x10 | 0x20 | 0x40 | 0x80 | 0x100 | 0x200
-_GLIBC_CONTENDED = 2  # a glibc lock word with waiters; waiters sleep expecting exactly this
+from ..model import ProcessSample, Snapshot, ThreadSample, owner_candidate
 
 
 @dataclass(frozen=True)
@@ -37,66 +23,6 @@ class WaitEdge:
     uaddr: int
     waiter_pid: int
     owner_pid: int
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """An owner a thread's lock words name, before the owner is known to be alive."""
-
-    owner: int
-    kind: str
-    uaddr: int
-
-
-def _plausible_mutex_kind(lock: LockRead) -> bool:
-    return lock.kind_field is not None and (lock.kind_field & ~_MUTEX_KIND_BITS) == 0
-
-
-def owner_candidate(thread: ThreadSample) -> Candidate | None:
-    """The owner the lock words name, if their shape is that of a lock with an owner.
-
-    Liveness of the named TID is checked by the caller; everything else is here.
-    """
-    if thread.refused is not None and thread.refused.lock is not None:
-        owner = thread.refused.lock.word & FUTEX_TID_MASK
-        return Candidate(owner, "pi-refused", thread.refused.uaddr) if owner else None
-    wait, lock = thread.wait, thread.lock
-    if wait is None or wait.vector or lock is None:
-        return None
-    if wait.op in PI_LOCK_OPS:
-        owner = lock.word & FUTEX_TID_MASK
-        return Candidate(owner, "pi", wait.uaddr) if owner else None
-    if wait.op not in (FUTEX_WAIT, FUTEX_WAIT_BITSET):
-        return None  # WAIT_REQUEUE_PI: a condvar wait; the PI mutex comes later
-    if lock.word != wait.val:
-        return None  # the word moved on: this waiter is being woken, not blocked by it
-    word = lock.word
-    if (
-        word == _GLIBC_CONTENDED
-        and lock.owner_field
-        and lock.users_field  # a locked glibc mutex counts its user
-        and _plausible_mutex_kind(lock)
-    ):
-        return Candidate(lock.owner_field, "mutex", wait.uaddr)
-    tid_part = word & FUTEX_TID_MASK
-    if tid_part and word & FUTEX_WAITERS and lock.owner_field == tid_part:
-        return Candidate(tid_part, "robust-mutex", wait.uaddr)  # robust: the word is the TID
-    if tid_part and word == tid_part and tid_part != thread.tid:
-        # pthread_join waits on the TID word; the graph checks that the word lies in
-        # the joined thread's own stack mapping, where glibc keeps its descriptor.
-        return Candidate(tid_part, "join", wait.uaddr)
-    return None
-
-
-def owner_candidates(snapshot_processes: Iterable[ProcessSample]) -> set[int]:
-    """TIDs named as owners: the sampler checks which of them are alive."""
-    out = set()
-    for p in snapshot_processes:
-        for t in p.threads:
-            c = owner_candidate(t)
-            if c is not None:
-                out.add(c.owner)
-    return out
 
 
 def strongly_connected(nodes: Iterable[int], succ: Mapping[int, Iterable[int]]) -> list[list[int]]:

@@ -37,7 +37,8 @@ from ..settings import Settings
 from ..sources.procfs import ProcFS
 from ..sources.protocols import ProbeSource
 from . import fdwaits as fdwords
-from .sampler import Sampler, descendants
+from .discovery import descendants
+from .sampler import Sampler
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,6 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
-from ..analysis.frontdoor import endpoint
-from ..analysis.waitgraph import owner_candidates
 from ..model import (
     FUTEX_CMD_MASK,
     FUTEX_WAIT_BITSET,
@@ -24,7 +22,9 @@ from ..model import (
     Refusal,
     Snapshot,
     ThreadSample,
+    endpoint,
     is_blocked,
+    owner_candidate,
 )
 from ..sources.procfs import (
     SYS_FUTEX,
@@ -45,22 +45,9 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")  # /proc/PID/stat counts starttime in these
 FUTEX_SYSCALLS = frozenset({SYS_FUTEX, SYS_FUTEX_WAIT, SYS_FUTEX_WAITV})
 
 
-def descendants(proc: ProcFS, roots: Iterable[int]) -> dict[int, list[int]]:
-    """root -> [root, its descendants...] from one pass over /proc's ppids."""
-    children: dict[int, list[int]] = {}
-    for pid in proc.pids():
-        st = proc.stat(pid)
-        if st is not None:
-            children.setdefault(st.ppid, []).append(pid)
-    out = {}
-    for root in roots:
-        members, todo = [], [root]
-        while todo:
-            pid = todo.pop()
-            members.append(pid)
-            todo.extend(children.get(pid, ()))
-        out[root] = members
-    return out
+def owner_candidates(processes: Iterable[ProcessSample]) -> set[int]:
+    """TIDs that lock words name as owners: the snapshot checks which of them are alive."""
+    return {c.owner for p in processes for t in p.threads if (c := owner_candidate(t))}
 
 
 def seeded_wait(sc: SyscallLine | None) -> FutexWait | None:
