@@ -228,6 +228,15 @@ def endpoint(address: str, port: int) -> tuple[str, int]:
     return address, port
 
 
+@dataclass(frozen=True)
+class WrittenFd:
+    """An fd a process holds open for writing to a file, a pipe or a terminal."""
+
+    fd: int
+    target: str  # its /proc/PID/fd link
+    mtime: float  # wall-clock seconds: when what it points to was last modified
+
+
 # The kernel's default start of net.ipv4.ip_local_port_range.
 DEFAULT_EPHEMERAL_FROM = 32768
 # torchrun's own default (torch/distributed/run.py): the static rendezvous's store port when

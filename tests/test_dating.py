@@ -14,24 +14,14 @@ import pytest
 from agent.analysis import evidence as ev
 from agent.analysis.last_progress import last_progress
 from agent.analysis.outbound import ServiceEnds, received_from_outside
-from agent.model import Connection, ProcessSample, ThreadSample
-from agent.sources.procfs import ProcFS, WrittenFd
+from agent.model import Connection, ProcessSample, ThreadSample, WrittenFd
+from agent.sources.procfs import ProcFS
 from tests.synth import S, parked, process, running
 
 NOW = 1000 * S  # the snapshot's monotonic clock
 WALL = 1_700_000_000.0  # and its wall clock
 WINDOW_START = NOW - 5 * S
 FRONT = frozenset({8000})
-
-
-class FakeProcFS:
-    """Only what last_progress reads: the fds each process holds open for writing."""
-
-    def __init__(self, written: Mapping[int, Sequence[WrittenFd]] | None = None) -> None:
-        self.written = dict(written or {})
-
-    def written_fds(self, pid: int) -> list[WrittenFd]:
-        return list(self.written.get(pid, ()))
 
 
 def conn(
@@ -66,7 +56,7 @@ def with_conns(p: ProcessSample, *conns: Connection) -> ProcessSample:
 
 
 def ends_of(samples: Iterable[ProcessSample], pipes_inside: frozenset[int] = frozenset()):
-    return ServiceEnds((c for s in samples for c in s.connections), lambda i: i in pipes_inside)
+    return ServiceEnds((c for s in samples for c in s.connections), pipes_inside)
 
 
 def date(
@@ -76,7 +66,7 @@ def date(
     pipes_inside: frozenset[int] = frozenset(),
 ) -> ev.LastProgress | None:
     return last_progress(
-        FakeProcFS(written), samples, ends_of(samples, pipes_inside), front, NOW, WALL, WINDOW_START
+        samples, written or {}, ends_of(samples, pipes_inside), front, NOW, WALL, WINDOW_START
     )
 
 

@@ -9,7 +9,7 @@ threshold), and stalled otherwise.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..model import Connection, Listener, ProcessSample
@@ -91,9 +91,10 @@ class Evidence:
 
     cycles: Sequence[ev.LockCycle] = ()  # each stable lock cycle (for a deadlock)
     parked: Sequence[ev.Fact] = ()  # the largest parked groups, listen times, last writes
-    # Dates the most recent progress before the window (None: nothing dated), asked only
-    # when a parked service is not idle: it has made none for at least that long.
-    last_progress: Callable[[], ev.LastProgress | None] | None = None
+    # The most recent progress dated before the window (None: nothing dated, or not looked
+    # for): a parked service that is not idle has made none for at least that long. The
+    # caller dates only where it counts (see rests_on_time).
+    last_progress: ev.LastProgress | None = None
     # How long ago work last waited at its front doors, when that was within the window
     # (None: not in the window): a service is idle only if nothing waited in all of it.
     demand_age_s: float | None = None
@@ -320,15 +321,14 @@ def _parked_state(
     doors: Iterable[Listener],
     unread: int,
     unanswered: Sequence[Connection] = (),
-    dating: Callable[[], ev.LastProgress | None] | None = None,
+    last_progress: ev.LastProgress | None = None,
     demand_age_s: float | None = None,
 ) -> tuple[str, list[ev.Fact], float]:
     """Nothing progresses: idle when a front door has nothing waiting at it; otherwise
     stalled once past the threshold, and still progressing under it. ``unanswered``: accepted
     connections on its front doors that wait for an answer (see waiting_for_answer). Evidence
     carries its own age (DESIGN): the oldest unanswered request, and ``last_progress``, the
-    most recent dated progress before the window (``dating`` finds it), date a hang older
-    than the observation.
+    most recent dated progress before the window, date a hang older than the observation.
     Returns the state, its reasons, and that time without progress (seconds)."""
     doors = list(doors)
     queued = sum(lst.queued for lst in doors)
@@ -339,7 +339,6 @@ def _parked_state(
     if doors and not (queued or unread or unanswered or waited):
         reasons.append(ev.WaitingForRequests(ports))
         return IDLE, reasons, max(parked.seconds, oldest_s)
-    last_progress = dating() if dating is not None else None
     dated = [(parked.seconds, "parked"), (oldest_s, "request")]
     if last_progress is not None:
         dated.append((last_progress.age_s, last_progress.what))
@@ -389,13 +388,20 @@ def classify_service(
     return v
 
 
+def rests_on_time(v: ServiceVerdict) -> bool:
+    """Whether the service's verdict was judged by its time without progress: quiet, not
+    idle, nothing proven. Only then can progress dated before the window (Evidence's
+    last_progress) change it, so only then is it worth an fd walk to date."""
+    return any(isinstance(r, (ev.PastThreshold, ev.UnderThreshold)) for r in v.reasons)
+
+
 def _classify_service(
     root: int,
     procs: Sequence[ProcessFacts],
     threshold_s: float,
     gone: Sequence[int],
     root_gone: bool,
-    dating: Callable[[], ev.LastProgress | None] | None,
+    last_progress: ev.LastProgress | None,
     demand_age_s: float | None = None,
 ) -> ServiceVerdict:
     verdicts = [classify_process(f, threshold_s) for f in procs]
@@ -447,7 +453,7 @@ def _classify_service(
         [lst for f in procs for lst in front_doors(f.sample, f.front_door_ports)],
         sum(unread_requests(f.sample, f.front_door_ports) for f in procs),
         unanswered,
-        dating,
+        last_progress,
         demand_age_s,
     )
     idle_gpu = gpu_idle({f.sample.pid: f.gpu for f in procs if f.gpu is not None})

@@ -22,6 +22,7 @@ from ..model import (
     Refusal,
     Snapshot,
     ThreadSample,
+    WrittenFd,
     endpoint,
     is_blocked,
     owner_candidate,
@@ -392,3 +393,37 @@ class Sampler:
                         for c in p.connections
                     )
                     processes[pid] = replace(p, connections=conns)
+
+    # --- reads asked for between snapshots --------------------------------------------------
+    # What the Observer needs only sometimes (a pipe written, a quiet service to date, a
+    # process proven hopeless): read here, on its request, so that every /proc read of a
+    # tick is the sampler's and the analysis is handed data only.
+
+    def fd_targets(self, fds: Iterable[tuple[int, int]]) -> dict[tuple[int, int], str]:
+        """(pid, fd) -> what the fd points to now, for those still open."""
+        return {k: t for k in fds if (t := self.proc.fd_target(*k)) is not None}
+
+    def pipes_read(self, pids: Iterable[int]) -> frozenset[int]:
+        """Inodes of the pipes that any of ``pids`` holds open for reading."""
+        return frozenset().union(*(self.proc.pipes_read(pid) for pid in pids))
+
+    def written_files(self, pids: Iterable[int]) -> dict[int, tuple[WrittenFd, ...]]:
+        """pid -> the fds it holds open for writing to a file, a pipe or a terminal, with
+        their mtimes (an fd walk per process)."""
+        return {pid: tuple(self.proc.written_fds(pid)) for pid in pids}
+
+    def with_posix_timers(self, pids: Iterable[int]) -> frozenset[int]:
+        """Those of ``pids`` that hold a POSIX timer (agent.analysis.nowaker)."""
+        return frozenset(pid for pid in pids if self.proc.has_posix_timers(pid))
+
+    def listening_port(self, pid: int, fd: int) -> int | None:
+        """The TCP port of the process's socket ``fd`` (one the kernel chose at bind)."""
+        target = self.proc.fd_target(pid, fd)
+        if not target or not target.startswith("socket:["):
+            return None
+        inode = int(target[8:-1])
+        return next((s.port for s in self.proc.tcp_sockets(pid) if s.inode == inode), None)
+
+    def alive(self, pids: Iterable[int]) -> frozenset[int]:
+        """Those of ``pids`` that still exist (a stat each)."""
+        return frozenset(pid for pid in pids if self.proc.stat(pid) is not None)

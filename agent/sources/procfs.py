@@ -15,7 +15,13 @@ import struct
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from ..model import DEFAULT_EPHEMERAL_FROM, TORCHRUN_DEFAULT_MASTER_PORT, Plumbing, TcpInfo
+from ..model import (
+    DEFAULT_EPHEMERAL_FROM,
+    TORCHRUN_DEFAULT_MASTER_PORT,
+    Plumbing,
+    TcpInfo,
+    WrittenFd,
+)
 from .tcpinfo import read_tcp_info
 
 SYS_FUTEX = 202  # x86-64 syscall numbers: /proc/.../syscall reports them raw
@@ -69,13 +75,6 @@ class SyscallLine:
     args: tuple[int, ...]
     sp: int | None = None  # user stack pointer
     pc: int | None = None  # user program counter: the instruction after the syscall
-
-
-@dataclass(frozen=True)
-class WrittenFd:
-    fd: int
-    target: str  # its /proc/PID/fd link
-    mtime: float  # wall-clock seconds
 
 
 @dataclass(frozen=True)
