@@ -258,7 +258,7 @@ class Daemon:
                     v.pid,
                     old or "new",
                     v.state,
-                    "; ".join(v.words),
+                    "; ".join(map(render, v.reasons)),
                 )
                 if v.state in (STALLED, DEADLOCKED) and self.cfg.stacks and budget > 0:
                     budget -= self._log_stacks(key[0], v, tick, budget)

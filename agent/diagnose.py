@@ -207,7 +207,7 @@ def to_json(
                 "pid": v.pid,
                 "state": v.state,
                 "cycles": [list(c) for c in v.cycles],
-                "reasons": v.words,
+                "reasons": reasons(v.reasons),
                 # The same reasons as records: each kind's fields, ages in seconds
                 "evidence": [as_json(f) for f in v.reasons],
                 "culprit": as_json(v.culprit) if v.culprit is not None else None,

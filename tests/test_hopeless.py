@@ -12,6 +12,7 @@ from agent.analysis.progress import ProcessProgress
 from agent.model import FutexWait, ProbeReading, Snapshot, ThreadSample
 from agent.observe.observer import Observer, Scope
 from agent.observe.sampler import Sampler
+from agent.report.sentences import reasons
 from tests.synth import parked, process
 
 EPOLL, CLOCK_NANOSLEEP, READ = 232, 230, 0
@@ -138,9 +139,9 @@ def test_a_hopeless_process_makes_its_service_deadlocked_at_once():
         ProcessFacts(stuck, replace(prog, pid=20), 3, 0.5, hopeless=True),
     ]
     v = classify_service(10, facts, 60, evidence=Evidence())
-    assert v.state == DEADLOCKED, v.words
+    assert v.state == DEADLOCKED, reasons(v.reasons)
     assert v.culprit is not None and v.culprit.pid == 20 and v.culprit.why == "no waker"
-    assert any("only a signal can end it" in r for r in v.words)
+    assert any("only a signal can end it" in r for r in reasons(v.reasons))
     assert [p.state for p in v.processes] == [DEADLOCKED, DEADLOCKED]
     calm = [replace(f, hopeless=False) for f in facts]
     assert classify_service(10, calm, 60).state != DEADLOCKED

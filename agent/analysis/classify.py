@@ -13,7 +13,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..model import Connection, Listener, ProcessSample
-from ..report.sentences import reasons
 from ..sources.syscalls import FUTEX, syscall_name, wait_kind
 from . import evidence as ev
 from .gpu import ProcessGpu
@@ -57,10 +56,6 @@ class ProcessVerdict:
         False  # deadlocked because no thread of it can be woken (agent.analysis.nowaker)
     )
 
-    @property
-    def words(self) -> list[str]:
-        return reasons(self.reasons)
-
 
 @dataclass
 class ServiceVerdict:
@@ -78,10 +73,6 @@ class ServiceVerdict:
     seconds_since_progress: float = 0.0
     oldest_request_s: float = 0.0  # how long its oldest unanswered request has waited
     culprit: ev.Culprit | None = None  # the process that holds it up, when one is known
-
-    @property
-    def words(self) -> list[str]:
-        return reasons(self.reasons)
 
 
 @dataclass(frozen=True)
