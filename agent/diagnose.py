@@ -11,13 +11,13 @@ from typing import TextIO
 
 from . import session as session_mod
 from .analysis.classify import PROGRESSING, ServiceVerdict, parked_group
-from .analysis.evidence import NoPythonStack, ParkedGroup, UnderThreshold, as_json
+from .analysis.evidence import NoPythonStack, ParkedGroup, UnderThreshold
 from .errors import UsageError
 from .model import ProbeEvent, plural
 from .observe.discovery import env_labels
 from .observe.fdwaits import waits_on
 from .observe.observer import Scope, Tick
-from .report.sentences import reasons, render, who
+from .report.sentences import evidence_json, reasons, render, who
 from .session import Session
 from .settings import DURATION, PARK_THRESHOLD, Settings
 from .sources.procfs import ProcFS
@@ -209,8 +209,8 @@ def to_json(
                 "cycles": [list(c) for c in v.cycles],
                 "reasons": reasons(v.reasons),
                 # The same reasons as records: each kind's fields, ages in seconds
-                "evidence": [as_json(f) for f in v.reasons],
-                "culprit": as_json(v.culprit) if v.culprit is not None else None,
+                "evidence": [evidence_json(f) for f in v.reasons],
+                "culprit": evidence_json(v.culprit) if v.culprit is not None else None,
                 "seconds_since_progress": round(v.seconds_since_progress, 3),
                 "unanswered_requests": v.unanswered_requests,
                 "gone": v.gone,
@@ -223,8 +223,8 @@ def to_json(
                         "parked_seconds": round(p.parked_seconds, 3),
                         "state": p.state,
                         "reasons": reasons(p.reasons),
-                        "evidence": [as_json(f) for f in p.reasons],
-                        "waits": as_json(p.waits) if p.waits is not None else None,
+                        "evidence": [evidence_json(f) for f in p.reasons],
+                        "waits": evidence_json(p.waits) if p.waits is not None else None,
                         "listening_ports": list(p.listening_ports),
                         # RANK, LOCAL_RANK, WORLD_SIZE, ...: the daemon's allow-listed labels
                         "labels": dict((labels or {}).get(p.pid, {})),

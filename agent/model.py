@@ -294,10 +294,6 @@ class ProcessSample:
     plumbing: Plumbing = field(default_factory=Plumbing)  # its distributed-job hints
     age_s: float | None = None  # how long ago it started (starttime against the boot clock)
 
-    @property
-    def plumbing_ports(self) -> frozenset[int]:
-        return self.plumbing.ports
-
     def thread(self, tid: int) -> ThreadSample | None:
         for t in self.threads:
             if t.tid == tid:

@@ -10,7 +10,9 @@ snapshot it happened or began), never how to phrase it.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
+from enum import Enum
 from typing import Any
 
 
@@ -23,16 +25,26 @@ class Fact:
         return re.sub(r"(?<!^)(?=[A-Z])", "_", type(self).__name__).lower()
 
 
-def as_json(f: Fact) -> dict[str, Any]:
+def _as_they_are(_f: Fact) -> Mapping[str, Any]:
+    return {}
+
+
+def as_json(f: Fact, said: Callable[[Fact], Mapping[str, Any]] = _as_they_are) -> dict[str, Any]:
+    """The record's fields for ``--json``, floats rounded, nested records included. ``said``
+    gives, by field name, the fields the report writes in words instead (a front door's why,
+    a clock time: agent.report.sentences.evidence_json)."""
     out: dict[str, Any] = {"kind": f.kind}
+    words = said(f)
     for fl in fields(f):
         v = getattr(f, fl.name)
-        if isinstance(v, float):
+        if fl.name in words:
+            v = words[fl.name]
+        elif isinstance(v, float):
             v = round(v, 3)
         elif isinstance(v, tuple):
-            v = [as_json(x) if isinstance(x, Fact) else x for x in v]
+            v = [as_json(x, said) if isinstance(x, Fact) else x for x in v]
         elif isinstance(v, Fact):
-            v = as_json(v)
+            v = as_json(v, said)
         out[fl.name] = v
     return out
 
@@ -174,9 +186,18 @@ class LastProgress(Fact):
     wait that began then and has not woken since)."""
 
     what: str  # "write" | "sent" | "received" | "ran"
-    target: str  # the file, peer or thread
+    # The fd link of the file, the peer's "address:port", or the thread that ran
+    target: str | Thread
     pid: int
     age_s: float
+
+
+@dataclass(frozen=True)
+class Thread:
+    """A thread, by TID and name (its comm)."""
+
+    tid: int
+    name: str
 
 
 @dataclass(frozen=True)
@@ -232,18 +253,57 @@ class CyclesStable(Fact):
     among_threads: bool = False  # a process's own view: "among its threads"
 
 
+class DoorRule(Enum):
+    """The rule of agent.analysis.frontdoor that decided whether a port is a front door."""
+
+    DECLARED = "declared"  # among the config's front doors
+    NOT_DECLARED = "not declared"  # the config names others
+    NONE_DECLARED = "none declared"  # the config says the service has none
+    PLUMBING = "plumbing"  # named by a process's MASTER_PORT or a launcher's flag
+    JOB_EPHEMERAL = "job ephemeral"  # an ephemeral port held by a rank or a launcher
+    KERNEL_CHOSEN = "kernel chosen"  # bound to port 0, no connection
+    NAMED = "named"  # named on the root's command line, no connection yet
+    BY_NUMBER = "by number"  # below the ephemeral range, no connection yet
+    UNNAMED_EPHEMERAL = "unnamed ephemeral"  # in the ephemeral range, unnamed, no connection
+    CLIENTS = "clients"  # a peer from outside the service connects to it
+    PEERS_INSIDE = "peers inside"  # every peer is a process of the service
+
+
+@dataclass(frozen=True)
+class Holder:
+    """A process of a distributed job, as the front-door rules name it."""
+
+    pid: int
+    comm: str
+    launcher: str | None = None  # "torchrun": torch's launcher (an elastic agent)
+    rank: bool = False  # a torch.distributed rank (it has MASTER_PORT)
+
+
+@dataclass(frozen=True)
+class DoorWhy:
+    """Why a port is a front door or not: the rule, with what it saw."""
+
+    rule: DoorRule
+    holder: Holder | None = None  # PLUMBING, JOB_EPHEMERAL: the process that names or holds it
+    flag: str | None = None  # PLUMBING: "MASTER_PORT", "--master-port", "--rdzv-endpoint"
+    peer: tuple[str, int] | None = None  # CLIENTS: the first client from outside
+    more: int = 0  # CLIENTS: how many other connections from outside
+    pids: tuple[int, ...] = ()  # PEERS_INSIDE: the processes at the other ends
+    ephemeral_from: int | None = None  # UNNAMED_EPHEMERAL: the range's start
+
+
 @dataclass(frozen=True)
 class Doors(Fact):
     """Which listeners are front doors, and why (see agent.analysis.frontdoor)."""
 
-    front: tuple[tuple[int, str], ...]  # (port, why)
-    plumbing: tuple[tuple[int, str], ...]
+    front: tuple[tuple[int, DoorWhy], ...]  # (port, why)
+    plumbing: tuple[tuple[int, DoorWhy], ...]
 
 
 @dataclass(frozen=True)
 class ListeningSince(Fact):
     port: int
-    at: str  # local clock time
+    at: float  # wall-clock seconds (time.time()) of the listen
 
 
 @dataclass(frozen=True)

@@ -77,5 +77,5 @@ def last_progress(
                 and t.last_ran_ns < window_start_ns
             ):
                 age = (now_ns - t.last_ran_ns) / 1e9
-                found.append(ev.LastProgress("ran", f"thread {t.tid} ({t.name})", s.pid, age))
+                found.append(ev.LastProgress("ran", ev.Thread(t.tid, t.name), s.pid, age))
     return min(found, key=lambda x: x.age_s, default=None)

@@ -7,7 +7,6 @@ update park times. Verdicts are then computed over a window of ticks.
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -181,8 +180,7 @@ class ListenHistory:
             for port in sorted({lst.port for lst in p.listeners} if p else ()):
                 ns = self.since.get((pid, port))
                 if ns is not None:
-                    at = time.strftime("%H:%M:%S", time.localtime(snap.wall_of(ns)))
-                    out.append(ev.ListeningSince(port, at))
+                    out.append(ev.ListeningSince(port, snap.wall_of(ns)))
         return out
 
 
