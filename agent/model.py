@@ -113,6 +113,26 @@ class ThreadSample:
     def blocked(self) -> bool:
         return is_blocked(self.state)
 
+    # When a wait began: two rules, on purpose. The probe dates a wait's start exactly;
+    # se.exec_start (last_ran_ns) is the thread's last run, which may come before the wait
+    # began (it ran, then waited) but never after, while it still waits.
+
+    @property
+    def wait_start_ns(self) -> int | None:
+        """When its wait began, as the report gives it: the probe's start, or else (a wait
+        seeded from /proc, begun before the probe attached) when the thread last ran."""
+        if self.wait is not None and self.wait.since_ns:
+            return self.wait.since_ns
+        return self.last_ran_ns
+
+    @property
+    def quiet_since_ns(self) -> int | None:
+        """The earliest that its current wait is known to reach back to: the earlier of the
+        probe's start and its last run. A lower bound on how long it has done nothing, for
+        park times and wait ages, which must never be overstated."""
+        known = [ns for ns in (self.wait.since_ns if self.wait else None, self.last_ran_ns) if ns]
+        return min(known) if known else None
+
 
 # glibc pthread_mutex_t.__kind: type (0-3) | robust 16 | PI 32 | PP 64 | pshared 128 | elision 256/512
 _MUTEX_KIND_BITS = 0x3 | 0x10 | 0x20 | 0x40 | 0x80 | 0x100 | 0x200

@@ -257,8 +257,8 @@ def no_waker(s: ProcessSample, waits: ev.ProcessWaits | None) -> ev.NoWaker:
 
 def process_waits(s: ProcessSample, now_ns: int) -> ev.ProcessWaits:
     """What the threads of a process wait in, counted by syscall and timeout; with the age
-    of its oldest untimed futex wait (the probe's start, or when the thread last ran), and of
-    each untimed futex wait but those of pools parked since start-up (ProcessWaits)."""
+    of its oldest untimed futex wait (from ThreadSample.quiet_since_ns), and of each untimed
+    futex wait but those of pools parked since start-up (ProcessWaits)."""
     counts: Counter[tuple[str, bool | None]] = Counter()
     running, oldest, main = 0, None, None
     ages: list[float] = []
@@ -269,9 +269,9 @@ def process_waits(s: ProcessSample, now_ns: int) -> ev.ProcessWaits:
         name = syscall_name(t.syscall) if t.syscall is not None and t.syscall >= 0 else "no syscall"
         counts[(name, t.timed)] += 1
         if wait_kind(t.syscall) == FUTEX and t.timed is False:
-            began = [ns for ns in (t.wait.since_ns if t.wait else None, t.last_ran_ns) if ns]
-            if began:
-                age = max(0.0, (now_ns - min(began)) / 1e9)
+            began = t.quiet_since_ns
+            if began is not None:
+                age = max(0.0, (now_ns - began) / 1e9)
                 oldest = age if oldest is None else max(oldest, age)
                 if s.age_s is None or age <= s.age_s - STARTUP_S:  # else parked since start-up
                     ages.append(age)

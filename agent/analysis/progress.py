@@ -195,13 +195,13 @@ class ParkTracker:
 
 
 def _last_ran(t: ThreadSample, now_ns: int) -> int:
-    """When a thread first seen last did anything: the start of the wait it is in (the
-    probe saw it begin) or when it last ran, whichever is earlier; ``now_ns`` for a
-    running thread, or when neither is known."""
+    """When a thread first seen last did anything: since its wait is known to reach back
+    (ThreadSample.quiet_since_ns); ``now_ns`` for a running thread, or when that is not
+    known."""
     if not t.blocked:
         return now_ns
-    known = [ns for ns in (t.last_ran_ns, t.wait.since_ns if t.wait else None) if ns]
-    return min([now_ns, *known])
+    since = t.quiet_since_ns
+    return now_ns if since is None else min(now_ns, since)
 
 
 def window_progress(
