@@ -351,7 +351,8 @@ class Culprit(Fact):
 
     pid: int
     comm: str
-    why: str  # "cycle" | "no waker" | "own waits" (see classify.find_culprit)
+    why: str  # "cycle" | "no waker" | "own waits" (see agent.analysis.culprit)
+    # Its job labels (rank=1): never filled yet, and kept, empty, for the key of --json
     labels: tuple[tuple[str, str], ...] = ()
     threads: int = 0  # its threads in untimed futex waits
     age_s: float | None = None  # the oldest of those waits

@@ -72,7 +72,6 @@ class ProcessProgress:
     # answered serves nobody; an answer is a write to a client).
     accepts: int | None = None
     gpu: ev.GpuActive | None = None  # what its GPUs did, when they were active
-    notes: tuple[str, ...] = ()
 
     @property
     def logged_bytes(self) -> int:
@@ -222,12 +221,10 @@ def window_progress(
     writes per fd (without a probe: /proc/PID/io, which counts every write), ``answered``
     the part of it sent to clients and ``written_to`` the file written most; ``received``
     what it received from outside (see ProcessProgress.received_bytes)."""
-    notes: tuple[str, ...] = ()
     if old is not None and old.start_ticks != new.start_ticks:
         old = None  # the PID was reused: all of the new process is new
     if old is None:
         # Started within the window: everything it did so far was done in it.
-        notes = ("started in this window",)
         old = ProcessSample(new.pid, new.ppid, new.comm, new.start_ticks, (), 0)
     floor = settings.floor_ns(window_ns)
     old_cpu = {t.tid: t.cpu_ns for t in old.threads}
@@ -252,5 +249,4 @@ def window_progress(
         written_to=written_to,
         accepts=accepts,
         gpu=gpu,
-        notes=notes,
     )
