@@ -427,6 +427,20 @@ def _classify_service(
         return _waiters_take(ServiceVerdict(root, PROGRESSING, reasons, cycles, verdicts))
     if not procs:
         return ServiceVerdict(root, PROGRESSING, [ev.NothingLeft()], cycles, verdicts, True)
+    v = _parked_service(root, procs, threshold_s, last_progress, demand_age_s)
+    v.processes = verdicts
+    return _waiters_take(v)
+
+
+def _parked_service(
+    root: int,
+    procs: Sequence[ProcessFacts],
+    threshold_s: float,
+    last_progress: ev.LastProgress | None,
+    demand_age_s: float | None,
+) -> ServiceVerdict:
+    """A service none of whose processes works: idle, stalled, or under the threshold, by
+    what waits at its front doors and its time without progress (_parked_state)."""
     parked_s = min(f.parked_seconds for f in procs)
     threads = sum(len(f.sample.threads) for f in procs)
     unanswered = sorted(
@@ -445,10 +459,10 @@ def _classify_service(
     idle_gpu = gpu_idle({f.sample.pid: f.gpu for f in procs if f.gpu is not None})
     if idle_gpu:
         reasons.append(idle_gpu)
-    v = ServiceVerdict(root, state, reasons, cycles, verdicts)
+    v = ServiceVerdict(root, state, reasons, [], [])
     v.unanswered_requests, v.seconds_since_progress = len(unanswered), stuck_s
     v.oldest_request_s = oldest_request_s(unanswered)
-    return _waiters_take(v)
+    return v
 
 
 def _waiters_take(v: ServiceVerdict) -> ServiceVerdict:

@@ -63,6 +63,21 @@ def find_culprit(v: ServiceVerdict, procs: Sequence[ProcessFacts]) -> ev.Culprit
         ]
         n, neg_pid = max(held)
         return ev.Culprit(-neg_pid, comm[-neg_pid], "cycle") if n else None
+    scored = _scored_by_own_waits(v, procs)
+    scored.sort(key=lambda x: x[0], reverse=True)
+    if not scored:
+        return None
+    lead, untimed, age, pid = scored[0]
+    if lead[0] < 1 or (len(scored) > 1 and scored[1][0] >= lead):
+        return None
+    return ev.Culprit(pid, comm[pid], "own waits", threads=untimed, age_s=age)
+
+
+def _scored_by_own_waits(
+    v: ServiceVerdict, procs: Sequence[ProcessFacts]
+) -> list[tuple[tuple[int, bool, bool], int, float | None, int]]:
+    """Rule 2 of find_culprit, per process: (its lead, its untimed waits, the oldest's age,
+    its PID), dated where the waits and the service's stop are (see find_culprit)."""
     scored = []
     # When it stopped: a service idle until a request came stopped serving when it came.
     stop = v.oldest_request_s or v.seconds_since_progress
@@ -87,13 +102,7 @@ def find_culprit(v: ServiceVerdict, procs: Sequence[ProcessFacts]) -> ev.Culprit
         timed = sum(n for _name, timed, n in f.waits.waits if timed)
         lead = (untimed - timed, False, False)
         scored.append((lead, untimed, f.waits.oldest_untimed_s, f.sample.pid))
-    scored.sort(key=lambda x: x[0], reverse=True)
-    if not scored:
-        return None
-    lead, untimed, age, pid = scored[0]
-    if lead[0] < 1 or (len(scored) > 1 and scored[1][0] >= lead):
-        return None
-    return ev.Culprit(pid, comm[pid], "own waits", threads=untimed, age_s=age)
+    return scored
 
 
 def _is_futex(name: str) -> bool:

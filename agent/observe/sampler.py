@@ -1,4 +1,9 @@
-"""Builds a Snapshot from /proc and the probe's reading: the one place that joins them."""
+"""Builds a Snapshot from /proc and the probe's reading: the one place that joins them.
+
+Every read of /proc a tick makes is here: the snapshot, and the few reads the Observer asks
+for only when it needs them (an fd's link, the pipes a service reads, the fds of a quiet
+service to date it, a proven process's POSIX timers), so the analysis is handed data only.
+"""
 
 from __future__ import annotations
 
