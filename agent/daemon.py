@@ -295,7 +295,7 @@ class Daemon:
                 v.pid,
                 old or "new",
                 v.state,
-                "; ".join(v.words),
+                "; ".join(map(render, v.reasons)),
             )
             if flight:
                 self._log_stacks(key[0], v, tick, inputs)

@@ -125,6 +125,82 @@ class ThreadSample:
     def blocked(self) -> bool:
         return is_blocked(self.state)
 
+    # When a wait began: two rules, on purpose. The probe dates a wait's start exactly;
+    # se.exec_start (last_ran_ns) is the thread's last run, which may come before the wait
+    # began (it ran, then waited) but never after, while it still waits.
+
+    @property
+    def wait_start_ns(self) -> int | None:
+        """When its wait began, as the report gives it: the probe's start, or else (a wait
+        seeded from /proc, begun before the probe attached) when the thread last ran."""
+        if self.wait is not None and self.wait.since_ns:
+            return self.wait.since_ns
+        return self.last_ran_ns
+
+    @property
+    def quiet_since_ns(self) -> int | None:
+        """The earliest that its current wait is known to reach back to: the earlier of the
+        probe's start and its last run. A lower bound on how long it has done nothing, for
+        park times and wait ages, which must never be overstated."""
+        known = [ns for ns in (self.wait.since_ns if self.wait else None, self.last_ran_ns) if ns]
+        return min(known) if known else None
+
+
+# glibc pthread_mutex_t.__kind: type (0-3) | robust 16 | PI 32 | PP 64 | pshared 128 | elision 256/512
+_MUTEX_KIND_BITS = 0x3 | 0x10 | 0x20 | 0x40 | 0x80 | 0x100 | 0x200
+_GLIBC_CONTENDED = 2  # a glibc lock word with waiters; waiters sleep expecting exactly this
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """An owner a thread's lock words name, before the owner is known to be alive."""
+
+    owner: int
+    kind: str  # "mutex", "robust-mutex", "pi", "pi-refused", "join"
+    uaddr: int
+
+
+def _plausible_mutex_kind(lock: LockRead) -> bool:
+    return lock.kind_field is not None and (lock.kind_field & ~_MUTEX_KIND_BITS) == 0
+
+
+def owner_candidate(thread: ThreadSample) -> Candidate | None:
+    """The owner the lock words name, if their shape is that of a lock with an owner.
+
+    Here rather than in the wait-for graph because the sampler needs it too: it looks up the
+    process of a named owner outside the watched ones (Snapshot.foreign_owners). Liveness of
+    the named TID is checked by the caller; everything else is here.
+    """
+    if thread.refused is not None and thread.refused.lock is not None:
+        owner = thread.refused.lock.word & FUTEX_TID_MASK
+        return Candidate(owner, "pi-refused", thread.refused.uaddr) if owner else None
+    wait, lock = thread.wait, thread.lock
+    if wait is None or wait.vector or lock is None:
+        return None
+    if wait.op in PI_LOCK_OPS:
+        owner = lock.word & FUTEX_TID_MASK
+        return Candidate(owner, "pi", wait.uaddr) if owner else None
+    if wait.op not in (FUTEX_WAIT, FUTEX_WAIT_BITSET):
+        return None  # WAIT_REQUEUE_PI: a condvar wait; the PI mutex comes later
+    if lock.word != wait.val:
+        return None  # the word moved on: this waiter is being woken, not blocked by it
+    word = lock.word
+    if (
+        word == _GLIBC_CONTENDED
+        and lock.owner_field
+        and lock.users_field  # a locked glibc mutex counts its user
+        and _plausible_mutex_kind(lock)
+    ):
+        return Candidate(lock.owner_field, "mutex", wait.uaddr)
+    tid_part = word & FUTEX_TID_MASK
+    if tid_part and word & FUTEX_WAITERS and lock.owner_field == tid_part:
+        return Candidate(tid_part, "robust-mutex", wait.uaddr)  # robust: the word is the TID
+    if tid_part and word == tid_part and tid_part != thread.tid:
+        # pthread_join waits on the TID word; the graph checks that the word lies in
+        # the joined thread's own stack mapping, where glibc keeps its descriptor.
+        return Candidate(tid_part, "join", wait.uaddr)
+    return None
+
 
 @dataclass(frozen=True)
 class Listener:
@@ -174,6 +250,23 @@ class TcpInfo:
     last_data_sent_ms: int  # tcpi_last_data_sent
     bytes_received: int  # tcpi_bytes_received
     bytes_acked: int  # tcpi_bytes_acked
+
+
+def endpoint(address: str, port: int) -> tuple[str, int]:
+    """(address, port) of one end of a connection, IPv4-mapped IPv6 addresses as IPv4: one
+    connection, two tables (a socket of tcp6 and its peer's of tcp)."""
+    if address.startswith("::ffff:") and "." in address:
+        address = address[len("::ffff:") :]
+    return address, port
+
+
+@dataclass(frozen=True)
+class WrittenFd:
+    """An fd a process holds open for writing to a file, a pipe or a terminal."""
+
+    fd: int
+    target: str  # its /proc/PID/fd link
+    mtime: float  # wall-clock seconds: when what it points to was last modified
 
 
 # The kernel's default start of net.ipv4.ip_local_port_range.
@@ -232,10 +325,6 @@ class ProcessSample:
     connections: tuple[Connection, ...] = ()  # its established TCP connections
     plumbing: Plumbing = field(default_factory=Plumbing)  # its distributed-job hints
     age_s: float | None = None  # how long ago it started (starttime against the boot clock)
-
-    @property
-    def plumbing_ports(self) -> frozenset[int]:
-        return self.plumbing.ports
 
     def thread(self, tid: int) -> ThreadSample | None:
         for t in self.threads:

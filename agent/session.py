@@ -41,7 +41,7 @@ class Session:
         return self.gpu.read() if self.gpu is not None else None
 
     def tick(self, gpu: GpuReading | None) -> Tick:
-        return self.observer.tick(gpu, self.settings.window_s)
+        return self.observer.tick(gpu, self.settings)
 
     def verdicts(self) -> list[ServiceVerdict]:
         return self.observer.verdicts(self.settings)

@@ -17,6 +17,7 @@ from agent.analysis.classify import (
 )
 from agent.analysis.progress import ProcessProgress
 from agent.model import Connection, Listener
+from agent.report.sentences import reasons
 from tests.synth import parked, process
 
 LISTEN = Listener("tcp", "0.0.0.0", 8000, queued=0, backlog=128)
@@ -60,10 +61,10 @@ def test_cycle_wins_over_work():
 def test_work_in_the_window_is_progressing_with_the_signal_in_words():
     v = classify_process(facts(work="answer"), 60)
     assert v.state == PROGRESSING
-    assert any("wrote 4.0 KiB" in r for r in v.words)
+    assert any("wrote 4.0 KiB" in r for r in reasons(v.reasons))
     v = classify_process(facts(work="bigwrite"), 60)
     assert v.state == PROGRESSING
-    assert any("wrote 1.0 MiB" in r for r in v.words)
+    assert any("wrote 1.0 MiB" in r for r in reasons(v.reasons))
 
 
 def test_a_small_file_write_and_nothing_else_is_a_heartbeat_not_progress():
@@ -73,8 +74,8 @@ def test_a_small_file_write_and_nothing_else_is_a_heartbeat_not_progress():
     assert v.state == STALLED
     assert any(
         "wrote only 4.0 KiB to /var/log/engine.log in 5.0 s and did nothing else" in r
-        for r in v.words
-    ), v.words
+        for r in reasons(v.reasons)
+    ), reasons(v.reasons)
     # The same write beside CPU work is the work's log: progress
     cpu = facts(work="cpu", parked_s=61)
     p = cpu.progress
@@ -82,19 +83,21 @@ def test_a_small_file_write_and_nothing_else_is_a_heartbeat_not_progress():
         **{**cpu.__dict__, "progress": p.__class__(**{**p.__dict__, "write_bytes": 4096})}
     )
     v = classify_process(with_log, 60)
-    assert v.state == PROGRESSING and any("wrote 4.0 KiB" in r for r in v.words), v.words
+    assert v.state == PROGRESSING and any("wrote 4.0 KiB" in r for r in reasons(v.reasons)), (
+        reasons(v.reasons)
+    )
 
 
 def test_all_parked_past_threshold_is_stalled():
     v = classify_process(facts(parked_s=61), 60)
     assert v.state == STALLED
-    assert "all 3 threads parked for 61 s" in v.words[0]
+    assert "all 3 threads parked for 61 s" in reasons(v.reasons)[0]
 
 
 def test_all_parked_under_threshold_is_not_yet_stalled():
     v = classify_process(facts(parked_s=59), 60)
     assert v.state == PROGRESSING  # idle is only ever a front door with nothing waiting
-    assert "no progress for 59 s, under the 60 s threshold" in v.words
+    assert "no progress for 59 s, under the 60 s threshold" in reasons(v.reasons)
 
 
 def test_plumbing_listeners_are_no_front_door():
@@ -102,7 +105,7 @@ def test_plumbing_listeners_are_no_front_door():
     store = Listener("tcp", "0.0.0.0", 29500, queued=0, backlog=128)
     v = classify_process(facts(parked_s=61, listeners=(store,), doors=frozenset()), 60)
     assert v.state == STALLED
-    assert any("no front door" in r for r in v.words)
+    assert any("no front door" in r for r in reasons(v.reasons))
     both = (store, LISTEN)
     assert classify_process(facts(listeners=both, doors=frozenset({8000})), 60).state == IDLE
 
@@ -113,8 +116,8 @@ def test_waiting_processes_take_the_services_state():
     v = classify_service(10, server, 60)
     assert v.state == IDLE and {p.state for p in v.processes} == {IDLE}
     scheduler = v.processes[1]  # its own reasons ("no front door") no longer apply
-    assert scheduler.words[-1] == "waits with its service, which is idle"
-    assert not any("front door" in r for r in scheduler.words)
+    assert reasons(scheduler.reasons)[-1] == "waits with its service, which is idle"
+    assert not any("front door" in r for r in reasons(scheduler.reasons))
     ranks = [facts(pid=11, work="cpu", parked_n=2), facts(pid=12)]
     v = classify_service(10, ranks, 60)
     assert {p.pid: p.state for p in v.processes} == {11: PROGRESSING, 12: PROGRESSING}
@@ -125,7 +128,7 @@ def test_waiting_processes_take_the_services_state():
 def test_listener_with_empty_queue_is_idle_however_long_parked():
     v = classify_process(facts(parked_s=3600, listeners=(LISTEN,)), 60)
     assert v.state == IDLE
-    assert any("port 8000 with an empty accept queue" in r for r in v.words)
+    assert any("port 8000 with an empty accept queue" in r for r in reasons(v.reasons))
 
 
 def test_a_request_that_waited_in_the_window_keeps_a_server_from_idle():
@@ -134,8 +137,8 @@ def test_a_request_that_waited_in_the_window_keeps_a_server_from_idle():
     f = facts(parked_s=90, listeners=(LISTEN,))
     assert classify_service(10, [f], 60).state == IDLE
     v = classify_service(10, [f], 60, evidence=Evidence(demand_age_s=2.0))
-    assert v.state == STALLED, v.words
-    assert any("a request waited 2.0 s ago" in r for r in v.words)
+    assert v.state == STALLED, reasons(v.reasons)
+    assert any("a request waited 2.0 s ago" in r for r in reasons(v.reasons))
     assert classify_service(10, [f], 120, evidence=Evidence(demand_age_s=2.0)).state == PROGRESSING
 
 
@@ -152,7 +155,7 @@ def test_unread_chatter_on_internal_connections_is_no_request():
     grpc = Connection("127.0.0.1", 41000, "127.0.0.1", 46000, 2, rx_queue=218, tx_queue=0)
     sample = f.sample.__class__(**{**f.sample.__dict__, "connections": (grpc,)})
     v = classify_process(f.__class__(**{**f.__dict__, "sample": sample}), 60)
-    assert v.state == IDLE, v.words
+    assert v.state == IDLE, reasons(v.reasons)
 
 
 def test_a_thread_not_parked_is_not_a_stall():
@@ -163,7 +166,7 @@ def test_service_parked_rank_with_a_working_peer_is_progressing():
     ranks = [facts(pid=p) for p in (11, 12, 13)] + [facts(pid=14, work="cpu", parked_n=2)]
     v = classify_service(10, ranks, 60)
     assert v.state == PROGRESSING
-    assert any("parked while a peer works" in r for r in v.words)
+    assert any("parked while a peer works" in r for r in reasons(v.reasons))
     assert (v.unanswered_requests, v.seconds_since_progress) == (0, 0.0)  # it progresses
 
 
@@ -182,7 +185,7 @@ def test_service_listening_anywhere_is_idle_when_all_parked():
 def test_service_whose_root_exited_is_reported_gone():
     v = classify_service(10, [], 60, gone=[10], root_gone=True)
     assert v.gone and v.processes[0].gone
-    assert "exited" in v.words[0]
+    assert "exited" in reasons(v.reasons)[0]
 
 
 @given(
@@ -222,4 +225,4 @@ def test_service_state_follows_the_precedence(procs, threshold):
         assert v.state == STALLED
     for p in v.processes:  # a process either works, is in a cycle, or takes the service's state
         assert p.worked or p.state in (v.state, DEADLOCKED)
-    assert v.words
+    assert reasons(v.reasons)

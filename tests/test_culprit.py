@@ -1,4 +1,4 @@
-"""The process that holds a service up (agent.analysis.classify.find_culprit): properties over a few
+"""The process that holds a service up (agent.analysis.culprit.find_culprit): properties over a few
 hundred seeded random services, and the shapes its docstring was written from."""
 
 from __future__ import annotations
@@ -10,13 +10,8 @@ from dataclasses import replace
 import pytest
 
 from agent.analysis import evidence as ev
-from agent.analysis.classify import (
-    STALLED,
-    ProcessFacts,
-    ServiceVerdict,
-    find_culprit,
-    process_waits,
-)
+from agent.analysis.classify import STALLED, ProcessFacts, ServiceVerdict, process_waits
+from agent.analysis.culprit import find_culprit
 from agent.analysis.progress import ProcessProgress
 from agent.model import ProcessSample, ThreadSample
 from agent.report import sentences as words

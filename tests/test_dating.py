@@ -14,24 +14,14 @@ import pytest
 from agent.analysis import evidence as ev
 from agent.analysis.last_progress import last_progress
 from agent.analysis.outbound import ServiceEnds, received_from_outside
-from agent.model import Connection, ProcessSample, ThreadSample
-from agent.sources.procfs import ProcFS, WrittenFd
+from agent.model import Connection, ProcessSample, ThreadSample, WrittenFd
+from agent.sources.procfs import ProcFS
 from tests.synth import S, parked, process, running
 
 NOW = 1000 * S  # the snapshot's monotonic clock
 WALL = 1_700_000_000.0  # and its wall clock
 WINDOW_START = NOW - 5 * S
 FRONT = frozenset({8000})
-
-
-class FakeProcFS:
-    """Only what last_progress reads: the fds each process holds open for writing."""
-
-    def __init__(self, written: Mapping[int, Sequence[WrittenFd]] | None = None) -> None:
-        self.written = dict(written or {})
-
-    def written_fds(self, pid: int) -> list[WrittenFd]:
-        return list(self.written.get(pid, ()))
 
 
 def conn(
@@ -66,7 +56,7 @@ def with_conns(p: ProcessSample, *conns: Connection) -> ProcessSample:
 
 
 def ends_of(samples: Iterable[ProcessSample], pipes_inside: frozenset[int] = frozenset()):
-    return ServiceEnds((c for s in samples for c in s.connections), lambda i: i in pipes_inside)
+    return ServiceEnds((c for s in samples for c in s.connections), pipes_inside)
 
 
 def date(
@@ -76,7 +66,7 @@ def date(
     pipes_inside: frozenset[int] = frozenset(),
 ) -> ev.LastProgress | None:
     return last_progress(
-        FakeProcFS(written), samples, ends_of(samples, pipes_inside), front, NOW, WALL, WINDOW_START
+        samples, written or {}, ends_of(samples, pipes_inside), front, NOW, WALL, WINDOW_START
     )
 
 
@@ -116,19 +106,19 @@ def test_the_most_recent_of_several_wins() -> None:
     assert date([process(10, waiter)], log) == ev.LastProgress(
         "write", "/var/log/server.log", 10, 50.0
     )
-    assert date([process(10, waiter)]) == ev.LastProgress("ran", "thread 10 (worker)", 10, 80.0)
+    assert date([process(10, waiter)]) == ev.LastProgress("ran", ev.Thread(10, "worker"), 10, 80.0)
 
 
 def test_candidates_from_several_processes() -> None:
     a, b = process(10, untimed(10, 200)), process(20, untimed(20, 40, name="rank"))
-    assert date([a, b]) == ev.LastProgress("ran", "thread 20 (rank)", 20, 40.0)
-    assert date([b, a]) == ev.LastProgress("ran", "thread 20 (rank)", 20, 40.0)
+    assert date([a, b]) == ev.LastProgress("ran", ev.Thread(20, "rank"), 20, 40.0)
+    assert date([b, a]) == ev.LastProgress("ran", ev.Thread(20, "rank"), 20, 40.0)
 
 
 def test_a_file_write_older_than_a_thread_last_ran_loses_to_it() -> None:
     p = process(10, untimed(10, 30))
     got = date([p], {10: [WrittenFd(2, "/var/log/server.log", WALL - 100)]})
-    assert got == ev.LastProgress("ran", "thread 10 (worker)", 10, 30.0)
+    assert got == ev.LastProgress("ran", ev.Thread(10, "worker"), 10, 30.0)
 
 
 def test_a_write_from_the_future_is_dated_now() -> None:
@@ -162,20 +152,20 @@ def test_threads_in_timed_futex_waits_or_in_epoll_are_ignored() -> None:
     assert date([p]) is None
     # The same, with one untimed futex wait among them: only it dates the service.
     q = process(10, *p.threads, untimed(10, 120))
-    assert date([q]) == ev.LastProgress("ran", "thread 10 (worker)", 10, 120.0)
+    assert date([q]) == ev.LastProgress("ran", ev.Thread(10, "worker"), 10, 120.0)
 
 
 def test_only_a_main_thread_dates_the_service() -> None:
     """A runtime's pool thread wakes on a period of its own: a Ray worker's gRPC event-engine
     thread last ran 10 s ago while the actor's main thread had waited 41 s on its Event."""
     actor = process(10, untimed(10, 41, name="ray::Stuck"), untimed(11, 10, name="event_engine"))
-    assert date([actor]) == ev.LastProgress("ran", "thread 10 (ray::Stuck)", 10, 41.0)
+    assert date([actor]) == ev.LastProgress("ran", ev.Thread(10, "ray::Stuck"), 10, 41.0)
     assert date([process(10, untimed(11, 10, name="event_engine"))]) is None
 
 
 def test_futex_wait_2_counts_like_futex() -> None:
     assert date([process(10, thread(10, 455, False, 70))]) == ev.LastProgress(
-        "ran", "thread 10 (t)", 10, 70.0
+        "ran", ev.Thread(10, "t"), 10, 70.0
     )
 
 

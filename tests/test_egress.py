@@ -26,7 +26,7 @@ CLIENT_CONN = Connection("10.0.0.5", 8000, "10.0.0.9", 51000, 103, 0, 0)
 
 
 def ends(pipes_read: frozenset[int] = frozenset()) -> ServiceEnds:
-    return ServiceEnds([STORE_CLIENT, STORE_SERVER, CLIENT_CONN], lambda ino: ino in pipes_read)
+    return ServiceEnds([STORE_CLIENT, STORE_SERVER, CLIENT_CONN], pipes_read)
 
 
 def test_each_kind_of_fd_goes_where_it_says() -> None:

@@ -37,7 +37,7 @@ BY_TYPE: dict[str, Any] = {
     "tuple[int, ...]": (0, 1, 2),
     "tuple[float, ...]": (41.5, 2.25),
     "tuple[tuple[str, str], ...]": (("rank", "0"),),
-    "tuple[tuple[int, str], ...]": ((8000, "declared"),),
+    "tuple[tuple[int, DoorWhy], ...]": ((8000, ev.DoorWhy(ev.DoorRule.DECLARED)),),
     "tuple[CycleLink, ...]": LINKS,
     "tuple[Fact, ...]": NESTED,
     "tuple[tuple[str, bool | None, int], ...]": (("futex", False, 3), ("epoll_wait", None, 1)),
@@ -59,7 +59,7 @@ BY_NAME: dict[str, Any] = {
     "lock_kind": "mutex",
     "owner_kind": "mutex",
     "op": "WAIT",
-    "at": "12:00:01",
+    "at": 1_700_000_000.0,
     "target": "/var/log/server.log",
     "comm": "python",
     "name": "worker",
@@ -146,7 +146,33 @@ def test_as_json_gives_the_kind_and_every_field(cls: type[ev.Fact]) -> None:
             assert out[name] == dataclasses.asdict(v)
         else:
             assert out[name] == v
-    assert json.loads(json.dumps(out))["kind"] == f.kind  # it is JSON as it stands
+    shown = words.evidence_json(f)  # --json's form: the fields that stand for words in words
+    assert list(shown) == list(out)
+    assert json.loads(json.dumps(shown))["kind"] == f.kind  # it is JSON as it stands
+
+
+def test_json_gives_typed_fields_in_the_words_of_the_reasons() -> None:
+    doors = ev.Doors(
+        ((8000, ev.DoorWhy(ev.DoorRule.CLIENTS, peer=("10.0.0.9", 51000), more=1)),),
+        (
+            (
+                29500,
+                ev.DoorWhy(ev.DoorRule.PLUMBING, ev.Holder(11, "python", rank=True), "MASTER_PORT"),
+            ),
+        ),
+    )
+    assert words.evidence_json(doors) == {
+        "kind": "doors",
+        "front": [[8000, "clients from outside connect to it: from 10.0.0.9:51000 and 1 more"]],
+        "plumbing": [[29500, "MASTER_PORT of rank pid 11"]],
+    }
+    at = words.evidence_json(ev.ListeningSince(8000, 1_700_000_000.0))["at"]
+    assert at == words.clock(1_700_000_000.0) and re.fullmatch(r"\d\d:\d\d:\d\d", at)
+    ran = ev.LastProgress("ran", ev.Thread(10, "ray::Stuck"), 10, 41.0)
+    assert words.evidence_json(ran)["target"] == "thread 10 (ray::Stuck)"
+    assert (
+        words.render(ran) == "last thread to run stopped 41 s ago: thread 10 (ray::Stuck) (pid 10)"
+    )
 
 
 def test_as_json_rounds_floats_and_nests_facts() -> None:

@@ -7,9 +7,10 @@ from collections.abc import Iterable
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agent.analysis.frontdoor import FrontDoorConfig, front_doors
+from agent.analysis import evidence as ev
+from agent.analysis.frontdoor import Door, FrontDoorConfig, FrontDoors, front_doors
 from agent.model import Connection, Listener, Plumbing, ProcessSample, ThreadSample
-from agent.report.sentences import render
+from agent.report.sentences import door_why, render
 
 RANK = Plumbing(master_port=29500)
 NONE = Plumbing()
@@ -43,6 +44,23 @@ def proc(
     )
 
 
+def door(fd: FrontDoors, port: int) -> Door:
+    """The door of a listening port: every listening port has exactly one."""
+    (d,) = [d for d in fd.doors if d.port == port]
+    return d
+
+
+def why(fd: FrontDoors, port: int) -> str:
+    """Why the port is a front door or not, in the words of the report."""
+    return door_why(door(fd, port).why)
+
+
+def declared(fd: FrontDoors) -> bool:
+    """The config decided every door."""
+    config = {ev.DoorRule.DECLARED, ev.DoorRule.NOT_DECLARED, ev.DoorRule.NONE_DECLARED}
+    return bool(fd.doors) and all(d.why.rule in config for d in fd.doors)
+
+
 def pair(a: tuple[str, int], b: tuple[str, int]) -> tuple[tuple, tuple]:
     """Both ends of one loopback connection from ``a`` to the listener at ``b``: the
     client's socket and the accepted one."""
@@ -58,7 +76,10 @@ def test_an_idle_server_is_a_front_door_until_shown_otherwise():
     fd = front_doors([proc(1, [8000])])
     (d,) = fd.doors
     assert (d.port, d.pids, d.front, d.connections) == (8000, (1,), True, 0)
-    assert d.reason == "asked for by number, no connection yet: a front door until shown otherwise"
+    assert (
+        door_why(d.why)
+        == "asked for by number, no connection yet: a front door until shown otherwise"
+    )
     assert fd.ports == {8000}
     assert render(fd.evidence()).startswith("front door 8000 (asked for by number")
 
@@ -69,14 +90,14 @@ def test_an_unconnected_port_the_kernel_or_a_runtime_chose_is_no_front_door():
     ray_child = Plumbing(named_ports=(41234,))
     fd = front_doors([proc(1), proc(2, [41234], plumbing=ray_child)])
     (d,) = fd.doors
-    assert not d.front and "ephemeral range (from 32768)" in d.reason, d
+    assert not d.front and "ephemeral range (from 32768)" in door_why(d.why), d
     # The root naming it (the engine's --port 41234) makes it an address clients know
     root = Plumbing(named_ports=(41234,))
     fd = front_doors([proc(1, [41234], plumbing=root)])
-    assert fd.ports == {41234} and "named on the command line" in fd.doors[0].reason
+    assert fd.ports == {41234} and "named on the command line" in door_why(fd.doors[0].why)
     # Seen bound to port 0 by the probe: never, even below the ephemeral range
     fd = front_doors([proc(1, [8000])], kernel_chosen=frozenset({8000}))
-    assert fd.ports == frozenset() and "the kernel chose it" in fd.doors[0].reason
+    assert fd.ports == frozenset() and "the kernel chose it" in door_why(fd.doors[0].why)
     # An outside client on an ephemeral port: a front door, whoever chose it
     fd = front_doors([proc(1, [41234], [("127.0.0.1", 41234, "10.0.0.9", 50000)])])
     assert fd.ports == {41234}
@@ -85,9 +106,9 @@ def test_an_unconnected_port_the_kernel_or_a_runtime_chose_is_no_front_door():
 def test_a_client_from_outside_makes_a_front_door():
     # The client's socket (127.0.0.1:51000) is no process of the service.
     fd = front_doors([proc(1, [8000], [("127.0.0.1", 8000, "127.0.0.1", 51000)])])
-    d = fd.door(8000)
+    d = door(fd, 8000)
     assert d is not None and d.front and d.connections == 1
-    assert d.reason == "clients from outside connect to it: from 127.0.0.1:51000"
+    assert door_why(d.why) == "clients from outside connect to it: from 127.0.0.1:51000"
 
 
 def test_one_outside_peer_among_inside_ones_is_enough():
@@ -99,21 +120,21 @@ def test_one_outside_peer_among_inside_ones_is_enough():
             proc(2, [], [client]),
         ]
     )
-    d = fd.door(8000)
+    d = door(fd, 8000)
     assert d is not None and d.front and d.connections == 3
-    assert d.reason == "clients from outside connect to it: from 10.0.0.7:52000 and 1 more"
+    assert door_why(d.why) == "clients from outside connect to it: from 10.0.0.7:52000 and 1 more"
 
 
 def test_a_listener_whose_peers_are_the_services_own_processes_is_plumbing():
     client, accepted = pair(("127.0.0.1", 40000), ("127.0.0.1", 5000))
     fd = front_doors([proc(1, [5000], [accepted]), proc(2, [], [client])])
-    d = fd.door(5000)
+    d = door(fd, 5000)
     assert d is not None and not d.front
-    assert d.reason == "every peer is a process of the service (pid 2)"
+    assert door_why(d.why) == "every peer is a process of the service (pid 2)"
     assert fd.ports == frozenset()
     # The process's own client counts too (torchrun's agent talks to its own store).
     fd = front_doors([proc(1, [5000], [accepted, client])])
-    assert fd.door(5000).reason == "every peer is a process of the service (pid 1)"
+    assert why(fd, 5000) == "every peer is a process of the service (pid 1)"
 
 
 def test_peers_match_across_ipv4_and_ipv4_mapped_ipv6():
@@ -124,7 +145,7 @@ def test_peers_match_across_ipv4_and_ipv4_mapped_ipv6():
             proc(2, [], [("127.0.0.1", 40000, "127.0.0.1", 5000)]),
         ]
     )
-    assert not fd.door(5000).front
+    assert not door(fd, 5000).front
 
 
 def test_a_peer_is_matched_by_both_ends_not_by_a_coincidence():
@@ -136,7 +157,7 @@ def test_a_peer_is_matched_by_both_ends_not_by_a_coincidence():
             proc(2, [], [("127.0.0.1", 40000, "127.0.0.1", 6000)]),
         ]
     )
-    assert fd.door(5000).front
+    assert door(fd, 5000).front
 
 
 def test_master_port_is_plumbing_whoever_connects():
@@ -144,9 +165,9 @@ def test_master_port_is_plumbing_whoever_connects():
     # other nodes connect from outside this host's view of the service.
     agent = proc(10, [29500], [("10.0.0.1", 29500, "10.0.0.2", 41000)], comm="pt_elastic")
     fd = front_doors([agent, proc(12, plumbing=RANK), proc(11, plumbing=RANK)])
-    d = fd.door(29500)
+    d = door(fd, 29500)
     assert d is not None and not d.front
-    assert d.reason == "MASTER_PORT of rank pid 11"
+    assert door_why(d.why) == "MASTER_PORT of rank pid 11"
 
 
 def test_torchrun_flags_are_plumbing():
@@ -154,40 +175,40 @@ def test_torchrun_flags_are_plumbing():
         launcher="torchrun", flag_ports=(("--master-port", 29611), ("--rdzv-endpoint", 29400))
     )
     fd = front_doors([proc(10, [29611, 29400], plumbing=agent, comm="pt_elastic")])
-    assert fd.door(29611).reason == "--master-port of torchrun pid 10"
-    assert fd.door(29400).reason == "rendezvous endpoint of torchrun pid 10"
+    assert why(fd, 29611) == "--master-port of torchrun pid 10"
+    assert why(fd, 29400) == "rendezvous endpoint of torchrun pid 10"
     assert fd.ports == frozenset()
 
 
 def test_a_ranks_ephemeral_listener_is_a_collective_librarys():
     gloo = ("127.0.0.1", 38653)
     fd = front_doors([proc(11, [gloo], plumbing=RANK)])
-    d = fd.door(38653)
+    d = door(fd, 38653)
     assert d is not None and not d.front
-    assert d.reason == "ephemeral port of rank pid 11: a collective library's listener"
+    assert door_why(d.why) == "ephemeral port of rank pid 11: a collective library's listener"
     # A peer rank on another node connects from outside: still gloo's.
     fd = front_doors([proc(11, [gloo], [("10.0.0.1", 38653, "10.0.0.2", 50000)], plumbing=RANK)])
-    assert not fd.door(38653).front
+    assert not door(fd, 38653).front
     # The same port held by a process of no distributed job that names it: a server given
     # --port 38653. Not named, it is a port the kernel or a runtime chose (rule 5).
     served = proc(11, [gloo], plumbing=Plumbing(named_ports=(38653,)))
-    assert front_doors([served]).door(38653).front
-    assert not front_doors([proc(11, [gloo])]).door(38653).front
+    assert door(front_doors([served]), 38653).front
+    assert not door(front_doors([proc(11, [gloo])]), 38653).front
 
 
 def test_the_ephemeral_range_is_the_kernels():
     # Below the range's start, a rank's listener without connections is a front door
     # (a rank that serves HTTP on 8000, say); the range comes from the snapshot.
-    assert front_doors([proc(11, [8000], plumbing=RANK)]).door(8000).front
-    assert front_doors([proc(11, [38653], plumbing=RANK)], None, 40000).door(38653).front
-    assert not front_doors([proc(11, [38653], plumbing=RANK)], None, 30000).door(38653).front
+    assert door(front_doors([proc(11, [8000], plumbing=RANK)]), 8000).front
+    assert door(front_doors([proc(11, [38653], plumbing=RANK)], None, 40000), 38653).front
+    assert not door(front_doors([proc(11, [38653], plumbing=RANK)], None, 30000), 38653).front
 
 
 def test_torchruns_auto_assigned_store_is_plumbing():
     agent = Plumbing(launcher="torchrun")  # --standalone: localhost:0
-    d = front_doors([proc(10, [42723], plumbing=agent, comm="pt_elastic")]).door(42723)
+    d = door(front_doors([proc(10, [42723], plumbing=agent, comm="pt_elastic")]), 42723)
     assert d is not None and not d.front
-    assert d.reason == "ephemeral port of torchrun pid 10: an auto-assigned store's listener"
+    assert door_why(d.why) == "ephemeral port of torchrun pid 10: an auto-assigned store's listener"
 
 
 def test_declared_ports_win():
@@ -195,18 +216,18 @@ def test_declared_ports_win():
         [proc(1, [8000, 8001, 29500], plumbing=RANK), proc(2, [38000])],
         FrontDoorConfig(frozenset({8000, 29500, 9999})),
     )
-    assert fd.declared and fd.ports == {8000, 29500}  # 9999: declared, not listening
-    assert fd.door(29500).reason == "declared in the config"
-    assert fd.door(8001).reason == "not among the config's front doors"
-    assert not fd.door(38000).front
+    assert declared(fd) and fd.ports == {8000, 29500}  # 9999: declared, not listening
+    assert why(fd, 29500) == "declared in the config"
+    assert why(fd, 8001) == "not among the config's front doors"
+    assert not door(fd, 38000).front
 
 
 def test_declared_none_means_none():
     fd = front_doors(
         [proc(1, [8000], [("127.0.0.1", 8000, "127.0.0.1", 51000)])], FrontDoorConfig()
     )
-    assert fd.declared and fd.ports == frozenset()
-    assert fd.door(8000).reason == "the config says it has no front door"
+    assert declared(fd) and fd.ports == frozenset()
+    assert why(fd, 8000) == "the config says it has no front door"
     assert render(fd.evidence()) == "not front doors: 8000 (the config says it has no front door)"
 
 
@@ -256,11 +277,11 @@ def test_torchrun_job_as_seen_has_no_front_door():
     fd = front_doors([agent, rank0, rank1], None, 32768)
     assert [d.port for d in fd.doors] == [29611, 35293, 38653]
     assert fd.ports == frozenset(), render(fd.evidence())
-    assert fd.door(29611).connections == 3
+    assert door(fd, 29611).connections == 3
     # Without the ephemeral rule, rank 0's gloo listener is still plumbing by its peers;
     # rank 1's, which nobody connected to, is why the rule exists.
     fd = front_doors([agent, rank0, rank1], None, 65536)
-    assert fd.door(35293).reason == "every peer is a process of the service (pid 2849)"
+    assert why(fd, 35293) == "every peer is a process of the service (pid 2849)"
     assert fd.ports == {38653}
 
 
@@ -274,7 +295,7 @@ def test_serving_stack_as_seen_has_its_front_end_as_front_door():
     served = proc(10090, [("127.0.0.1", 43359)], [("127.0.0.1", 43359, "127.0.0.1", 35578)])
     fd = front_doors([served, *children])
     assert fd.ports == {43359}
-    assert fd.door(43359).reason == "clients from outside connect to it: from 127.0.0.1:35578"
+    assert why(fd, 43359) == "clients from outside connect to it: from 127.0.0.1:35578"
 
 
 # --- any input ------------------------------------------------------------------------------
@@ -308,7 +329,7 @@ def test_every_listening_port_gets_one_door_with_a_reason(procs, declared, ephem
     fd = front_doors(procs, declared, ephemeral_from)
     ports = sorted({lst.port for p in procs for lst in p.listeners})
     assert [d.port for d in fd.doors] == ports
-    assert all(d.reason and d.pids for d in fd.doors)
+    assert all(door_why(d.why) and d.pids for d in fd.doors)
     assert fd.ports <= set(ports)
     if declared is not None:
         assert fd.ports == declared.ports & set(ports)

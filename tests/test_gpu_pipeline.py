@@ -14,6 +14,7 @@ import pynvml
 from agent.config import Target, validate
 from agent.daemon import Daemon
 from agent.export.metrics import registry_for
+from agent.report.sentences import reasons
 from agent.sources.nvml import GpuSource
 from agent.sources.procfs import ProcFS
 from tests.fakenvml import GIB, FakeDevice, FakeNVML
@@ -88,7 +89,7 @@ def test_a_gpu_process_is_discovered_judged_and_exported(tmp_path: Path) -> None
     assert reg.get_sample_value("hangwatch_gpu_info", info) == 1
     assert reg.get_sample_value("hangwatch_collector_success", {"collector": "gpu"}) == 1
     assert d.session is not None
-    assert "GPU 0: 60% SM utilisation" in d.session.verdicts()[0].words[0]
+    assert "GPU 0: 60% SM utilisation" in reasons(d.session.verdicts()[0].reasons)[0]
 
 
 def test_idle_process_not_found_samples_and_errors_mid_run(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ from agent.analysis.classify import (
 from agent.analysis.gpu import GpuHistory, gpu_active
 from agent.analysis.progress import ProcessProgress
 from agent.model import GpuProcessUse, GpuReading, Listener
-from agent.report.sentences import gpu_list, render
+from agent.report.sentences import gpu_list, reasons, render
 from tests.synth import parked, process
 
 S = 1_000_000_000
@@ -67,7 +67,7 @@ def test_sm_utilisation_is_progress_for_a_parked_host():
     g = h.facts(10, r, r, now)
     v = classify_process(facts(10, g), 60)
     assert v.state == PROGRESSING
-    assert "GPU 0: 30% SM utilisation" in v.words
+    assert "GPU 0: 30% SM utilisation" in reasons(v.reasons)
 
 
 def test_growing_gpu_memory_is_progress():
@@ -86,7 +86,8 @@ def test_pegged_gpus_under_a_parked_host_past_the_threshold_is_a_stall():
     v = classify_process(facts(10, g, parked_s=300), 60)
     assert v.state == STALLED and v.gpu_spin
     assert any(
-        "GPU 0-7 at 100% or more for 70 s while every host thread is parked" in r for r in v.words
+        "GPU 0-7 at 100% or more for 70 s while every host thread is parked" in r
+        for r in reasons(v.reasons)
     )
     svc = classify_service(1, [facts(10, g, parked_s=300)], 60)
     assert svc.state == STALLED and svc.gpu_spin
@@ -120,7 +121,7 @@ def test_idle_gpus_held_are_named_in_a_stalled_verdict():
     assert render(gpu_idle({10: g})) == "GPU 0-7: 0% for 290 s, 76 GB held each"
     v = classify_process(facts(10, g), 60)
     assert v.state == STALLED
-    assert "GPU 0-7: 0% for 290 s, 76 GB held each" in v.words
+    assert "GPU 0-7: 0% for 290 s, 76 GB held each" in reasons(v.reasons)
 
 
 def test_a_failed_nvml_read_is_no_evidence_either_way():
@@ -154,4 +155,4 @@ def test_listener_with_idle_gpu_is_idle_and_says_what_it_holds():
     f = ProcessFacts(sample, f.progress, 2, 300.0, (), g)
     v = classify_process(f, 60)
     assert v.state == IDLE
-    assert "GPU 0: 0% for 30 s, 40 GB held" in v.words
+    assert "GPU 0: 0% for 30 s, 40 GB held" in reasons(v.reasons)

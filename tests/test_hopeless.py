@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Iterable
 from dataclasses import replace
 
 from agent.analysis.classify import DEADLOCKED, STALLED, Evidence, ProcessFacts, classify_service
 from agent.analysis.nowaker import hopeless
 from agent.analysis.progress import ProcessProgress
-from agent.model import FutexWait, ThreadSample
+from agent.model import FutexWait, ProbeReading, Snapshot, ThreadSample
+from agent.observe.observer import Observer, Scope
+from agent.observe.sampler import Sampler
+from agent.report.sentences import reasons
 from tests.synth import parked, process
 
 EPOLL, CLOCK_NANOSLEEP, READ = 232, 230, 0
@@ -66,8 +70,28 @@ def test_a_thread_that_ran_or_moved_between_the_reads_breaks_the_proof():
     assert not hopeless(reused, abba())
 
 
+class _TimersOf:
+    """Only what the observer reads of a proven process: whether it holds a POSIX timer."""
+
+    def __init__(self, pids: set[int]) -> None:
+        self.pids = pids
+
+    def has_posix_timers(self, pid: int) -> bool:
+        return pid in self.pids
+
+
+class _Frozen(Sampler):
+    """Always the same snapshot: the lock cycle of abba(), as process 10."""
+
+    def snapshot(self, pids: Iterable[int], probe: ProbeReading | None = None) -> Snapshot:
+        return Snapshot(10**9, 1e9, {10: abba()})
+
+
 def test_a_posix_timer_could_send_a_signal():
-    assert not hopeless(abba(), abba(), has_timers=True)
+    for timers, want in ((set(), {10}), ({10}, set())):
+        obs = Observer(_Frozen(_TimersOf(timers)), None, Scope(lambda: {10: [10]}, False))  # type: ignore[arg-type]
+        obs.tick()
+        assert obs.tick().hopeless == want, timers
 
 
 def test_random_processes_are_hopeless_exactly_when_every_thread_waits_forever_privately():
@@ -115,9 +139,9 @@ def test_a_hopeless_process_makes_its_service_deadlocked_at_once():
         ProcessFacts(stuck, replace(prog, pid=20), 3, 0.5, hopeless=True),
     ]
     v = classify_service(10, facts, 60, evidence=Evidence())
-    assert v.state == DEADLOCKED, v.words
+    assert v.state == DEADLOCKED, reasons(v.reasons)
     assert v.culprit is not None and v.culprit.pid == 20 and v.culprit.why == "no waker"
-    assert any("only a signal can end it" in r for r in v.words)
+    assert any("only a signal can end it" in r for r in reasons(v.reasons))
     assert [p.state for p in v.processes] == [DEADLOCKED, DEADLOCKED]
     calm = [replace(f, hopeless=False) for f in facts]
     assert classify_service(10, calm, 60).state != DEADLOCKED

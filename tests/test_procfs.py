@@ -11,7 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from agent.model import FUTEX_WAIT, ProbeReading
-from agent.observe.sampler import Sampler, descendants
+from agent.observe.discovery import descendants
+from agent.observe.sampler import Sampler
 from agent.sources.procfs import (
     ProcFS,
     parse_epoll_fds,

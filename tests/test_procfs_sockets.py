@@ -259,6 +259,7 @@ class CountingProcFS(ProcFS):
 
 def test_sampler_gives_connections_plumbing_and_the_ephemeral_range(tmp_path):
     from agent.analysis.frontdoor import front_doors
+    from tests.test_frontdoor import door, why
 
     proc = CountingProcFS(str(make_job(tmp_path)))
     snap = Sampler(proc, clock_ns=lambda: 6_000_000_000).snapshot([10, 11])
@@ -272,13 +273,13 @@ def test_sampler_gives_connections_plumbing_and_the_ephemeral_range(tmp_path):
         launcher="torchrun", flag_ports=(("--master-port", 29611),), named_ports=(29611,)
     )
     assert rank.plumbing == Plumbing(master_port=29611)
-    assert rank.plumbing_ports == {29611}
+    assert rank.plumbing.ports == {29611}
     fd = front_doors(list(snap.processes.values()), None, snap.ephemeral_from)
-    assert fd.door(29611).reason == "--master-port of torchrun pid 10"
+    assert why(fd, 29611) == "--master-port of torchrun pid 10"
     # 35293 is below this range's start: plumbing by the ephemeral rule only with the
     # kernel's default range; here, a rank's listener nobody connected to is a front door.
-    assert fd.door(35293).front
-    assert not front_doors(list(snap.processes.values()), None, 32768).door(35293).front
+    assert door(fd, 35293).front
+    assert not door(front_doors(list(snap.processes.values()), None, 32768), 35293).front
 
 
 def test_plumbing_is_read_once_per_process_and_again_after_exec(tmp_path):

@@ -6,9 +6,13 @@ from dataclasses import replace
 
 from agent.analysis.progress import ParkSettings, ParkTracker, window_progress
 from agent.model import FutexWait, Snapshot, ThreadSample
+from agent.observe.observer import park_settings
+from agent.settings import Settings
 from tests.synth import S, parked, process, running
 
 MS = 1_000_000
+
+PARK = park_settings(Settings())  # the floor the observer judges work by
 
 
 def snap_at(t_s: float, *procs) -> Snapshot:
@@ -20,22 +24,24 @@ def test_timer_wakeups_keep_a_thread_parked_and_its_park_time_grows():
     # A poll loop: last ran 0.2 s before first sight, then 50 us of CPU every second.
     for i in range(10):
         t = parked(11, cpu=i * 50_000, since=int((i + 99.8) * S))
-        tracker.update(snap_at(100 + i, process(10, t)))
+        tracker.update(snap_at(100 + i, process(10, t)), PARK)
     assert tracker.parks[10][11].parked
     assert 9 < tracker.parked_seconds(10, int(109 * S)) < 10
 
 
 def test_work_resets_park_time_and_a_thread_using_cpu_is_not_parked():
     tracker = ParkTracker()
-    tracker.update(snap_at(100, process(10, parked(11, cpu=0, since=50 * S))))
+    tracker.update(snap_at(100, process(10, parked(11, cpu=0, since=50 * S))), PARK)
     assert tracker.parked_seconds(10, 100 * S) == 50
-    tracker.update(snap_at(101, process(10, parked(11, cpu=500 * MS, since=100 * S))))
+    tracker.update(snap_at(101, process(10, parked(11, cpu=500 * MS, since=100 * S))), PARK)
     assert not tracker.parks[10][11].parked
     assert tracker.parked_seconds(10, 101 * S) == 0
-    tracker.update(snap_at(103, process(10, parked(11, cpu=500 * MS, since=101 * S))))
+    tracker.update(snap_at(103, process(10, parked(11, cpu=500 * MS, since=101 * S))), PARK)
     assert tracker.parked_seconds(10, 103 * S) == 2
     # A thread born in this tick that used CPU above the floor worked.
-    tracker.update(snap_at(104, process(10, parked(11, cpu=500 * MS), running(12, cpu=80 * MS))))
+    tracker.update(
+        snap_at(104, process(10, parked(11, cpu=500 * MS), running(12, cpu=80 * MS))), PARK
+    )
     assert not tracker.parks[10][12].parked
     assert tracker.parked_seconds(10, 104 * S) == 0
 
@@ -53,7 +59,7 @@ def test_a_timer_thread_caught_running_stays_parked_and_its_park_time_grows():
     for i in range(60):
         now = 100 + i
         timer = timer_thread(12, i * MS, caught_running=i % 2 == 1, last_ran=int((now - 0.005) * S))
-        tracker.update(snap_at(now, process(10, parked(11, since=10 * S), timer)))
+        tracker.update(snap_at(now, process(10, parked(11, since=10 * S), timer)), PARK)
         parks = tracker.parks[10]
         assert parks[11].parked and parks[12].parked, f"tick {i}: {parks}"
         seen.append(tracker.parked_seconds(10, int(now * S)))
@@ -66,7 +72,7 @@ def test_a_thread_using_80ms_per_tick_is_working_whether_seen_running_or_not():
     tracker = ParkTracker()
     for i in range(10):
         busy = timer_thread(12, i * 80 * MS, caught_running=i % 3 == 0, last_ran=(100 + i) * S)
-        tracker.update(snap_at(100 + i, process(10, parked(11, since=10 * S), busy)))
+        tracker.update(snap_at(100 + i, process(10, parked(11, since=10 * S), busy)), PARK)
         if i:
             assert not tracker.parks[10][12].parked
             assert tracker.parked_seconds(10, (100 + i) * S) == 0
@@ -79,7 +85,7 @@ def test_a_short_tick_keeps_its_floor():
     for i in range(20):
         now = 100 + i / 10
         timer = timer_thread(12, i * MS, caught_running=True, last_ran=0)
-        tracker.update(snap_at(now, process(10, timer)))
+        tracker.update(snap_at(now, process(10, timer)), PARK)
         assert tracker.parks[10][12].parked
     assert abs(tracker.parked_seconds(10, int(101.9 * S)) - 1.9) < 1e-6
 
@@ -96,7 +102,7 @@ def test_a_ptrace_stopped_process_keeps_growing_its_park_time():
         threads = [
             replace(parked(tid, cpu=cpu, since=int(70 * S)), state=state) for tid in (11, 12, 13)
         ]
-        tracker.update(snap_at(now, process(10, *threads)))
+        tracker.update(snap_at(now, process(10, *threads)), PARK)
         assert all(x.parked for x in tracker.parks[10].values()), f"tick {i}"
         seen.append(tracker.parked_seconds(10, now * S))
     assert seen == [30 + i for i in range(20)]
@@ -108,7 +114,7 @@ def test_a_thread_stopped_under_ptrace_at_first_sight_keeps_its_wait_age():
         11, "w", "t", 0, last_ran_ns=int(99.99 * S), wait=FutexWait(0x1000, 0, 0, since_ns=40 * S)
     )
     tracker = ParkTracker()
-    tracker.update(snap_at(100, process(10, t)))
+    tracker.update(snap_at(100, process(10, t)), PARK)
     assert tracker.parked_seconds(10, 100 * S) == 60
 
 
@@ -118,7 +124,7 @@ def test_one_burst_resets_the_park_time_and_it_grows_again():
     seen = []
     for i in range(10):
         cpu += 80 * MS if i == 4 else 200_000
-        tracker.update(snap_at(100 + i, process(10, parked(11, cpu=cpu, since=90 * S))))
+        tracker.update(snap_at(100 + i, process(10, parked(11, cpu=cpu, since=90 * S))), PARK)
         assert tracker.parks[10][11].parked == (i != 4)
         seen.append(tracker.parked_seconds(10, (100 + i) * S))
     assert seen == [10, 11, 12, 13, 0, 1, 2, 3, 4, 5]
@@ -126,12 +132,12 @@ def test_one_burst_resets_the_park_time_and_it_grows_again():
 
 def test_a_thread_running_at_first_sight_is_not_working_until_it_uses_cpu():
     tracker = ParkTracker()
-    tracker.update(snap_at(100, process(10, running(11, cpu=5 * S))))
+    tracker.update(snap_at(100, process(10, running(11, cpu=5 * S))), PARK)
     assert tracker.parks[10][11].parked  # no CPU history yet: not seen working
     assert tracker.parked_seconds(10, 100 * S) == 0  # parked since first sight, no earlier
-    tracker.update(snap_at(101, process(10, running(11, cpu=5 * S + MS))))
+    tracker.update(snap_at(101, process(10, running(11, cpu=5 * S + MS))), PARK)
     assert tracker.parked_seconds(10, 101 * S) == 1
-    tracker.update(snap_at(102, process(10, running(11, cpu=6 * S))))
+    tracker.update(snap_at(102, process(10, running(11, cpu=6 * S))), PARK)
     assert not tracker.parks[10][11].parked
     assert tracker.parked_seconds(10, 102 * S) == 0
 
@@ -139,18 +145,18 @@ def test_a_thread_running_at_first_sight_is_not_working_until_it_uses_cpu():
 def test_a_thread_started_and_idle_does_not_reset_its_process():
     # A threading.Timer heartbeat starts a thread each time; starting one is no work.
     tracker = ParkTracker()
-    tracker.update(snap_at(100, process(10, parked(11, since=50 * S))))
+    tracker.update(snap_at(100, process(10, parked(11, since=50 * S))), PARK)
     for i, tid in enumerate((12, 13, 14), start=1):
         heartbeat = timer_thread(tid, 300_000, caught_running=True, last_ran=0)
-        tracker.update(snap_at(100 + i, process(10, parked(11, since=50 * S), heartbeat)))
+        tracker.update(snap_at(100 + i, process(10, parked(11, since=50 * S), heartbeat)), PARK)
         assert tracker.parks[10][tid].parked
         assert tracker.parked_seconds(10, (100 + i) * S) == 50 + i
 
 
 def test_reused_pid_starts_afresh():
     tracker = ParkTracker()
-    tracker.update(snap_at(100, process(10, parked(11, since=10 * S), start=1)))
-    tracker.update(snap_at(101, process(10, parked(11, since=int(100.9 * S)), start=2)))
+    tracker.update(snap_at(100, process(10, parked(11, since=10 * S), start=1)), PARK)
+    tracker.update(snap_at(101, process(10, parked(11, since=int(100.9 * S)), start=2)), PARK)
     assert abs(tracker.parked_seconds(10, 101 * S) - 0.1) < 1e-6
 
 
@@ -175,4 +181,4 @@ def test_window_progress_counts_cpu_above_the_floor_and_bytes_written():
 def test_unreadable_io_is_not_progress():
     old = process(10, parked(11), write_bytes=None)
     new = process(10, parked(11), write_bytes=None)
-    assert not window_progress(old, new, S, ParkSettings()).did_work
+    assert not window_progress(old, new, S, PARK).did_work

@@ -33,6 +33,7 @@ from agent.analysis.classify import (
 from agent.analysis.progress import ProcessProgress
 from agent.model import Connection, Listener, TcpInfo
 from agent.observe.sampler import Sampler
+from agent.report.sentences import reasons
 from agent.sources import tcpinfo
 from agent.sources.procfs import ProcFS
 from agent.sources.tcpinfo import read_tcp_info
@@ -108,11 +109,13 @@ def test_unanswered_requests_make_a_quiet_server_stalled_not_idle():
     f = _facts(_sample((LISTEN,), waiting), parked_s=5.0)
     v = classify_process(f, 60)
     # Its threads last ran 5 s ago, but the oldest request has waited 95 s: past 60 s.
-    assert v.state == STALLED, v.words
-    assert "listening on port 8000: 3 requests unanswered for 95 s" in v.words
-    assert any("no progress for 95 s" in r and "past the 60 s threshold" in r for r in v.words)
+    assert v.state == STALLED, reasons(v.reasons)
+    assert "listening on port 8000: 3 requests unanswered for 95 s" in reasons(v.reasons)
+    assert any(
+        "no progress for 95 s" in r and "past the 60 s threshold" in r for r in reasons(v.reasons)
+    )
     s = classify_service(10, [f], 60)
-    assert s.state == STALLED and "3 requests unanswered for 95 s" in " ".join(s.words)
+    assert s.state == STALLED and "3 requests unanswered for 95 s" in " ".join(reasons(s.reasons))
     # The evidence /metrics exports: 3 requests waiting, 95 s without progress (not 5 s).
     assert (s.unanswered_requests, s.seconds_since_progress) == (3, 95.0)
 
@@ -120,7 +123,7 @@ def test_unanswered_requests_make_a_quiet_server_stalled_not_idle():
 def test_a_young_unanswered_request_is_under_the_threshold_not_idle():
     v = classify_process(_facts(_sample((LISTEN,), [conn(recv=2500)]), parked_s=1.0), 60)
     assert v.state == PROGRESSING
-    assert "no progress for 2.5 s, under the 60 s threshold" in v.words
+    assert "no progress for 2.5 s, under the 60 s threshold" in reasons(v.reasons)
 
 
 def test_answered_keep_alive_connections_leave_the_server_idle():
@@ -145,11 +148,11 @@ def test_the_service_sees_requests_held_by_a_process_without_the_listener():
     worker = _facts(_sample((), [conn(recv=70_000)], pid=11), parked_s=300.0)
     v = classify_service(10, [front, worker], 60)
     assert v.state == STALLED
-    assert "1 request unanswered for 70 s" in " ".join(v.words)
+    assert "1 request unanswered for 70 s" in " ".join(reasons(v.reasons))
     assert (v.unanswered_requests, v.seconds_since_progress) == (1, 300.0)  # parked longer
     w = classify_process(worker, 60)
     assert w.state == STALLED
-    assert "connections accepted on port 8000: 1 request unanswered for 70 s" in w.words
+    assert "connections accepted on port 8000: 1 request unanswered for 70 s" in reasons(w.reasons)
 
 
 def test_dumps_asked_for_per_family_and_port():

@@ -7,8 +7,15 @@ from dataclasses import replace
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agent.analysis.waitgraph import WaitForGraph, owner_candidate, strongly_connected
-from agent.model import FUTEX_WAIT_BITSET, FutexWait, LockRead, Refusal, ThreadSample
+from agent.analysis.waitgraph import WaitForGraph, owner_cycles
+from agent.model import (
+    FUTEX_WAIT_BITSET,
+    FutexWait,
+    LockRead,
+    Refusal,
+    ThreadSample,
+    owner_candidate,
+)
 from tests.synth import on_mutex, on_pi, parked, process, running, snapshot
 
 
@@ -156,25 +163,30 @@ def test_cycles_match_brute_force_on_any_functional_graph(succ):
     assert set(g.cycles()) == _brute_cycles(succ)
 
 
-@given(st.dictionaries(st.integers(0, 25), st.sets(st.integers(0, 25), max_size=4), max_size=25))
-def test_strongly_connected_matches_mutual_reachability(succ):
-    nodes = sorted(set(succ) | {w for ws in succ.values() for w in ws})
+@given(st.dictionaries(st.integers(0, 25), st.integers(0, 25), max_size=25))
+def test_owner_cycles_are_the_threads_that_reach_themselves(owner):
+    """Against mutual reachability: a thread is in a cycle iff following owners from it
+    comes back to it, and the cycles found are exactly the classes of such threads, each in
+    wait order from its smallest TID."""
+    nodes = sorted(set(owner) | set(owner.values()))
 
-    def reach(v):
-        seen, todo = {v}, [v]
-        while todo:
-            for w in succ.get(todo.pop(), ()):
-                if w not in seen:
-                    seen.add(w)
-                    todo.append(w)
-        return seen
+    def reach(v):  # the threads reached in one or more steps
+        seen, tid = [], owner.get(v)
+        while tid is not None and tid not in seen:
+            seen.append(tid)
+            tid = owner.get(tid)
+        return set(seen)
 
     r = {v: reach(v) for v in nodes}
-    comps = strongly_connected(nodes, succ)
-    assert sorted(x for c in comps for x in c) == nodes  # a partition
-    for c in comps:
+    cycles = owner_cycles(owner)
+    on = [t for c in cycles for t in c]
+    assert len(on) == len(set(on))  # disjoint
+    assert set(on) == {v for v in nodes if v in r[v]}
+    for c in cycles:
+        assert c[0] == min(c) and all(owner[a] == b for a, b in zip(c, c[1:] + c[:1]))
         for a in c:
             assert {b for b in nodes if b in r[a] and a in r[b]} == set(c)
+    assert cycles == sorted(cycles)
 
 
 @given(st.lists(st.tuples(st.integers(0, 2**32 - 1), st.integers(0, 2**31 - 1)), max_size=30))

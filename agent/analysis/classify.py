@@ -9,13 +9,13 @@ threshold), and stalled otherwise.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..model import Connection, Listener, ProcessSample
-from ..report.sentences import reasons
-from ..syscalls import FUTEX, kind_by_name, syscall_name, wait_kind
+from ..syscalls import FUTEX, syscall_name, wait_kind
 from . import evidence as ev
+from .culprit import find_culprit
 from .gpu import ProcessGpu
 from .progress import ProcessProgress
 from .waitgraph import WaitEdge, WordGroup
@@ -26,12 +26,6 @@ IDLE = "idle"
 PROGRESSING = "progressing"
 STATES = (DEADLOCKED, STALLED, IDLE, PROGRESSING)
 MAX_NAMED = 3  # hopeless processes named one by one in a service's reasons
-# How far from the service's stop a wait may have begun and still be part of the hang: the
-# stop is dated by tcp_info or a log's mtime, a wait by se.exec_start, each CPU's task clock,
-# which leaves out steal and IRQ time: on a loaded 2-CPU VM here a real vLLM Worker's wait
-# read 1.9 s older than the request it hung on.
-CULPRIT_BAND_MIN_S = 2.0
-CULPRIT_BAND_RATIO = 0.1
 # A thread that has waited since the process's first seconds is parked since start-up (Ray's
 # gRPC threads, gloo's run loops, a C++ daemon's main thread joining its workers), not the
 # hang.
@@ -57,10 +51,6 @@ class ProcessVerdict:
         False  # deadlocked because no thread of it can be woken (agent.analysis.nowaker)
     )
 
-    @property
-    def words(self) -> list[str]:
-        return reasons(self.reasons)
-
 
 @dataclass
 class ServiceVerdict:
@@ -79,10 +69,6 @@ class ServiceVerdict:
     oldest_request_s: float = 0.0  # how long its oldest unanswered request has waited
     culprit: ev.Culprit | None = None  # the process that holds it up, when one is known
 
-    @property
-    def words(self) -> list[str]:
-        return reasons(self.reasons)
-
 
 @dataclass(frozen=True)
 class Evidence:
@@ -91,9 +77,10 @@ class Evidence:
 
     cycles: Sequence[ev.LockCycle] = ()  # each stable lock cycle (for a deadlock)
     parked: Sequence[ev.Fact] = ()  # the largest parked groups, listen times, last writes
-    # Dates the most recent progress before the window (None: nothing dated), asked only
-    # when a parked service is not idle: it has made none for at least that long.
-    last_progress: Callable[[], ev.LastProgress | None] | None = None
+    # The most recent progress dated before the window (None: nothing dated, or not looked
+    # for): a parked service that is not idle has made none for at least that long. The
+    # caller dates only where it counts (see rests_on_time).
+    last_progress: ev.LastProgress | None = None
     # How long ago work last waited at its front doors, when that was within the window
     # (None: not in the window): a service is idle only if nothing waited in all of it.
     demand_age_s: float | None = None
@@ -143,7 +130,7 @@ def parked_group(g: WordGroup, now_ns: int) -> ev.ParkedGroup:
     )
 
 
-def front_doors(sample: ProcessSample, ports: frozenset[int] | None) -> list[Listener]:
+def door_listeners(sample: ProcessSample, ports: frozenset[int] | None) -> list[Listener]:
     """The process's listeners that clients outside the service connect to (``ports``: the
     service's front-door ports; None: every listener counts, as when nothing is known)."""
     return [lst for lst in sample.listeners if ports is None or lst.port in ports]
@@ -240,7 +227,7 @@ def classify_process(facts: ProcessFacts, threshold_s: float) -> ProcessVerdict:
     v.state, why, _ = _parked_state(
         ev.AllParked(n, 1, facts.parked_seconds),
         threshold_s,
-        front_doors(s, facts.front_door_ports),
+        door_listeners(s, facts.front_door_ports),
         unread_requests(s, facts.front_door_ports),
         unanswered_requests(s, facts.front_door_ports, facts.streams),
     )
@@ -265,8 +252,8 @@ def no_waker(s: ProcessSample, waits: ev.ProcessWaits | None) -> ev.NoWaker:
 
 def process_waits(s: ProcessSample, now_ns: int) -> ev.ProcessWaits:
     """What the threads of a process wait in, counted by syscall and timeout; with the age
-    of its oldest untimed futex wait (the probe's start, or when the thread last ran), and of
-    each untimed futex wait but those of pools parked since start-up (ProcessWaits)."""
+    of its oldest untimed futex wait (from ThreadSample.quiet_since_ns), and of each untimed
+    futex wait but those of pools parked since start-up (ProcessWaits)."""
     counts: Counter[tuple[str, bool | None]] = Counter()
     running, oldest, main = 0, None, None
     ages: list[float] = []
@@ -277,9 +264,9 @@ def process_waits(s: ProcessSample, now_ns: int) -> ev.ProcessWaits:
         name = syscall_name(t.syscall) if t.syscall is not None and t.syscall >= 0 else "no syscall"
         counts[(name, t.timed)] += 1
         if wait_kind(t.syscall) == FUTEX and t.timed is False:
-            began = [ns for ns in (t.wait.since_ns if t.wait else None, t.last_ran_ns) if ns]
-            if began:
-                age = max(0.0, (now_ns - min(began)) / 1e9)
+            began = t.quiet_since_ns
+            if began is not None:
+                age = max(0.0, (now_ns - began) / 1e9)
                 oldest = age if oldest is None else max(oldest, age)
                 if s.age_s is None or age <= s.age_s - STARTUP_S:  # else parked since start-up
                     ages.append(age)
@@ -320,15 +307,14 @@ def _parked_state(
     doors: Iterable[Listener],
     unread: int,
     unanswered: Sequence[Connection] = (),
-    dating: Callable[[], ev.LastProgress | None] | None = None,
+    last_progress: ev.LastProgress | None = None,
     demand_age_s: float | None = None,
 ) -> tuple[str, list[ev.Fact], float]:
     """Nothing progresses: idle when a front door has nothing waiting at it; otherwise
     stalled once past the threshold, and still progressing under it. ``unanswered``: accepted
     connections on its front doors that wait for an answer (see waiting_for_answer). Evidence
     carries its own age (DESIGN): the oldest unanswered request, and ``last_progress``, the
-    most recent dated progress before the window (``dating`` finds it), date a hang older
-    than the observation.
+    most recent dated progress before the window, date a hang older than the observation.
     Returns the state, its reasons, and that time without progress (seconds)."""
     doors = list(doors)
     queued = sum(lst.queued for lst in doors)
@@ -339,7 +325,6 @@ def _parked_state(
     if doors and not (queued or unread or unanswered or waited):
         reasons.append(ev.WaitingForRequests(ports))
         return IDLE, reasons, max(parked.seconds, oldest_s)
-    last_progress = dating() if dating is not None else None
     dated = [(parked.seconds, "parked"), (oldest_s, "request")]
     if last_progress is not None:
         dated.append((last_progress.age_s, last_progress.what))
@@ -372,7 +357,7 @@ def classify_service(
     evidence: Evidence | None = None,
 ) -> ServiceVerdict:
     """The service's verdict, its reasons ending with the evidence that explains it, and
-    led by the process that holds it up when one is known (agent.culprit)."""
+    led by the process that holds it up when one is known (agent.analysis.culprit)."""
     evidence = evidence or Evidence()
     v = _classify_service(
         root, procs, threshold_s, gone, root_gone, evidence.last_progress, evidence.demand_age_s
@@ -389,13 +374,20 @@ def classify_service(
     return v
 
 
+def rests_on_time(v: ServiceVerdict) -> bool:
+    """Whether the service's verdict was judged by its time without progress: quiet, not
+    idle, nothing proven. Only then can progress dated before the window (Evidence's
+    last_progress) change it, so only then is it worth an fd walk to date."""
+    return any(isinstance(r, (ev.PastThreshold, ev.UnderThreshold)) for r in v.reasons)
+
+
 def _classify_service(
     root: int,
     procs: Sequence[ProcessFacts],
     threshold_s: float,
     gone: Sequence[int],
     root_gone: bool,
-    dating: Callable[[], ev.LastProgress | None] | None,
+    last_progress: ev.LastProgress | None,
     demand_age_s: float | None = None,
 ) -> ServiceVerdict:
     verdicts = [classify_process(f, threshold_s) for f in procs]
@@ -435,6 +427,20 @@ def _classify_service(
         return _waiters_take(ServiceVerdict(root, PROGRESSING, reasons, cycles, verdicts))
     if not procs:
         return ServiceVerdict(root, PROGRESSING, [ev.NothingLeft()], cycles, verdicts, True)
+    v = _parked_service(root, procs, threshold_s, last_progress, demand_age_s)
+    v.processes = verdicts
+    return _waiters_take(v)
+
+
+def _parked_service(
+    root: int,
+    procs: Sequence[ProcessFacts],
+    threshold_s: float,
+    last_progress: ev.LastProgress | None,
+    demand_age_s: float | None,
+) -> ServiceVerdict:
+    """A service none of whose processes works: idle, stalled, or under the threshold, by
+    what waits at its front doors and its time without progress (_parked_state)."""
     parked_s = min(f.parked_seconds for f in procs)
     threads = sum(len(f.sample.threads) for f in procs)
     unanswered = sorted(
@@ -444,19 +450,19 @@ def _classify_service(
     state, reasons, stuck_s = _parked_state(
         ev.AllParked(threads, len(procs), parked_s),
         threshold_s,
-        [lst for f in procs for lst in front_doors(f.sample, f.front_door_ports)],
+        [lst for f in procs for lst in door_listeners(f.sample, f.front_door_ports)],
         sum(unread_requests(f.sample, f.front_door_ports) for f in procs),
         unanswered,
-        dating,
+        last_progress,
         demand_age_s,
     )
     idle_gpu = gpu_idle({f.sample.pid: f.gpu for f in procs if f.gpu is not None})
     if idle_gpu:
         reasons.append(idle_gpu)
-    v = ServiceVerdict(root, state, reasons, cycles, verdicts)
+    v = ServiceVerdict(root, state, reasons, [], [])
     v.unanswered_requests, v.seconds_since_progress = len(unanswered), stuck_s
     v.oldest_request_s = oldest_request_s(unanswered)
-    return _waiters_take(v)
+    return v
 
 
 def _waiters_take(v: ServiceVerdict) -> ServiceVerdict:
@@ -471,82 +477,3 @@ def _waiters_take(v: ServiceVerdict) -> ServiceVerdict:
             p.state = v.state
             p.reasons = [*p.reasons[:1], ev.WaitsWithService(v.state)]
     return v
-
-
-def find_culprit(v: ServiceVerdict, procs: Sequence[ProcessFacts]) -> ev.Culprit | None:
-    """The process that holds a stalled or deadlocked service up, when the evidence singles
-    one out (None otherwise: naming a wrong one would send the engineer the wrong way).
-
-    1. A process whose threads are in a stable lock cycle (of a cycle across processes, the
-       one holding most of its threads), or else one that no thread can wake
-       (agent.analysis.nowaker; the lowest PID if several).
-    2. Otherwise the one process that waits on itself: the most threads in futex waits
-       without a timeout (a lock or an event that only another thread of it can release)
-       less its threads in timed waits or sleeps (waiting for time, a peer, a child: waiting
-       on someone else). It must lead by at least one: a DataLoader worker blocked in
-       ``__getitem__`` against its main process polling it every 5 s; a rank that stopped
-       taking part (its gloo threads idle on their work queues) against the rank in the
-       collective (one gloo thread waiting, with the collective's timeout, for its data); a
-       child forked with a lock held against the parent joining it 5 s at a time.
-       Where the waits are dated and the service's stop is known (when its oldest unanswered
-       request came, else its time without progress), only the untimed waits that began
-       when it stopped count (within CULPRIT_BAND_* of it; process_waits has left out those
-       of each process's first STARTUP_S), no timed wait is taken off, and among as many the
-       process whose main thread stopped then leads, then the one whose work dates the stop
-       (a Ray actor's last log line, against the log monitor that read it). Thread pools parked since start-up are
-       background, not evidence (every Ray process carries 6-10 gRPC threads in untimed
-       waits since it started, 10-20 more in timed waits on gRPC timers), and the age quoted
-       is the hang's, not the process's uptime. So vLLM's Worker (its main thread and the
-       26 gloo run-loop threads its step had woken) is named, not the API server with its 4
-       request threads; a Serve replica, not Ray's autoscaler monitor.
-    """
-    if not procs:
-        return None
-    comm = {f.sample.pid: f.sample.comm for f in procs}
-    if not v.cycles:
-        stuck = sorted(f.sample.pid for f in procs if f.hopeless)
-        if stuck:
-            return ev.Culprit(stuck[0], comm[stuck[0]], "no waker")
-    if v.cycles:
-        # A cycle can span processes (shared-memory mutexes): the one holding most of its
-        # threads, the lowest PID among equals, so the answer never depends on list order.
-        in_cycle = {tid for c in v.cycles for tid in c}
-        held = [
-            (len(in_cycle.intersection(t.tid for t in f.sample.threads)), -f.sample.pid)
-            for f in procs
-        ]
-        n, neg_pid = max(held)
-        return ev.Culprit(-neg_pid, comm[-neg_pid], "cycle") if n else None
-    scored = []
-    # When it stopped: a service idle until a request came stopped serving when it came.
-    stop = v.oldest_request_s or v.seconds_since_progress
-    band = max(CULPRIT_BAND_MIN_S, CULPRIT_BAND_RATIO * stop)
-    dated = stop > 0 and any(f.waits is not None and f.waits.untimed_ages_s for f in procs)
-    # The process whose work dates the stop (its log's last line) made the last progress.
-    last = next((r.pid for r in v.reasons if isinstance(r, ev.LastProgress)), None)
-    for f in procs:
-        if f.waits is None:
-            continue
-        if dated:
-            began = [a for a in f.waits.untimed_ages_s if abs(a - stop) <= band]
-            # Among as many, the one whose main thread stopped then, then the one that made
-            # the last progress: pools and runtime threads react to what the others do (Ray's
-            # log monitor wakes on each line an actor logs).
-            main = f.waits.main_untimed_s
-            main_stopped = main is not None and abs(main - stop) <= band
-            lead = (len(began), main_stopped, f.sample.pid == last)
-            scored.append((lead, len(began), max(began, default=None), f.sample.pid))
-            continue
-        untimed = sum(
-            n for name, timed, n in f.waits.waits if kind_by_name(name) == FUTEX and timed is False
-        )
-        timed = sum(n for _name, timed, n in f.waits.waits if timed)
-        lead = (untimed - timed, False, False)
-        scored.append((lead, untimed, f.waits.oldest_untimed_s, f.sample.pid))
-    scored.sort(key=lambda x: x[0], reverse=True)
-    if not scored:
-        return None
-    lead, untimed, age, pid = scored[0]
-    if lead[0] < 1 or (len(scored) > 1 and scored[1][0] >= lead):
-        return None
-    return ev.Culprit(pid, comm[pid], "own waits", threads=untimed, age_s=age)

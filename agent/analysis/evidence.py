@@ -10,7 +10,9 @@ snapshot it happened or began), never how to phrase it.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields, is_dataclass
+from enum import Enum
 from typing import Any
 
 from ..model import FdWait
@@ -25,30 +27,40 @@ class Fact:
         return re.sub(r"(?<!^)(?=[A-Z])", "_", type(self).__name__).lower()
 
 
-def as_json(f: Fact) -> dict[str, Any]:
+def _as_they_are(_f: Fact) -> Mapping[str, Any]:
+    return {}
+
+
+def as_json(f: Fact, said: Callable[[Fact], Mapping[str, Any]] = _as_they_are) -> dict[str, Any]:
+    """The record's fields for ``--json``, floats rounded, nested records included. ``said``
+    gives, by field name, the fields the report writes in words instead (a front door's why,
+    a clock time: agent.report.sentences.evidence_json)."""
     out: dict[str, Any] = {"kind": f.kind}
+    words = said(f)
     for fl in fields(f):
         v = getattr(f, fl.name)
-        if isinstance(v, float):
+        if fl.name in words:
+            v = words[fl.name]
+        elif isinstance(v, float):
             v = round(v, 3)
         elif isinstance(v, tuple):
-            v = [_nested(x) for x in v]
+            v = [_nested(x, said) for x in v]
         elif isinstance(v, Fact):
-            v = as_json(v)
+            v = as_json(v, said)
         elif is_dataclass(v) and not isinstance(v, type):
-            v = _nested(v)
+            v = _nested(v, said)
         out[fl.name] = v
     return out
 
 
-def _nested(v: Any) -> Any:
+def _nested(v: Any, said: Callable[[Fact], Mapping[str, Any]] = _as_they_are) -> Any:
     """A value inside a record's field: records and plain data as dicts, numbers as they are."""
     if isinstance(v, Fact):
-        return as_json(v)
+        return as_json(v, said)
     if isinstance(v, tuple):
-        return tuple(_nested(x) for x in v)
+        return tuple(_nested(x, said) for x in v)
     if is_dataclass(v) and not isinstance(v, type):
-        return {fl.name: _nested(getattr(v, fl.name)) for fl in fields(v)}
+        return {fl.name: _nested(getattr(v, fl.name), said) for fl in fields(v)}
     return v
 
 
@@ -189,9 +201,18 @@ class LastProgress(Fact):
     wait that began then and has not woken since)."""
 
     what: str  # "write" | "sent" | "received" | "ran"
-    target: str  # the file, peer or thread
+    # The fd link of the file, the peer's "address:port", or the thread that ran
+    target: str | Thread
     pid: int
     age_s: float
+
+
+@dataclass(frozen=True)
+class Thread:
+    """A thread, by TID and name (its comm)."""
+
+    tid: int
+    name: str
 
 
 @dataclass(frozen=True)
@@ -247,18 +268,57 @@ class CyclesStable(Fact):
     among_threads: bool = False  # a process's own view: "among its threads"
 
 
+class DoorRule(Enum):
+    """The rule of agent.analysis.frontdoor that decided whether a port is a front door."""
+
+    DECLARED = "declared"  # among the config's front doors
+    NOT_DECLARED = "not declared"  # the config names others
+    NONE_DECLARED = "none declared"  # the config says the service has none
+    PLUMBING = "plumbing"  # named by a process's MASTER_PORT or a launcher's flag
+    JOB_EPHEMERAL = "job ephemeral"  # an ephemeral port held by a rank or a launcher
+    KERNEL_CHOSEN = "kernel chosen"  # bound to port 0, no connection
+    NAMED = "named"  # named on the root's command line, no connection yet
+    BY_NUMBER = "by number"  # below the ephemeral range, no connection yet
+    UNNAMED_EPHEMERAL = "unnamed ephemeral"  # in the ephemeral range, unnamed, no connection
+    CLIENTS = "clients"  # a peer from outside the service connects to it
+    PEERS_INSIDE = "peers inside"  # every peer is a process of the service
+
+
+@dataclass(frozen=True)
+class Holder:
+    """A process of a distributed job, as the front-door rules name it."""
+
+    pid: int
+    comm: str
+    launcher: str | None = None  # "torchrun": torch's launcher (an elastic agent)
+    rank: bool = False  # a torch.distributed rank (it has MASTER_PORT)
+
+
+@dataclass(frozen=True)
+class DoorWhy:
+    """Why a port is a front door or not: the rule, with what it saw."""
+
+    rule: DoorRule
+    holder: Holder | None = None  # PLUMBING, JOB_EPHEMERAL: the process that names or holds it
+    flag: str | None = None  # PLUMBING: "MASTER_PORT", "--master-port", "--rdzv-endpoint"
+    peer: tuple[str, int] | None = None  # CLIENTS: the first client from outside
+    more: int = 0  # CLIENTS: how many other connections from outside
+    pids: tuple[int, ...] = ()  # PEERS_INSIDE: the processes at the other ends
+    ephemeral_from: int | None = None  # UNNAMED_EPHEMERAL: the range's start
+
+
 @dataclass(frozen=True)
 class Doors(Fact):
     """Which listeners are front doors, and why (see agent.analysis.frontdoor)."""
 
-    front: tuple[tuple[int, str], ...]  # (port, why)
-    plumbing: tuple[tuple[int, str], ...]
+    front: tuple[tuple[int, DoorWhy], ...]  # (port, why)
+    plumbing: tuple[tuple[int, DoorWhy], ...]
 
 
 @dataclass(frozen=True)
 class ListeningSince(Fact):
     port: int
-    at: str  # local clock time
+    at: float  # wall-clock seconds (time.time()) of the listen
 
 
 @dataclass(frozen=True)
@@ -306,7 +366,8 @@ class Culprit(Fact):
 
     pid: int
     comm: str
-    why: str  # "cycle" | "no waker" | "own waits" (see classify.find_culprit)
+    why: str  # "cycle" | "no waker" | "own waits" (see agent.analysis.culprit)
+    # Its job labels (rank=1): never filled yet, and kept, empty, for the key of --json
     labels: tuple[tuple[str, str], ...] = ()
     threads: int = 0  # its threads in untimed futex waits
     age_s: float | None = None  # the oldest of those waits

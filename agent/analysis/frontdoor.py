@@ -57,10 +57,10 @@ ports in the config when the rules guess wrong.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..model import DEFAULT_EPHEMERAL_FROM, Connection, ProcessSample
+from ..model import DEFAULT_EPHEMERAL_FROM, Connection, ProcessSample, endpoint
 from . import evidence as ev
 
 
@@ -78,41 +78,25 @@ class Door:
     port: int
     pids: tuple[int, ...]  # the processes that hold a listener on it
     front: bool
-    reason: str
+    why: ev.DoorWhy
     connections: int = 0  # accepted connections (established sockets on this local port)
 
 
 @dataclass(frozen=True)
 class FrontDoors:
     doors: tuple[Door, ...] = ()  # by port
-    declared: bool = False  # the config decided
 
     @property
     def ports(self) -> frozenset[int]:
         """The ports of the front doors (empty: the service has none listening)."""
         return frozenset(d.port for d in self.doors if d.front)
 
-    def door(self, port: int) -> Door | None:
-        return next((d for d in self.doors if d.port == port), None)
-
     def evidence(self) -> ev.Doors:
         """Its front doors and its plumbing, each port with why (agent.report.sentences says it)."""
         return ev.Doors(
-            tuple((d.port, d.reason) for d in self.doors if d.front),
-            tuple((d.port, d.reason) for d in self.doors if not d.front),
+            tuple((d.port, d.why) for d in self.doors if d.front),
+            tuple((d.port, d.why) for d in self.doors if not d.front),
         )
-
-
-def _host(address: str) -> str:
-    """An IPv4-mapped IPv6 address as the IPv4 address: one connection, two tables."""
-    if address.startswith("::ffff:") and "." in address:
-        return address[len("::ffff:") :]
-    return address
-
-
-def endpoint(address: str, port: int) -> tuple[str, int]:
-    """(address, port) of one end of a connection, IPv4-mapped addresses as IPv4."""
-    return _host(address), port
 
 
 def _local(c: Connection) -> tuple[str, int]:
@@ -123,18 +107,8 @@ def _remote(c: Connection) -> tuple[str, int]:
     return endpoint(c.remote_address, c.remote_port)
 
 
-def _pids(pids: Iterable[int]) -> str:
-    ps = sorted(set(pids))
-    return f"pid{'s' if len(ps) > 1 else ''} " + ", ".join(map(str, ps))
-
-
-def _holder(p: ProcessSample) -> str:
-    """'rank pid 123', 'torchrun pid 77', 'pid 9 (python3)'."""
-    if p.plumbing.launcher is not None:
-        return f"{p.plumbing.launcher} pid {p.pid}"
-    if p.plumbing.master_port is not None:
-        return f"rank pid {p.pid}"
-    return f"pid {p.pid} ({p.comm})"
+def _holder(p: ProcessSample) -> ev.Holder:
+    return ev.Holder(p.pid, p.comm, p.plumbing.launcher, p.plumbing.master_port is not None)
 
 
 def _unconnected(
@@ -146,29 +120,33 @@ def _unconnected(
 ) -> Door:
     """A listener nobody is connected to: rule 5."""
     if port in kernel_chosen:
-        return Door(port, pids, False, "bound to port 0: the kernel chose it, no client knows it")
+        return Door(port, pids, False, ev.DoorWhy(ev.DoorRule.KERNEL_CHOSEN))
     if port in named:
-        why = "named on the command line, no connection yet: a front door until shown otherwise"
-        return Door(port, pids, True, why)
+        return Door(port, pids, True, ev.DoorWhy(ev.DoorRule.NAMED))
     if port < ephemeral_from:
-        why = "asked for by number, no connection yet: a front door until shown otherwise"
-        return Door(port, pids, True, why)
-    why = (
-        f"a port in the kernel's ephemeral range (from {ephemeral_from}) that the command line "
-        "does not name, with no connection: chosen by the kernel or a runtime"
-    )
+        return Door(port, pids, True, ev.DoorWhy(ev.DoorRule.BY_NUMBER))
+    why = ev.DoorWhy(ev.DoorRule.UNNAMED_EPHEMERAL, ephemeral_from=ephemeral_from)
     return Door(port, pids, False, why)
 
 
-def _plumbing_reasons(processes: Sequence[ProcessSample]) -> dict[int, str]:
-    out: dict[int, str] = {}
+def _plumbing_reasons(processes: Sequence[ProcessSample]) -> dict[int, ev.DoorWhy]:
+    """Port -> what names it as plumbing: the first process (by PID) whose hints do."""
+    out: dict[int, ev.DoorWhy] = {}
     for p in sorted(processes, key=lambda p: p.pid):
         for port in sorted(p.plumbing.ports):
-            why = p.plumbing.why(port)
-            if port not in out and why is not None:
-                what = "rendezvous endpoint" if why == "--rdzv-endpoint" else why
-                out[port] = f"{what} of {_holder(p)}"
+            flag = p.plumbing.why(port)
+            if port not in out and flag is not None:
+                out[port] = ev.DoorWhy(ev.DoorRule.PLUMBING, holder=_holder(p), flag=flag)
     return out
+
+
+def _declared(port: int, pids: tuple[int, ...], declared: FrontDoorConfig, n: int) -> Door:
+    """Rule 1: the config decides."""
+    if port in declared.ports:
+        return Door(port, pids, True, ev.DoorWhy(ev.DoorRule.DECLARED), n)
+    if declared.ports:
+        return Door(port, pids, False, ev.DoorWhy(ev.DoorRule.NOT_DECLARED), n)
+    return Door(port, pids, False, ev.DoorWhy(ev.DoorRule.NONE_DECLARED), n)
 
 
 def front_doors(
@@ -201,20 +179,14 @@ def front_doors(
         conns = accepted.get(port, [])
         n = len(conns)
         if declared is not None:
-            if port in declared.ports:
-                doors.append(Door(port, pids, True, "declared in the config", n))
-            elif declared.ports:
-                doors.append(Door(port, pids, False, "not among the config's front doors", n))
-            else:
-                doors.append(Door(port, pids, False, "the config says it has no front door", n))
+            doors.append(_declared(port, pids, declared, n))
             continue
         if port in plumbing:
             doors.append(Door(port, pids, False, plumbing[port], n))
             continue
         dist = [p for p in hs if p.plumbing.distributed]
         if port >= ephemeral_from and dist:
-            what = "an auto-assigned store" if dist[0].plumbing.launcher else "a collective library"
-            why = f"ephemeral port of {_holder(dist[0])}: {what}'s listener"
+            why = ev.DoorWhy(ev.DoorRule.JOB_EPHEMERAL, holder=_holder(dist[0]))
             doors.append(Door(port, pids, False, why, n))
             continue
         if not conns:
@@ -223,11 +195,11 @@ def front_doors(
         peers = [owner.get((_remote(c), _local(c))) for c in conns]
         outside = [c for c, peer in zip(conns, peers) if peer is None]
         if outside:
-            host, rport = _remote(outside[0])
-            more = f" and {len(outside) - 1} more" if len(outside) > 1 else ""
-            why = f"clients from outside connect to it: from {host}:{rport}{more}"
+            why = ev.DoorWhy(ev.DoorRule.CLIENTS, peer=_remote(outside[0]), more=len(outside) - 1)
             doors.append(Door(port, pids, True, why, n))
         else:
-            why = f"every peer is a process of the service ({_pids(p for p in peers if p)})"
-            doors.append(Door(port, pids, False, why, n))
-    return FrontDoors(tuple(doors), declared is not None)
+            inside = tuple(sorted({p for p in peers if p}))
+            doors.append(
+                Door(port, pids, False, ev.DoorWhy(ev.DoorRule.PEERS_INSIDE, pids=inside), n)
+            )
+    return FrontDoors(tuple(doors))

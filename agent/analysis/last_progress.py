@@ -29,18 +29,17 @@ from its last output instead (docs/how-it-works.md, "What hangwatch cannot see")
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
-from ..model import ProcessSample
-from ..sources.procfs import ProcFS
+from ..model import ProcessSample, WrittenFd
 from ..syscalls import FUTEX, wait_kind
 from . import evidence as ev
 from .outbound import CLIENT, LEAVES, ServiceEnds
 
 
 def last_progress(
-    proc: ProcFS,
     samples: Sequence[ProcessSample],
+    written: Mapping[int, Sequence[WrittenFd]],
     ends: ServiceEnds,
     front_ports: frozenset[int],
     now_ns: int,
@@ -49,11 +48,13 @@ def last_progress(
     heartbeats: Collection[str] = (),
 ) -> ev.LastProgress | None:
     """The most recent dated progress of the service's processes, or None if nothing is
-    dated. ``now_ns``/``wall``: the snapshot's monotonic and wall clocks; ``heartbeats``:
-    the fd links (/proc/PID/fd text) the service's processes were seen writing heartbeats to."""
+    dated. ``written``: pid -> the fds it holds open for writing (the sampler's
+    written_files); ``now_ns``/``wall``: the snapshot's monotonic and wall clocks;
+    ``heartbeats``: the fd links (/proc/PID/fd text) the service's processes were seen writing
+    heartbeats to."""
     found: list[ev.LastProgress] = []
     for s in samples:
-        for w in proc.written_fds(s.pid):
+        for w in written.get(s.pid, ()):
             if w.target in heartbeats:
                 continue
             if ends.destination(w.target) in LEAVES:
@@ -76,5 +77,5 @@ def last_progress(
                 and t.last_ran_ns < window_start_ns
             ):
                 age = (now_ns - t.last_ran_ns) / 1e9
-                found.append(ev.LastProgress("ran", f"thread {t.tid} ({t.name})", s.pid, age))
+                found.append(ev.LastProgress("ran", ev.Thread(t.tid, t.name), s.pid, age))
     return min(found, key=lambda x: x.age_s, default=None)

@@ -50,10 +50,11 @@ def _waits_forever_privately(t: ThreadSample, shared: Mapping[int, object]) -> b
     )
 
 
-def hopeless(prev: ProcessSample | None, now: ProcessSample, has_timers: bool = False) -> bool:
+def hopeless(prev: ProcessSample | None, now: ProcessSample) -> bool:
     """Whether no thread of ``now`` can ever be woken but by a signal, confirmed against
-    ``prev``, the same process one read earlier."""
-    if prev is None or prev.start_ticks != now.start_ticks or has_timers or not now.threads:
+    ``prev``, the same process one read earlier. A POSIX timer could send one: the caller
+    leaves out the processes that hold one (the Observer, from the sampler's read)."""
+    if prev is None or prev.start_ticks != now.start_ticks or not now.threads:
         return False
     if not all(_waits_forever_privately(t, now.word_ids) for t in now.threads):
         return False

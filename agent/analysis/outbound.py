@@ -16,10 +16,9 @@ front-end serving over a unix socket would go unseen).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Collection, Iterable
 
-from ..model import Connection, ProcessSample
-from .frontdoor import endpoint
+from ..model import Connection, ProcessSample, endpoint
 
 FILE = "file"
 TERMINAL = "terminal"
@@ -33,15 +32,13 @@ NOWHERE = "nowhere"  # /dev/null
 class ServiceEnds:
     """The service's own ends of its connections and pipes, to tell where a write goes."""
 
-    def __init__(
-        self,
-        connections: Iterable[Connection],
-        pipe_read_inside: Callable[[int], bool],
-    ) -> None:
+    def __init__(self, connections: Iterable[Connection], pipes_read: Collection[int]) -> None:
+        """``pipes_read``: inodes of the pipes the service's processes hold open for reading
+        (the caller may leave them out when no write it asks about goes to a pipe)."""
         conns = list(connections)
         self.by_inode = {c.inode: c for c in conns}
         self.locals = {endpoint(c.local_address, c.local_port) for c in conns}
-        self.pipe_read_inside = pipe_read_inside  # pipe inode -> its reading end is ours
+        self.pipes_read = pipes_read
 
     def destination(self, target: str | None) -> str:
         """Where a write to an fd pointing at ``target`` (its /proc/PID/fd link) goes."""
@@ -60,7 +57,7 @@ class ServiceEnds:
             peer = endpoint(c.remote_address, c.remote_port)
             return SERVICE if peer in self.locals else CLIENT
         if target.startswith("pipe:["):
-            return SERVICE if self.pipe_read_inside(inode_of(target)) else FILE
+            return SERVICE if inode_of(target) in self.pipes_read else FILE
         return SERVICE  # anon_inode:[eventfd], [eventpoll], [timerfd], ...
 
 

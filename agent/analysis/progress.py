@@ -32,13 +32,15 @@ HEARTBEAT_MAX_BYTES = 256 * 1024
 
 @dataclass(frozen=True)
 class ParkSettings:
-    # A thread "did work" in a tick when it used more CPU than this share of the tick.
-    # An idle poll loop (Python's serve_forever wakes twice a second) uses ~0.01%; a torch
-    # rank polling its own store every 10 ms while it waits for a peer, 1-2.5%.
-    cpu_floor_ratio: float = 0.05
-    # ... and never less than this, so that a short tick does not count a wake-up as work:
-    # a thread asleep on a 10 ms timer was seen charged 3-14 ms at once now and then.
-    cpu_floor_min_ns: int = 20_000_000
+    """The CPU floor of work: a thread did work in a tick (or a window) when it used more
+    CPU than ``cpu_floor_ratio`` of it, and more than ``cpu_floor_min_ns``. The values are
+    agent.settings.Settings', where they are explained."""
+
+    cpu_floor_ratio: float
+    cpu_floor_min_ns: int
+
+    def floor_ns(self, span_ns: int) -> int:
+        return max(self.cpu_floor_min_ns, int(span_ns * self.cpu_floor_ratio))
 
 
 @dataclass(frozen=True)
@@ -70,7 +72,6 @@ class ProcessProgress:
     # answered serves nobody; an answer is a write to a client).
     accepts: int | None = None
     gpu: ev.GpuActive | None = None  # what its GPUs did, when they were active
-    notes: tuple[str, ...] = ()
 
     @property
     def logged_bytes(self) -> int:
@@ -128,17 +129,15 @@ class ParkTracker:
     (se.exec_start), whichever is earlier: a lower bound on how long it has been parked.
     """
 
-    def __init__(self, settings: ParkSettings | None = None) -> None:
-        self.settings = settings or ParkSettings()
+    def __init__(self) -> None:
         self._prev: Snapshot | None = None
         self._last_work: dict[tuple[int, int, int], int] = {}  # (pid, start, tid) -> ns
         self.parks: dict[int, dict[int, ThreadPark]] = {}  # pid -> tid -> park
 
-    def update(self, snap: Snapshot) -> None:
+    def update(self, snap: Snapshot, settings: ParkSettings) -> None:
         prev = self._prev
         now = snap.mono_ns
-        tick_ns = now - prev.mono_ns if prev else 0
-        floor = max(self.settings.cpu_floor_min_ns, int(tick_ns * self.settings.cpu_floor_ratio))
+        floor = settings.floor_ns(now - prev.mono_ns if prev else 0)
         seen: dict[tuple[int, int, int], int] = {}
         self.parks = {}
         for p in snap.processes.values():
@@ -195,13 +194,13 @@ class ParkTracker:
 
 
 def _last_ran(t: ThreadSample, now_ns: int) -> int:
-    """When a thread first seen last did anything: the start of the wait it is in (the
-    probe saw it begin) or when it last ran, whichever is earlier; ``now_ns`` for a
-    running thread, or when neither is known."""
+    """When a thread first seen last did anything: since its wait is known to reach back
+    (ThreadSample.quiet_since_ns); ``now_ns`` for a running thread, or when that is not
+    known."""
     if not t.blocked:
         return now_ns
-    known = [ns for ns in (t.last_ran_ns, t.wait.since_ns if t.wait else None) if ns]
-    return min([now_ns, *known])
+    since = t.quiet_since_ns
+    return now_ns if since is None else min(now_ns, since)
 
 
 def window_progress(
@@ -222,14 +221,12 @@ def window_progress(
     writes per fd (without a probe: /proc/PID/io, which counts every write), ``answered``
     the part of it sent to clients and ``written_to`` the file written most; ``received``
     what it received from outside (see ProcessProgress.received_bytes)."""
-    notes: tuple[str, ...] = ()
     if old is not None and old.start_ticks != new.start_ticks:
         old = None  # the PID was reused: all of the new process is new
     if old is None:
         # Started within the window: everything it did so far was done in it.
-        notes = ("started in this window",)
         old = ProcessSample(new.pid, new.ppid, new.comm, new.start_ticks, (), 0)
-    floor = max(settings.cpu_floor_min_ns, int(window_ns * settings.cpu_floor_ratio))
+    floor = settings.floor_ns(window_ns)
     old_cpu = {t.tid: t.cpu_ns for t in old.threads}
     cpu_ns = 0
     working = []
@@ -252,5 +249,4 @@ def window_progress(
         written_to=written_to,
         accepts=accepts,
         gpu=gpu,
-        notes=notes,
     )

@@ -9,24 +9,10 @@ semaphores, Python locks) is a parked wait, never a guessed edge.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ..model import (
-    FUTEX_TID_MASK,
-    FUTEX_WAIT,
-    FUTEX_WAIT_BITSET,
-    FUTEX_WAITERS,
-    PI_LOCK_OPS,
-    LockRead,
-    ProcessSample,
-    Snapshot,
-    ThreadSample,
-)
-
-# glibc pthread_mutex_t.__kind: type (0-3) | robust 16 | PI 32 | PP 64 | pshared 128 | elision 256/512
-_MUTEX_KIND_BITS = 0x3 | 0x10 | 0x20 | 0x40 | 0x80 | 0x100 | 0x200
-_GLIBC_CONTENDED = 2  # a glibc lock word with waiters; waiters sleep expecting exactly this
+from ..model import ProcessSample, Snapshot, ThreadSample, owner_candidate
 
 
 @dataclass(frozen=True)
@@ -39,112 +25,26 @@ class WaitEdge:
     owner_pid: int
 
 
-@dataclass(frozen=True)
-class Candidate:
-    """An owner a thread's lock words name, before the owner is known to be alive."""
-
-    owner: int
-    kind: str
-    uaddr: int
-
-
-def _plausible_mutex_kind(lock: LockRead) -> bool:
-    return lock.kind_field is not None and (lock.kind_field & ~_MUTEX_KIND_BITS) == 0
-
-
-def owner_candidate(thread: ThreadSample) -> Candidate | None:
-    """The owner the lock words name, if their shape is that of a lock with an owner.
-
-    Liveness of the named TID is checked by the caller; everything else is here.
-    """
-    if thread.refused is not None and thread.refused.lock is not None:
-        owner = thread.refused.lock.word & FUTEX_TID_MASK
-        return Candidate(owner, "pi-refused", thread.refused.uaddr) if owner else None
-    wait, lock = thread.wait, thread.lock
-    if wait is None or wait.vector or lock is None:
-        return None
-    if wait.op in PI_LOCK_OPS:
-        owner = lock.word & FUTEX_TID_MASK
-        return Candidate(owner, "pi", wait.uaddr) if owner else None
-    if wait.op not in (FUTEX_WAIT, FUTEX_WAIT_BITSET):
-        return None  # WAIT_REQUEUE_PI: a condvar wait; the PI mutex comes later
-    if lock.word != wait.val:
-        return None  # the word moved on: this waiter is being woken, not blocked by it
-    word = lock.word
-    if (
-        word == _GLIBC_CONTENDED
-        and lock.owner_field
-        and lock.users_field  # a locked glibc mutex counts its user
-        and _plausible_mutex_kind(lock)
-    ):
-        return Candidate(lock.owner_field, "mutex", wait.uaddr)
-    tid_part = word & FUTEX_TID_MASK
-    if tid_part and word & FUTEX_WAITERS and lock.owner_field == tid_part:
-        return Candidate(tid_part, "robust-mutex", wait.uaddr)  # robust: the word is the TID
-    if tid_part and word == tid_part and tid_part != thread.tid:
-        # pthread_join waits on the TID word; the graph checks that the word lies in
-        # the joined thread's own stack mapping, where glibc keeps its descriptor.
-        return Candidate(tid_part, "join", wait.uaddr)
-    return None
-
-
-def owner_candidates(snapshot_processes: Iterable[ProcessSample]) -> set[int]:
-    """TIDs named as owners: the sampler checks which of them are alive."""
-    out = set()
-    for p in snapshot_processes:
-        for t in p.threads:
-            c = owner_candidate(t)
-            if c is not None:
-                out.add(c.owner)
-    return out
-
-
-def strongly_connected(nodes: Iterable[int], succ: Mapping[int, Iterable[int]]) -> list[list[int]]:
-    """Tarjan's algorithm, iterative (thousands of threads must not hit the recursion limit)."""
-    index: dict[int, int] = {}
-    low: dict[int, int] = {}
-    on_stack: set[int] = set()
-    stack: list[int] = []
-    out: list[list[int]] = []
-    counter = 0
-    for root in nodes:
-        if root in index:
-            continue
-        work = [(root, iter(succ.get(root, ())))]
-        index[root] = low[root] = counter
-        counter += 1
-        stack.append(root)
-        on_stack.add(root)
-        while work:
-            v, it = work[-1]
-            advanced = False
-            for w in it:
-                if w not in index:
-                    index[w] = low[w] = counter
-                    counter += 1
-                    stack.append(w)
-                    on_stack.add(w)
-                    work.append((w, iter(succ.get(w, ()))))
-                    advanced = True
-                    break
-                if w in on_stack:
-                    low[v] = min(low[v], index[w])
-            if advanced:
-                continue
-            work.pop()
-            if work:
-                parent = work[-1][0]
-                low[parent] = min(low[parent], low[v])
-            if low[v] == index[v]:
-                comp = []
-                while True:
-                    w = stack.pop()
-                    on_stack.discard(w)
-                    comp.append(w)
-                    if w == v:
-                        break
-                out.append(comp)
-    return out
+def owner_cycles(owner: Mapping[int, int]) -> list[tuple[int, ...]]:
+    """The cycles of a wait-for graph in which each waiter waits for one owner (``owner``:
+    waiter -> owner), each in wait order (each waits for the next) from its smallest TID;
+    sorted. A walk from each thread along its owners ends at a thread that waits for none,
+    at one an earlier walk passed (whose cycle, if any, that walk found), or back on its
+    own path: a cycle. Iterative, and each thread is passed once."""
+    walked: dict[int, int] = {}  # thread -> the walk (its first thread) that passed it
+    found = []
+    for start in sorted(owner):
+        path: list[int] = []
+        tid: int | None = start
+        while tid is not None and tid not in walked:
+            walked[tid] = start
+            path.append(tid)
+            tid = owner.get(tid)
+        if tid is not None and walked[tid] == start:
+            cycle = path[path.index(tid) :]
+            i = cycle.index(min(cycle))
+            found.append(tuple(cycle[i:] + cycle[:i]))
+    return sorted(found)
 
 
 @dataclass(frozen=True)
@@ -181,13 +81,9 @@ class WaitForGraph:
                 self.edges[t.tid] = WaitEdge(t.tid, c.owner, c.kind, c.uaddr, p.pid, where[c.owner])
 
     def cycles(self) -> list[tuple[int, ...]]:
-        """Each cycle as its TIDs, rotated to start at the smallest; sorted."""
-        succ = {w: (e.owner,) for w, e in self.edges.items()}
-        found = []
-        for comp in strongly_connected(sorted(succ), succ):
-            if len(comp) > 1 or (comp[0] in self.edges and self.edges[comp[0]].owner == comp[0]):
-                found.append(_cycle_order(comp, self.edges))
-        return sorted(found)
+        """Each cycle as its TIDs in wait order, from the smallest; sorted. Edges are keyed
+        by waiter, so each thread waits for one owner at most: cycles are walks."""
+        return owner_cycles({w: e.owner for w, e in self.edges.items()})
 
     def cycle_signature(self, cycle: tuple[int, ...]) -> frozenset:
         """What must be unchanged for a cycle to count as stable: its edges, words included."""
@@ -206,7 +102,7 @@ class WaitForGraph:
         for key, members in by_word.items():
             _p0, t0 = members[0]
             edge = self.edges.get(t0.tid)
-            starts = [s for _, t in members if (s := _wait_start(t))]
+            starts = [s for _, t in members if (s := t.wait_start_ns)]
             out.append(
                 WordGroup(
                     key=key,
@@ -221,21 +117,3 @@ class WaitForGraph:
             )
         out.sort(key=lambda g: (-len(g.tids), g.key))
         return out
-
-
-def _wait_start(t: ThreadSample) -> int | None:
-    """When the wait began: seen by the probe, or (seeded) when the thread last ran."""
-    if t.wait is not None and t.wait.since_ns:
-        return t.wait.since_ns
-    return t.last_ran_ns
-
-
-def _cycle_order(comp: list[int], edges: Mapping[int, WaitEdge]) -> tuple[int, ...]:
-    """The cycle in wait order (each waits for the next), starting at its smallest TID."""
-    start = min(comp)
-    order = [start]
-    nxt = edges[start].owner
-    while nxt != start and len(order) <= len(comp):
-        order.append(nxt)
-        nxt = edges[nxt].owner
-    return tuple(order)

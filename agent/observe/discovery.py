@@ -12,7 +12,7 @@ comm).
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..config import Target
@@ -66,6 +66,28 @@ def env_labels(environ: bytes) -> dict[str, str]:
             if _SAFE_VALUE.fullmatch(v):
                 out[k.lower()] = v
     return out
+
+
+def subtree(children: Mapping[int, Sequence[int]], root: int) -> list[int]:
+    """``root`` and its descendants, depth first, root first; of each process's children the
+    last listed is walked first (callers that want ascending PIDs list them descending)."""
+    members, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        members.append(pid)
+        todo.extend(children.get(pid, ()))
+    return members
+
+
+def descendants(proc: ProcFS, roots: Iterable[int]) -> dict[int, list[int]]:
+    """root -> [root, its descendants...] from one pass over /proc's ppids (children in the
+    order /proc lists them, so the last listed comes first: the order diagnose reports in)."""
+    children: dict[int, list[int]] = {}
+    for pid in proc.pids():
+        st = proc.stat(pid)
+        if st is not None:
+            children.setdefault(st.ppid, []).append(pid)
+    return {root: subtree(children, root) for root in roots}
 
 
 class Discovery:
@@ -132,16 +154,13 @@ class Discovery:
         children: dict[int, list[int]] = {}
         for pid, k in seen.items():
             children.setdefault(k.ppid, []).append(pid)
+        for kids in children.values():
+            kids.sort(reverse=True)  # walked last first: children by ascending PID
         services = {}
         for pid, k in seen.items():
             if k.matched is None or self._matched_ancestor(pid, seen):
                 continue
-            members, todo = [], [pid]
-            while todo:
-                p = todo.pop()
-                members.append(p)
-                todo.extend(sorted(children.get(p, ()), reverse=True))
-            services[pid] = Service(k.matched, pid, tuple(members))
+            services[pid] = Service(k.matched, pid, tuple(subtree(children, pid)))
         return services
 
     def _gpu_only(self, name: str) -> bool:

@@ -7,10 +7,9 @@ update park times. Verdicts are then computed over a window of ticks.
 
 from __future__ import annotations
 
-import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 
 from ..analysis import evidence as ev
 from ..analysis.answers import stream_in_flight
@@ -22,6 +21,7 @@ from ..analysis.classify import (
     lock_cycle,
     parked_group,
     process_waits,
+    rests_on_time,
     unanswered_requests,
     unread_requests,
 )
@@ -37,7 +37,8 @@ from ..settings import Settings
 from ..sources.procfs import ProcFS
 from ..sources.protocols import ProbeSource
 from . import fdwaits as fdwords
-from .sampler import Sampler, descendants
+from .discovery import descendants
+from .sampler import Sampler
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,8 @@ class Tick:
     hopeless: frozenset[int] = frozenset()  # processes no thread can wake (agent.analysis.nowaker)
     # pid -> inodes of its sockets whose streamed answer is unfinished (agent.analysis.answers)
     streams: Mapping[int, frozenset[int]] = field(default_factory=dict)
+    # root -> its service's listeners, front doors or not (agent.analysis.frontdoor)
+    doors: Mapping[int, FrontDoors] = field(default_factory=dict)
 
 
 def describe_fd(target: str | None, fd: int) -> str:
@@ -90,6 +93,41 @@ class Written:
     files: tuple[str, ...] = ()  # the fd links written, not to clients
 
 
+@dataclass(frozen=True)
+class _Window:
+    """The ticks a verdict compares, and what is read once per verdicts call."""
+
+    latest: Tick
+    old: Tick
+    groups: list[WordGroup]  # the latest tick's waiters by word, largest first
+    names: Mapping[int, str]  # tid -> thread name, in the latest snapshot
+
+
+class _PipesRead:
+    """Where a service's writes go (agent.analysis.outbound): the pipes its processes read
+    are listed (an fd walk of each) once, and only when a write to place goes to a pipe."""
+
+    def __init__(self, sampler: Sampler, samples: Sequence[ProcessSample]) -> None:
+        self.sampler = sampler
+        self.samples = samples
+        self._read: frozenset[int] | None = None
+
+    def ends(self, targets: Iterable[str | None]) -> ServiceEnds:
+        """The service's ends, enough to place writes to ``targets`` (fd links)."""
+        if self._read is None and any(t is not None and t.startswith("pipe:[") for t in targets):
+            self._read = self.sampler.pipes_read(p.pid for p in self.samples)
+        conns = (c for p in self.samples for c in p.connections)
+        return ServiceEnds(conns, self._read or frozenset())
+
+
+def park_settings(settings: Settings) -> ParkSettings:
+    """The CPU floor work is judged by, as the progress analysis takes it."""
+    return ParkSettings(settings.cpu_floor_ratio, settings.cpu_floor_min_ns)
+
+
+_DEFAULTS = Settings()
+
+
 class ListenHistory:
     """When each port started listening, from the probe's bind and listen events.
 
@@ -97,38 +135,35 @@ class ListenHistory:
     reaches it). Kept per (pid, port); pruned when the pid is gone.
     """
 
-    def __init__(self, proc: ProcFS) -> None:
-        self.proc = proc
+    def __init__(self) -> None:
         # (pid, fd) -> port asked for at bind; 0 for a bind to port 0 (the kernel chooses)
         self._bound: dict[tuple[int, int], int] = {}
         self.since: dict[tuple[int, int], int] = {}  # (pid, port) -> CLOCK_MONOTONIC of listen
         self.kernel_chosen: set[tuple[int, int]] = set()  # (pid, port) bound to port 0
 
-    def update(self, events: Iterable[SocketEvent]) -> None:
+    def update(
+        self, events: Iterable[SocketEvent], port_now: Callable[[int, int], int | None]
+    ) -> None:
+        """Take the probe's events; ``port_now`` reads the port of a (pid, fd) socket now
+        (Sampler.listening_port), asked only of a listen after a bind to port 0."""
         for e in events:
             if e.kind == "bind" and (e.port or e.family):
                 self._bound[(e.tgid, e.fd)] = e.port
             elif e.kind == "listen":
                 # A bind to port 0 lets the kernel choose: then ask /proc which port it chose.
                 asked = self._bound.get((e.tgid, e.fd))
-                port = asked or self._port_now(e.tgid, e.fd)
+                port = asked or port_now(e.tgid, e.fd)
                 if port:
                     self.since[(e.tgid, port)] = e.ts_ns
                     if asked == 0:
                         self.kernel_chosen.add((e.tgid, port))
 
-    def _port_now(self, pid: int, fd: int) -> int | None:
-        target = self.proc.fd_target(pid, fd)
-        if not target or not target.startswith("socket:["):
-            return None
-        inode = int(target[8:-1])
-        return next((s.port for s in self.proc.tcp_sockets(pid) if s.inode == inode), None)
+    def pids(self) -> set[int]:
+        """The processes it holds entries of (few: binders and listeners)."""
+        return {k[0] for k in self._bound} | {k[0] for k in self.since}
 
-    def prune(self) -> None:
-        """Drop entries of processes that are gone: a stat per pid held (few: binders and
-        listeners), not a listing of all of /proc per tick."""
-        held = {k[0] for k in self._bound} | {k[0] for k in self.since}
-        live = {pid for pid in held if self.proc.stat(pid) is not None}
+    def prune(self, live: Collection[int]) -> None:
+        """Drop entries of processes that are gone (``live``: those of pids() that are not)."""
         self._bound = {k: v for k, v in self._bound.items() if k[0] in live}
         self.since = {k: v for k, v in self.since.items() if k[0] in live}
         self.kernel_chosen = {k for k in self.kernel_chosen if k[0] in live}
@@ -145,34 +180,28 @@ class ListenHistory:
             for port in sorted({lst.port for lst in p.listeners} if p else ()):
                 ns = self.since.get((pid, port))
                 if ns is not None:
-                    at = time.strftime("%H:%M:%S", time.localtime(snap.wall_of(ns)))
-                    out.append(ev.ListeningSince(port, at))
+                    out.append(ev.ListeningSince(port, snap.wall_of(ns)))
         return out
 
 
 class Observer:
     """Ticks (snapshot, wait-for graph, stable cycles, park times) and verdicts over them.
 
-    Settings are inputs of each call, so a reload changes them without reaching inside."""
+    Settings are inputs of each call, so a reload changes them without reaching inside. The
+    Observer reads nothing itself: the sampler does every read of /proc, and the analysis
+    is handed what it returned."""
 
-    def __init__(
-        self,
-        sampler: Sampler,
-        probe: ProbeSource | None,
-        scope: Scope,
-        park: ParkSettings | None = None,
-    ) -> None:
+    def __init__(self, sampler: Sampler, probe: ProbeSource | None, scope: Scope) -> None:
         self.sampler = sampler
         self.probe = probe
         self.scope = scope
-        self.park = park or ParkSettings()
-        self.tracker = ParkTracker(self.park)
+        self.tracker = ParkTracker()
         self.members: dict[int, list[int]] = {}
         self._seen: dict[int, set[int]] = {}  # root -> every pid ever in the service
         self._prev_sigs: set[frozenset] = set()
         self.ticks: deque[Tick] = deque()  # the progress window's ticks: see _trim
         self.events: deque[ProbeEvent] = deque(maxlen=1000)  # ring-buffer events, newest last
-        self.sockets = ListenHistory(self.sampler.proc)
+        self.sockets = ListenHistory()
         self.gpu_history = GpuHistory()
         self._fd_names: dict[tuple[int, int], str] = {}  # (pid, fd) -> link when last written
         self._fd_seen: dict[tuple[int, int], int] = {}  # (pid, fd) -> last_ns when named
@@ -191,49 +220,57 @@ class Observer:
             self.probe.watch(pids)
         return pids
 
-    def tick(self, gpu: GpuReading | None = None, window_s: float | None = None) -> Tick:
+    def tick(self, gpu: GpuReading | None = None, settings: Settings = _DEFAULTS) -> Tick:
         """One observation; ``gpu`` is this interval's NVML reading, when there is a source.
-        Ticks older than the progress window ``window_s`` are let go."""
+        Ticks older than the progress window (``settings.window_s``) are let go."""
         pids = self.discover()
         reading = ProbeReading()
         if self.probe is not None:
             reading = self.probe.read()
             self.events.extend(reading.events)
-        self.sockets.update(reading.socket_events)
+        self.sockets.update(reading.socket_events, self.sampler.listening_port)
         self._name_written_fds(reading)
         snap = self.sampler.snapshot(pids, reading)
-        live = {t.tid for p in snap.processes.values() for t in p.threads}
-        if self.probe is not None:
-            kept = {*reading.inflight, *reading.refusals, *reading.threads}
-            stale = [tid for tid in kept if tid not in live]
-            if stale:
-                self.probe.forget(stale)
+        self._forget_stale(snap, reading)
         graph = WaitForGraph(snap)
         sigs = {graph.cycle_signature(c): c for c in graph.cycles()}
         stable = tuple(sorted(c for sig, c in sigs.items() if sig in self._prev_sigs))
         self._prev_sigs = set(sigs)
-        prev = self.ticks[-1].snapshot if self.ticks else None
-        stuck = frozenset(
-            pid
-            for pid, p in snap.processes.items()
-            if prev is not None
-            and hopeless(prev.processes.get(pid), p)
-            and not self.sampler.proc.has_posix_timers(pid)
-        )
-        self.tracker.update(snap)
+        stuck = self._hopeless(snap)
+        self.tracker.update(snap, park_settings(settings))
         self._heartbeat_files = {
             k: v
             for k, v in self._heartbeat_files.items()
             if (p := snap.processes.get(k[0])) is not None and p.start_ticks == k[1]
         }
         streams = {pid: s for pid in reading.writes if (s := self._streams(pid, reading))}
-        self._note_demand(snap, streams)
-        self.sockets.prune()
+        self.sockets.prune(self.sampler.alive(self.sockets.pids()))
+        doors = {root: self._doors(root, snap) for root in self.members}
+        self._note_demand(snap, streams, doors)
         self.gpu_history.update(gpu, self.ticks[-1].gpu if self.ticks else None, snap.mono_ns)
-        tick = Tick(snap, graph, stable, reading, gpu, stuck, streams)
+        tick = Tick(snap, graph, stable, reading, gpu, stuck, streams, doors)
         self.ticks.append(tick)
-        self._trim(window_s)
+        self._trim(settings.window_s)
         return tick
+
+    def _forget_stale(self, snap: Snapshot, reading: ProbeReading) -> None:
+        """Tell the probe to drop its entries of threads that are gone."""
+        if self.probe is None:
+            return
+        live = {t.tid for p in snap.processes.values() for t in p.threads}
+        kept = {*reading.inflight, *reading.refusals, *reading.threads}
+        stale = [tid for tid in kept if tid not in live]
+        if stale:
+            self.probe.forget(stale)
+
+    def _hopeless(self, snap: Snapshot) -> frozenset[int]:
+        """The processes no thread of which can be woken (agent.analysis.nowaker), confirmed
+        against the previous tick; /proc/PID/timers is read of those alone."""
+        prev = self.ticks[-1].snapshot if self.ticks else None
+        if prev is None:
+            return frozenset()
+        proven = [pid for pid, p in snap.processes.items() if hopeless(prev.processes.get(pid), p)]
+        return frozenset(proven) - self.sampler.with_posix_timers(proven)
 
     def _streams(self, pid: int, reading: ProbeReading) -> frozenset[int]:
         """Inodes of the process's sockets whose last write left a streamed answer
@@ -245,14 +282,18 @@ class Observer:
                 out.add(inode_of(name))
         return frozenset(out)
 
-    def _note_demand(self, snap: Snapshot, streams: Mapping[int, frozenset[int]]) -> None:
+    def _note_demand(
+        self,
+        snap: Snapshot,
+        streams: Mapping[int, frozenset[int]],
+        doors: Mapping[int, FrontDoors],
+    ) -> None:
         """Remember, per service, when work last waited at its front doors: a client that
         retries (each try times out, then connects again) leaves moments with nothing
         waiting, and a service is idle only when nothing waited in the whole window."""
         for root, members in self.members.items():
             samples = [snap.processes[p] for p in members if p in snap.processes]
-            doors = self._doors(root, samples, snap)
-            ports = doors.ports
+            ports = doors[root].ports
             waiting = sum(
                 lst.queued for p in samples for lst in p.listeners if lst.port in ports
             ) + sum(
@@ -265,7 +306,10 @@ class Observer:
         live = set(self.members)
         self._demand_ns = {r: ns for r, ns in self._demand_ns.items() if r in live}
 
-    def _doors(self, root: int, samples: Sequence[ProcessSample], snap: Snapshot) -> FrontDoors:
+    def _doors(self, root: int, snap: Snapshot) -> FrontDoors:
+        """The service's listeners, front doors or not: once per tick, for the tick's demand
+        and for the verdicts over it."""
+        samples = [snap.processes[p] for p in self.members[root] if p in snap.processes]
         return front_doors(
             samples,
             self.scope.declared_doors(root),
@@ -286,94 +330,106 @@ class Observer:
             ticks.popleft()
 
     def verdicts(self, settings: Settings) -> list[ServiceVerdict]:
-        latest, old_tick = self.ticks[-1], self.ticks[0]  # the window: see _trim
-        old = old_tick.snapshot
-        snap = latest.snapshot
-        groups = latest.graph.groups()
-        window_ns = snap.mono_ns - old.mono_ns
-        names = {t.tid: t.name for p in snap.processes.values() for t in p.threads}
-        out = []
-        for root, members in self.members.items():
-            samples = [snap.processes[p] for p in members if p in snap.processes]
-            doors = self._doors(root, samples, snap)
-            ends = ServiceEnds(
-                (c for p in samples for c in p.connections), self._pipes_read_by(samples)
+        """Each service's verdict over the window: its latest tick against its first."""
+        latest, old = self.ticks[-1], self.ticks[0]  # the window: see _trim
+        window = _Window(
+            latest,
+            old,
+            latest.graph.groups(),
+            {t.tid: t.name for p in latest.snapshot.processes.values() for t in p.threads},
+        )
+        return [self._verdict(root, window, settings) for root in self.members]
+
+    def _verdict(self, root: int, w: _Window, settings: Settings) -> ServiceVerdict:
+        """One service: its processes' facts, the evidence of the service, the classifier;
+        and, for a verdict that rests on its time without progress, the same again with its
+        last progress dated (an fd walk of its processes: never for a working or idle one)."""
+        snap = w.latest.snapshot
+        samples = [snap.processes[p] for p in self.members[root] if p in snap.processes]
+        doors = w.latest.doors[root]
+        pipes = _PipesRead(self.sampler, samples)
+        ends = pipes.ends(
+            self._fd_names.get((p.pid, fd))
+            for p in samples
+            for fd in w.latest.reading.writes.get(p.pid, {})
+        )
+        park = park_settings(settings)
+        facts = [self._facts(s, w, ends, doors, park) for s in samples]
+        live = {f.sample.pid for f in facts}
+        gone = sorted(self._seen.get(root, set()) - live)  # empty unless remember_gone
+        cycles = sorted({c for f in facts for c in f.cycles})
+        demand_ns = self._demand_ns.get(root)
+        evidence = Evidence(
+            cycles=[lock_cycle(c, w.latest.graph.edges, w.names) for c in cycles],
+            parked=self._parked_evidence(live, w.latest, w.groups, doors),
+            demand_age_s=(
+                (snap.mono_ns - demand_ns) / 1e9
+                if demand_ns is not None and demand_ns >= w.old.snapshot.mono_ns
+                else None
+            ),
+        )
+
+        def classify(evidence: Evidence) -> ServiceVerdict:
+            return classify_service(
+                root,
+                facts,
+                settings.park_threshold_s,
+                gone=gone,
+                root_gone=root not in live,
+                evidence=evidence,
             )
-            facts = []
-            for pid in members:
-                sample = snap.processes.get(pid)
-                if sample is None:
-                    continue
-                tids = {t.tid for t in sample.threads}
-                parks = self.tracker.parks.get(pid, {})
-                accepts = None
-                if pid in latest.reading.accepts:  # counted by the probe since watched
-                    accepts = latest.reading.accepts[pid] - old_tick.reading.accepts.get(pid, 0)
-                gpu = self.gpu_history.facts(pid, latest.gpu, old_tick.gpu, snap.mono_ns)
-                old_sample = old.processes.get(pid)
-                written = self._written_out(pid, latest.reading, old_tick.reading, ends)
-                progress = window_progress(
-                    old_sample,
-                    sample,
-                    window_ns,
-                    self.park,
-                    accepts=accepts,
-                    gpu=gpu_active(gpu) if gpu is not None and gpu.active else None,
-                    written_out=written.total,
-                    received=received_from_outside(old_sample, sample, ends, doors.ports),
-                    answered=written.answered,
-                    written_to=written.most_to,
-                )
-                if progress.heartbeat:
-                    # Its mtimes tell of the heartbeat, not of work: never date from them.
-                    key = (pid, sample.start_ticks)
-                    self._heartbeat_files.setdefault(key, set()).update(written.files)
-                facts.append(
-                    ProcessFacts(
-                        sample=sample,
-                        progress=progress,
-                        parked_threads=sum(1 for x in parks.values() if x.parked),
-                        parked_seconds=self.tracker.parked_seconds(pid, snap.mono_ns),
-                        cycles=[c for c in latest.cycles if tids.intersection(c)],
-                        gpu=gpu,
-                        front_door_ports=doors.ports,
-                        waits=process_waits(sample, snap.mono_ns),
-                        hopeless=pid in latest.hopeless,
-                        streams=latest.streams.get(pid, frozenset()),
-                    )
-                )
-            live = {f.sample.pid for f in facts}
-            gone = sorted(self._seen.get(root, set()) - live)  # empty unless remember_gone
-            cycles = sorted({c for f in facts for c in f.cycles})
-            quiet = not any(f.progress.did_work for f in facts)
-            demand_ns = self._demand_ns.get(root)
-            evidence = Evidence(
-                cycles=[lock_cycle(c, latest.graph.edges, names) for c in cycles],
-                parked=self._parked_evidence(live, latest, groups, doors),
-                # Dated only for a service that did nothing in the window: the fds of its
-                # processes are walked then, not every tick for every service.
-                last_progress=(
-                    self._dater(samples, ends, doors.ports, snap, old.mono_ns)
-                    if quiet and facts and not cycles
-                    else None
-                ),
-                demand_age_s=(
-                    (snap.mono_ns - demand_ns) / 1e9
-                    if demand_ns is not None and demand_ns >= old.mono_ns
-                    else None
-                ),
-            )
-            out.append(
-                classify_service(
-                    root,
-                    facts,
-                    settings.park_threshold_s,
-                    gone=gone,
-                    root_gone=root not in live,
-                    evidence=evidence,
-                )
-            )
-        return out
+
+        v = classify(evidence)
+        if rests_on_time(v):
+            v = classify(replace(evidence, last_progress=self._date(samples, pipes, doors, w)))
+        return v
+
+    def _facts(
+        self,
+        sample: ProcessSample,
+        w: _Window,
+        ends: ServiceEnds,
+        doors: FrontDoors,
+        park: ParkSettings,
+    ) -> ProcessFacts:
+        """What the classifier needs of one process over the window; heartbeat files noted."""
+        latest, old_tick = w.latest, w.old
+        snap, pid = latest.snapshot, sample.pid
+        accepts = None
+        if pid in latest.reading.accepts:  # counted by the probe since watched
+            accepts = latest.reading.accepts[pid] - old_tick.reading.accepts.get(pid, 0)
+        gpu = self.gpu_history.facts(pid, latest.gpu, old_tick.gpu, snap.mono_ns)
+        old_sample = old_tick.snapshot.processes.get(pid)
+        written = self._written_out(pid, latest.reading, old_tick.reading, ends)
+        progress = window_progress(
+            old_sample,
+            sample,
+            snap.mono_ns - old_tick.snapshot.mono_ns,
+            park,
+            accepts=accepts,
+            gpu=gpu_active(gpu) if gpu is not None and gpu.active else None,
+            written_out=written.total,
+            received=received_from_outside(old_sample, sample, ends, doors.ports),
+            answered=written.answered,
+            written_to=written.most_to,
+        )
+        if progress.heartbeat:
+            # Its mtimes tell of the heartbeat, not of work: never date from them.
+            key = (pid, sample.start_ticks)
+            self._heartbeat_files.setdefault(key, set()).update(written.files)
+        tids = {t.tid for t in sample.threads}
+        return ProcessFacts(
+            sample=sample,
+            progress=progress,
+            parked_threads=sum(1 for x in self.tracker.parks.get(pid, {}).values() if x.parked),
+            parked_seconds=self.tracker.parked_seconds(pid, snap.mono_ns),
+            cycles=[c for c in latest.cycles if tids.intersection(c)],
+            gpu=gpu,
+            front_door_ports=doors.ports,
+            waits=process_waits(sample, snap.mono_ns),
+            hopeless=pid in latest.hopeless,
+            streams=latest.streams.get(pid, frozenset()),
+        )
 
     def _parked_evidence(
         self, pids: set[int], tick: Tick, groups: list[WordGroup], doors: FrontDoors
@@ -389,42 +445,33 @@ class Observer:
         out.extend(self._last_writes(pids, tick.reading, now))
         return out
 
-    def _dater(
+    def _date(
         self,
         samples: Sequence[ProcessSample],
-        ends: ServiceEnds,
-        front_ports: frozenset[int],
-        snap: Snapshot,
-        window_start_ns: int,
-    ) -> Callable[[], ev.LastProgress | None]:
-        """Dates the service's last progress (agent.analysis.last_progress) when the classifier asks: only
-        for a quiet service that is not idle, so an idle server costs no fd walk a tick."""
+        pipes: _PipesRead,
+        doors: FrontDoors,
+        w: _Window,
+    ) -> ev.LastProgress | None:
+        """The service's last progress before the window (agent.analysis.last_progress), from
+        the fds its processes hold open for writing, read now."""
+        snap = w.latest.snapshot
         beats = set().union(
             *(self._heartbeat_files.get((p.pid, p.start_ticks), ()) for p in samples)
         )
-        return lambda: last_progress(
-            self.sampler.proc,
+        written = self.sampler.written_files(p.pid for p in samples)
+        ends = pipes.ends(
+            f.target for fds in written.values() for f in fds if f.target not in beats
+        )
+        return last_progress(
             samples,
+            written,
             ends,
-            front_ports,
+            doors.ports,
             snap.mono_ns,
             snap.wall,
-            window_start_ns,
+            w.old.snapshot.mono_ns,
             beats,
         )
-
-    def _pipes_read_by(self, samples: Sequence[ProcessSample]) -> Callable[[int], bool]:
-        """Whether a pipe's reading end is held in the service: the fds of its processes are
-        listed only if a pipe was written in the window, and then once."""
-        held: set[int] | None = None
-
-        def read_inside(inode: int) -> bool:
-            nonlocal held
-            if held is None:
-                held = set().union(*(self.sampler.proc.pipes_read(p.pid) for p in samples))
-            return inode in held
-
-        return read_inside
 
     def _written_out(
         self, pid: int, latest: ProbeReading, old: ProbeReading, ends: ServiceEnds
@@ -458,16 +505,20 @@ class Observer:
     def _name_written_fds(self, reading: ProbeReading) -> None:
         """Name each fd when it is written (a log closed later is still named), and only
         then: a readlink per fd that changed, not per fd per tick."""
+        changed = {
+            (pid, fd): w.last_ns
+            for pid, fds in reading.writes.items()
+            for fd, w in fds.items()
+            if (pid, fd) not in self._fd_names or self._fd_seen.get((pid, fd)) != w.last_ns
+        }
+        read = self.sampler.fd_targets(changed)
+        self._fd_seen.update(changed)
         names = {}
         for pid, fds in reading.writes.items():
-            for fd, w in fds.items():
-                key = (pid, fd)
-                old = self._fd_names.get(key)
-                if old is None or self._fd_seen.get(key) != w.last_ns:
-                    old = self.sampler.proc.fd_target(pid, fd) or old
-                    self._fd_seen[key] = w.last_ns
-                if old is not None:
-                    names[key] = old
+            for fd in fds:
+                name = read.get((pid, fd)) or self._fd_names.get((pid, fd))
+                if name is not None:
+                    names[(pid, fd)] = name
         self._fd_names = names  # bounded by the fds the probe still reports
         self._fd_seen = {k: v for k, v in self._fd_seen.items() if k in names}
 

@@ -1,4 +1,9 @@
-"""Builds a Snapshot from /proc and the probe's reading: the one place that joins them."""
+"""Builds a Snapshot from /proc and the probe's reading: the one place that joins them.
+
+Every read of /proc a tick makes is here: the snapshot, and the few reads the Observer asks
+for only when it needs them (an fd's link, the pipes a service reads, the fds of a quiet
+service to date it, a proven process's POSIX timers), so the analysis is handed data only.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +13,6 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
-from ..analysis.frontdoor import endpoint
-from ..analysis.waitgraph import owner_candidates
 from ..model import (
     FUTEX_CMD_MASK,
     FUTEX_WAIT_BITSET,
@@ -25,7 +28,10 @@ from ..model import (
     Snapshot,
     SyscallLine,
     ThreadSample,
+    WrittenFd,
+    endpoint,
     is_blocked,
+    owner_candidate,
 )
 from ..sources.procfs import MemMap, ProcessMemory, ProcFS, TcpSocket
 from ..sources.tcpinfo import TCP_ESTABLISHED, TCP_LISTEN
@@ -34,22 +40,9 @@ from ..syscalls import FUTEX, SYS_FUTEX, SYS_FUTEX_WAIT, futex_private, syscall_
 CLK_TCK = os.sysconf("SC_CLK_TCK")  # /proc/PID/stat counts starttime in these
 
 
-def descendants(proc: ProcFS, roots: Iterable[int]) -> dict[int, list[int]]:
-    """root -> [root, its descendants...] from one pass over /proc's ppids."""
-    children: dict[int, list[int]] = {}
-    for pid in proc.pids():
-        st = proc.stat(pid)
-        if st is not None:
-            children.setdefault(st.ppid, []).append(pid)
-    out = {}
-    for root in roots:
-        members, todo = [], [root]
-        while todo:
-            pid = todo.pop()
-            members.append(pid)
-            todo.extend(children.get(pid, ()))
-        out[root] = members
-    return out
+def owner_candidates(processes: Iterable[ProcessSample]) -> set[int]:
+    """TIDs that lock words name as owners: the snapshot checks which of them are alive."""
+    return {c.owner for p in processes for t in p.threads if (c := owner_candidate(t))}
 
 
 def seeded_wait(sc: SyscallLine | None) -> FutexWait | None:
@@ -394,3 +387,37 @@ class Sampler:
                         for c in p.connections
                     )
                     processes[pid] = replace(p, connections=conns)
+
+    # --- reads asked for between snapshots --------------------------------------------------
+    # What the Observer needs only sometimes (a pipe written, a quiet service to date, a
+    # process proven hopeless): read here, on its request, so that every /proc read of a
+    # tick is the sampler's and the analysis is handed data only.
+
+    def fd_targets(self, fds: Iterable[tuple[int, int]]) -> dict[tuple[int, int], str]:
+        """(pid, fd) -> what the fd points to now, for those still open."""
+        return {k: t for k in fds if (t := self.proc.fd_target(*k)) is not None}
+
+    def pipes_read(self, pids: Iterable[int]) -> frozenset[int]:
+        """Inodes of the pipes that any of ``pids`` holds open for reading."""
+        return frozenset().union(*(self.proc.pipes_read(pid) for pid in pids))
+
+    def written_files(self, pids: Iterable[int]) -> dict[int, tuple[WrittenFd, ...]]:
+        """pid -> the fds it holds open for writing to a file, a pipe or a terminal, with
+        their mtimes (an fd walk per process)."""
+        return {pid: tuple(self.proc.written_fds(pid)) for pid in pids}
+
+    def with_posix_timers(self, pids: Iterable[int]) -> frozenset[int]:
+        """Those of ``pids`` that hold a POSIX timer (agent.analysis.nowaker)."""
+        return frozenset(pid for pid in pids if self.proc.has_posix_timers(pid))
+
+    def listening_port(self, pid: int, fd: int) -> int | None:
+        """The TCP port of the process's socket ``fd`` (one the kernel chose at bind)."""
+        target = self.proc.fd_target(pid, fd)
+        if not target or not target.startswith("socket:["):
+            return None
+        inode = int(target[8:-1])
+        return next((s.port for s in self.proc.tcp_sockets(pid) if s.inode == inode), None)
+
+    def alive(self, pids: Iterable[int]) -> frozenset[int]:
+        """Those of ``pids`` that still exist (a stat each)."""
+        return frozenset(pid for pid in pids if self.proc.stat(pid) is not None)

@@ -7,12 +7,11 @@ import time
 from typing import Any
 
 from ..analysis.classify import ProcessVerdict, ServiceVerdict
-from ..analysis.evidence import as_json
 from ..analysis.lockwords import words_wanted
 from ..analysis.stacks import group_stacks, lock_cycle_hint, lock_waiters
 from ..model import ProcessSample, StackRead, Wanted
 from .diagnosis import ISO, Report, probe_summary, since
-from .sentences import reasons, wait_words
+from .sentences import evidence_json, reasons, wait_words
 
 
 def wanted(r: Report) -> Wanted:
@@ -40,10 +39,10 @@ def _service(r: Report, v: ServiceVerdict) -> dict[str, Any]:
         "pid": v.pid,
         "state": v.state,
         "cycles": [list(c) for c in v.cycles],
-        "reasons": v.words,
+        "reasons": reasons(v.reasons),
         # The same reasons as records: each kind's fields, ages in seconds
-        "evidence": [as_json(f) for f in v.reasons],
-        "culprit": as_json(v.culprit) if v.culprit is not None else None,
+        "evidence": [evidence_json(f) for f in v.reasons],
+        "culprit": evidence_json(v.culprit) if v.culprit is not None else None,
         "seconds_since_progress": round(v.seconds_since_progress, 3),
         "unanswered_requests": v.unanswered_requests,
         "gone": v.gone,
@@ -86,8 +85,8 @@ def _process(r: Report, p: ProcessVerdict) -> dict[str, Any]:
         "parked_seconds": round(p.parked_seconds, 3),
         "state": p.state,
         "reasons": reasons(p.reasons),
-        "evidence": [as_json(f) for f in p.reasons],
-        "waits": as_json(p.waits) if p.waits is not None else None,
+        "evidence": [evidence_json(f) for f in p.reasons],
+        "waits": evidence_json(p.waits) if p.waits is not None else None,
         "listening_ports": list(p.listening_ports),
         # RANK, LOCAL_RANK, WORLD_SIZE, ...: the daemon's allow-listed labels
         "labels": dict(r.labels.get(p.pid, {})),

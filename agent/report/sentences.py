@@ -9,7 +9,8 @@ from __future__ import annotations
 import functools
 import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from ..analysis import evidence as ev
 from ..model import plural
@@ -196,7 +197,8 @@ _LAST_TO = {"write": "to", "sent": "to", "received": "from", "ran": ":"}
 @render.register
 def _(f: ev.LastProgress) -> str:
     verb, to = _LAST.get(f.what, f.what), _LAST_TO.get(f.what, "")
-    return f"{verb} {seconds(f.age_s)} ago {to} {f.target} (pid {f.pid})".replace(" : ", ": ")
+    target = progress_target(f.target)
+    return f"{verb} {seconds(f.age_s)} ago {to} {target} (pid {f.pid})".replace(" : ", ": ")
 
 
 @render.register
@@ -255,15 +257,15 @@ def _(f: ev.Doors) -> str:
     parts = []
     if f.front:
         s = "s" if len(f.front) > 1 else ""
-        parts.append(f"front door{s} " + ", ".join(f"{p} ({w})" for p, w in f.front))
+        parts.append(f"front door{s} " + ", ".join(f"{p} ({door_why(w)})" for p, w in f.front))
     if f.plumbing:
-        parts.append("not front doors: " + ", ".join(f"{p} ({w})" for p, w in f.plumbing))
+        parts.append("not front doors: " + ", ".join(f"{p} ({door_why(w)})" for p, w in f.plumbing))
     return "; ".join(parts)
 
 
 @render.register
 def _(f: ev.ListeningSince) -> str:
-    return f"port {f.port} listening since {f.at}"
+    return f"port {f.port} listening since {clock(f.at)}"
 
 
 @render.register
@@ -438,3 +440,87 @@ def process_waits(f: ev.ProcessWaits) -> str:
 
 def reasons(facts: Iterable[ev.Fact]) -> list[str]:
     return [render(f) for f in facts]
+
+
+# --- typed fields of records, in words ------------------------------------------------------
+
+
+def clock(wall: float) -> str:
+    """A wall-clock time (time.time()) as the local clock shows it: '05:13:06'."""
+    return time.strftime("%H:%M:%S", time.localtime(wall))
+
+
+def progress_target(target: str | ev.Thread) -> str:
+    """What a LastProgress was seen on: a file or a peer as it is, a thread by TID and name."""
+    if isinstance(target, ev.Thread):
+        return f"thread {target.tid} ({target.name})"
+    return target
+
+
+def _holder(h: ev.Holder) -> str:
+    """'rank pid 123', 'torchrun pid 77', 'pid 9 (python3)'."""
+    if h.launcher is not None:
+        return f"{h.launcher} pid {h.pid}"
+    if h.rank:
+        return f"rank pid {h.pid}"
+    return f"pid {h.pid} ({h.comm})"
+
+
+_DOOR_RULES = {
+    ev.DoorRule.DECLARED: "declared in the config",
+    ev.DoorRule.NOT_DECLARED: "not among the config's front doors",
+    ev.DoorRule.NONE_DECLARED: "the config says it has no front door",
+    ev.DoorRule.KERNEL_CHOSEN: "bound to port 0: the kernel chose it, no client knows it",
+    ev.DoorRule.NAMED: (
+        "named on the command line, no connection yet: a front door until shown otherwise"
+    ),
+    ev.DoorRule.BY_NUMBER: (
+        "asked for by number, no connection yet: a front door until shown otherwise"
+    ),
+}
+
+
+def door_why(w: ev.DoorWhy) -> str:
+    """Why a port is a front door or not (agent.analysis.frontdoor's rules), in words."""
+    if w.rule in _DOOR_RULES:
+        return _DOOR_RULES[w.rule]
+    holder = _holder(w.holder) if w.holder is not None else "?"
+    if w.rule == ev.DoorRule.PLUMBING:
+        what = "rendezvous endpoint" if w.flag == "--rdzv-endpoint" else w.flag
+        return f"{what} of {holder}"
+    if w.rule == ev.DoorRule.JOB_EPHEMERAL:
+        launched = w.holder is not None and w.holder.launcher
+        what = "an auto-assigned store" if launched else "a collective library"
+        return f"ephemeral port of {holder}: {what}'s listener"
+    if w.rule == ev.DoorRule.UNNAMED_EPHEMERAL:
+        return (
+            f"a port in the kernel's ephemeral range (from {w.ephemeral_from}) that the command "
+            "line does not name, with no connection: chosen by the kernel or a runtime"
+        )
+    if w.rule == ev.DoorRule.CLIENTS and w.peer is not None:
+        more = f" and {w.more} more" if w.more > 0 else ""
+        return f"clients from outside connect to it: from {w.peer[0]}:{w.peer[1]}{more}"
+    ps = sorted(set(w.pids))
+    pids = f"pid{'s' if len(ps) > 1 else ''} " + ", ".join(map(str, ps))
+    return f"every peer is a process of the service ({pids})"
+
+
+def _said(f: ev.Fact) -> Mapping[str, Any]:
+    """The fields of a record that ``--json`` gives in words, as the sentences say them."""
+    if isinstance(f, ev.Doors):
+        return {
+            "front": [[p, door_why(w)] for p, w in f.front],
+            "plumbing": [[p, door_why(w)] for p, w in f.plumbing],
+        }
+    if isinstance(f, ev.ListeningSince):
+        return {"at": clock(f.at)}
+    if isinstance(f, ev.LastProgress):
+        return {"target": progress_target(f.target)}
+    return {}
+
+
+def evidence_json(f: ev.Fact) -> dict[str, Any]:
+    """A record for ``--json``: its fields as they are (agent.analysis.evidence.as_json), and
+    the typed ones that stand for words (a front door's why, a clock time, a thread) in the
+    words the reasons use."""
+    return ev.as_json(f, _said)

@@ -21,6 +21,7 @@ from ..model import (
     Plumbing,
     SyscallLine,
     TcpInfo,
+    WrittenFd,
 )
 from .tcpinfo import TcpInfoRead, read_tcp_info
 
@@ -61,13 +62,6 @@ class ProcStat:
     state: str
     ppid: int
     start_ticks: int
-
-
-@dataclass(frozen=True)
-class WrittenFd:
-    fd: int
-    target: str  # its /proc/PID/fd link
-    mtime: float  # wall-clock seconds
 
 
 @dataclass(frozen=True)

@@ -15,13 +15,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from agent.analysis.progress import ParkSettings
-from agent.settings import DIAGNOSE_INTERVAL_S
+from agent.observe.observer import park_settings
+from agent.settings import DIAGNOSE_INTERVAL_S, Settings
 from scripts.fixturelib import Fixture, tasks, thread_state
 from tests.privileged.harness import Diagnosis, RunningDiagnose
 
 ATTACH_TIMEOUT_S = 45  # BPF compile and load included
-PARK = ParkSettings()  # the floor diagnose judges work by
+PARK = park_settings(Settings())  # the floor diagnose judges work by
 
 # Stops every thread of a process with ptrace (as gdb or py-spy would), holds it, lets go.
 # Run in its own process: a tracer's children report ptrace stops to every waiter in the

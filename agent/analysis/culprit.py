@@ -1,0 +1,108 @@
+"""The process that holds a stalled or deadlocked service up, when the evidence singles one
+out: find_culprit, for agent.analysis.classify."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from ..syscalls import FUTEX, kind_by_name
+from . import evidence as ev
+
+if TYPE_CHECKING:  # the classifier imports this module: its types only, for annotations
+    from .classify import ProcessFacts, ServiceVerdict
+
+# How far from the service's stop a wait may have begun and still be part of the hang: the
+# stop is dated by tcp_info or a log's mtime, a wait by se.exec_start, each CPU's task clock,
+# which leaves out steal and IRQ time: on a loaded 2-CPU VM here a real vLLM Worker's wait
+# read 1.9 s older than the request it hung on.
+CULPRIT_BAND_MIN_S = 2.0
+CULPRIT_BAND_RATIO = 0.1
+
+
+def find_culprit(v: ServiceVerdict, procs: Sequence[ProcessFacts]) -> ev.Culprit | None:
+    """The process that holds a stalled or deadlocked service up, when the evidence singles
+    one out (None otherwise: naming a wrong one would send the engineer the wrong way).
+
+    1. A process whose threads are in a stable lock cycle (of a cycle across processes, the
+       one holding most of its threads), or else one that no thread can wake
+       (agent.analysis.nowaker; the lowest PID if several).
+    2. Otherwise the one process that waits on itself: the most threads in futex waits
+       without a timeout (a lock or an event that only another thread of it can release)
+       less its threads in timed waits or sleeps (waiting for time, a peer, a child: waiting
+       on someone else). It must lead by at least one: a DataLoader worker blocked in
+       ``__getitem__`` against its main process polling it every 5 s; a rank that stopped
+       taking part (its gloo threads idle on their work queues) against the rank in the
+       collective (one gloo thread waiting, with the collective's timeout, for its data); a
+       child forked with a lock held against the parent joining it 5 s at a time.
+       Where the waits are dated and the service's stop is known (when its oldest unanswered
+       request came, else its time without progress), only the untimed waits that began
+       when it stopped count (within CULPRIT_BAND_* of it; classify.process_waits has left out those
+       of each process's first STARTUP_S), no timed wait is taken off, and among as many the
+       process whose main thread stopped then leads, then the one whose work dates the stop
+       (a Ray actor's last log line, against the log monitor that read it). Thread pools parked since start-up are
+       background, not evidence (every Ray process carries 6-10 gRPC threads in untimed
+       waits since it started, 10-20 more in timed waits on gRPC timers), and the age quoted
+       is the hang's, not the process's uptime. So vLLM's Worker (its main thread and the
+       26 gloo run-loop threads its step had woken) is named, not the API server with its 4
+       request threads; a Serve replica, not Ray's autoscaler monitor.
+    """
+    if not procs:
+        return None
+    comm = {f.sample.pid: f.sample.comm for f in procs}
+    if not v.cycles:
+        stuck = sorted(f.sample.pid for f in procs if f.hopeless)
+        if stuck:
+            return ev.Culprit(stuck[0], comm[stuck[0]], "no waker")
+    if v.cycles:
+        # A cycle can span processes (shared-memory mutexes): the one holding most of its
+        # threads, the lowest PID among equals, so the answer never depends on list order.
+        in_cycle = {tid for c in v.cycles for tid in c}
+        held = [
+            (len(in_cycle.intersection(t.tid for t in f.sample.threads)), -f.sample.pid)
+            for f in procs
+        ]
+        n, neg_pid = max(held)
+        return ev.Culprit(-neg_pid, comm[-neg_pid], "cycle") if n else None
+    scored = _scored_by_own_waits(v, procs)
+    scored.sort(key=lambda x: x[0], reverse=True)
+    if not scored:
+        return None
+    lead, untimed, age, pid = scored[0]
+    if lead[0] < 1 or (len(scored) > 1 and scored[1][0] >= lead):
+        return None
+    return ev.Culprit(pid, comm[pid], "own waits", threads=untimed, age_s=age)
+
+
+def _scored_by_own_waits(
+    v: ServiceVerdict, procs: Sequence[ProcessFacts]
+) -> list[tuple[tuple[int, bool, bool], int, float | None, int]]:
+    """Rule 2 of find_culprit, per process: (its lead, its untimed waits, the oldest's age,
+    its PID), dated where the waits and the service's stop are (see find_culprit)."""
+    scored = []
+    # When it stopped: a service idle until a request came stopped serving when it came.
+    stop = v.oldest_request_s or v.seconds_since_progress
+    band = max(CULPRIT_BAND_MIN_S, CULPRIT_BAND_RATIO * stop)
+    dated = stop > 0 and any(f.waits is not None and f.waits.untimed_ages_s for f in procs)
+    # The process whose work dates the stop (its log's last line) made the last progress.
+    last = next((r.pid for r in v.reasons if isinstance(r, ev.LastProgress)), None)
+    for f in procs:
+        if f.waits is None:
+            continue
+        if dated:
+            began = [a for a in f.waits.untimed_ages_s if abs(a - stop) <= band]
+            # Among as many, the one whose main thread stopped then, then the one that made
+            # the last progress: pools and runtime threads react to what the others do (Ray's
+            # log monitor wakes on each line an actor logs).
+            main = f.waits.main_untimed_s
+            main_stopped = main is not None and abs(main - stop) <= band
+            lead = (len(began), main_stopped, f.sample.pid == last)
+            scored.append((lead, len(began), max(began, default=None), f.sample.pid))
+            continue
+        untimed = sum(
+            n for name, timed, n in f.waits.waits if kind_by_name(name) == FUTEX and timed is False
+        )
+        timed = sum(n for _name, timed, n in f.waits.waits if timed)
+        lead = (untimed - timed, False, False)
+        scored.append((lead, untimed, f.waits.oldest_untimed_s, f.sample.pid))
+    return scored
