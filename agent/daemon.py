@@ -230,7 +230,7 @@ class Daemon:
             self.services = services
         # A service that is gone logs "new" if its root PID comes back: bounded by live ones.
         self.states = {k: v for k, v in self.states.items() if k[1] in self.services}
-        tick = self._timed(PROC, lambda: session.tick(gpu))
+        tick = self._timed(PROC, lambda: session.observe(gpu))
         if tick is None:
             return
         # A process that exec'd is matched again by its new command line.

@@ -74,7 +74,7 @@ def observe(session: Session, opts: DiagnoseOptions, log: TextIO) -> list[Servic
     longest = opts.duration_s
     told = False
     while True:
-        session.tick(session.read_gpu())
+        session.observe(session.read_gpu())
         n += 1
         elapsed = time.monotonic() - start
         if elapsed >= longest and n >= 2:

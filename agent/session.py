@@ -40,8 +40,8 @@ class Session:
         """This interval's NVML reading; None without a GPU source."""
         return self.gpu.read() if self.gpu is not None else None
 
-    def tick(self, gpu: GpuReading | None) -> Tick:
-        return self.observer.tick(gpu, self.settings)
+    def observe(self, gpu: GpuReading | None) -> Tick:
+        return self.observer.observe(gpu, self.settings)
 
     def verdicts(self) -> list[ServiceVerdict]:
         return self.observer.verdicts(self.settings)

@@ -10,8 +10,8 @@ from agent.analysis.classify import (
     IDLE,
     PROGRESSING,
     STALLED,
-    Evidence,
     ProcessFacts,
+    ServiceFacts,
     classify_process,
     classify_service,
 )
@@ -136,10 +136,12 @@ def test_a_request_that_waited_in_the_window_keeps_a_server_from_idle():
     waited 2 s ago and nothing was written since. Not idle: stalled past the threshold."""
     f = facts(parked_s=90, listeners=(LISTEN,))
     assert classify_service(10, [f], 60).state == IDLE
-    v = classify_service(10, [f], 60, evidence=Evidence(demand_age_s=2.0))
+    v = classify_service(10, [f], 60, evidence=ServiceFacts(demand_age_s=2.0))
     assert v.state == STALLED, reasons(v.reasons)
     assert any("a request waited 2.0 s ago" in r for r in reasons(v.reasons))
-    assert classify_service(10, [f], 120, evidence=Evidence(demand_age_s=2.0)).state == PROGRESSING
+    assert (
+        classify_service(10, [f], 120, evidence=ServiceFacts(demand_age_s=2.0)).state == PROGRESSING
+    )
 
 
 def test_listener_with_queued_connections_past_threshold_is_stalled():

@@ -25,7 +25,7 @@ STALLED = "stalled"
 IDLE = "idle"
 PROGRESSING = "progressing"
 STATES = (DEADLOCKED, STALLED, IDLE, PROGRESSING)
-MAX_NAMED = 3  # hopeless processes named one by one in a service's reasons
+MAX_NAMED = 3  # processes with no waker named one by one in a service's reasons
 # A thread that has waited since the process's first seconds is parked since start-up (Ray's
 # gRPC threads, gloo's run loops, a C++ daemon's main thread joining its workers), not the
 # hang.
@@ -71,7 +71,7 @@ class ServiceVerdict:
 
 
 @dataclass(frozen=True)
-class Evidence:
+class ServiceFacts:
     """The lock and I/O evidence of a service, gathered before it is classified: the
     classifier puts the part that explains its verdict into the reasons."""
 
@@ -99,7 +99,7 @@ class ProcessFacts:
     # The service's listening ports that outside clients connect to; None: all of them.
     front_door_ports: frozenset[int] | None = None
     waits: ev.ProcessWaits | None = None  # what its threads wait in (process_waits)
-    hopeless: bool = (
+    no_waker: bool = (
         False  # no thread of it can ever be woken but by a signal (agent.analysis.nowaker)
     )
     # Inodes of its connections whose streamed answer is still being sent (agent.analysis.answers)
@@ -200,7 +200,7 @@ def classify_process(facts: ProcessFacts, threshold_s: float) -> ProcessVerdict:
         v.state = DEADLOCKED
         v.reasons.append(ev.CyclesStable(len(facts.cycles), among_threads=True))
         return v
-    if facts.hopeless:
+    if facts.no_waker:
         v.state, v.no_waker = DEADLOCKED, True
         v.reasons.append(no_waker(s, facts.waits))
         return v
@@ -354,11 +354,11 @@ def classify_service(
     threshold_s: float,
     gone: Sequence[int] = (),
     root_gone: bool = False,
-    evidence: Evidence | None = None,
+    evidence: ServiceFacts | None = None,
 ) -> ServiceVerdict:
     """The service's verdict, its reasons ending with the evidence that explains it, and
     led by the process that holds it up when one is known (agent.analysis.culprit)."""
-    evidence = evidence or Evidence()
+    evidence = evidence or ServiceFacts()
     v = _classify_service(
         root, procs, threshold_s, gone, root_gone, evidence.last_progress, evidence.demand_age_s
     )
@@ -376,7 +376,7 @@ def classify_service(
 
 def rests_on_time(v: ServiceVerdict) -> bool:
     """Whether the service's verdict was judged by its time without progress: quiet, not
-    idle, nothing proven. Only then can progress dated before the window (Evidence's
+    idle, nothing proven. Only then can progress dated before the window (ServiceFacts'
     last_progress) change it, so only then is it worth an fd walk to date."""
     return any(isinstance(r, (ev.PastThreshold, ev.UnderThreshold)) for r in v.reasons)
 
@@ -396,10 +396,10 @@ def _classify_service(
     cycles = sorted({c for v in verdicts for c in v.cycles})
     if root_gone:
         return ServiceVerdict(root, PROGRESSING, [ev.Exited(root)], cycles, verdicts, True)
-    stuck = [f for f in procs if f.hopeless and not f.cycles]
+    stuck = [f for f in procs if f.no_waker and not f.cycles]
     if cycles or stuck:
         reasons: list[ev.Fact] = [ev.CyclesStable(len(cycles))] if cycles else []
-        # Name a few (a pool of 100 hopeless workers is one finding, not 100 reasons)
+        # Name a few (a pool of 100 workers with no waker is one finding, not 100 reasons)
         reasons += [no_waker(f.sample, f.waits) for f in stuck[:MAX_NAMED]]
         if len(stuck) > MAX_NAMED:
             reasons.append(ev.MoreNoWaker(len(stuck) - MAX_NAMED))

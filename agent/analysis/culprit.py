@@ -51,7 +51,7 @@ def find_culprit(v: ServiceVerdict, procs: Sequence[ProcessFacts]) -> ev.Culprit
         return None
     comm = {f.sample.pid: f.sample.comm for f in procs}
     if not v.cycles:
-        stuck = sorted(f.sample.pid for f in procs if f.hopeless)
+        stuck = sorted(f.sample.pid for f in procs if f.no_waker)
         if stuck:
             return ev.Culprit(stuck[0], comm[stuck[0]], "no waker")
     if v.cycles:

@@ -257,7 +257,7 @@ class NoWaker(Fact):
 
 @dataclass(frozen=True)
 class MoreNoWaker(Fact):
-    """More processes of the service proven hopeless than are named."""
+    """More processes of the service proven to have no waker than are named."""
 
     processes: int
 

@@ -11,7 +11,7 @@ wait that
   process can reach it), and
 * is the same wait in two reads a tick apart, with no CPU used in between,
 
-then no thread of it runs to wake another, and nothing outside can: the process is hopeless
+then no thread of it runs to wake another, and nothing outside can: the process has no waker
 now, whatever the threshold. That covers a cycle of Python locks with the main thread joining
 the workers, a child forked while another thread held a lock (the child has only the thread
 that forked), and an event that no remaining thread can set.
@@ -19,8 +19,8 @@ that forked), and an event that no remaining thread can set.
 What breaks the proof, by design: any thread that can be woken from outside. A timed wait, a
 sleep, ``poll``/``epoll``/``read`` on a file descriptor, a shared futex, a thread that ran: a
 server waiting on sockets, a rank waiting for a peer (gloo's loop polls with a timeout), a
-pool waiting for work while an I/O thread polls are never hopeless. What could still end such
-a wait is a signal: a handler that runs (Python's run on the main thread) or a timer armed to
+pool waiting for work while an I/O thread polls always have one. What could still end
+such a wait is a signal: a handler that runs (Python's run on the main thread) or a timer armed to
 send one (``alarm``, ``setitimer``, POSIX timers). A process with a POSIX timer (listed in
 ``/proc/PID/timers``) is left out; ``alarm`` and ``setitimer`` cannot be seen from outside.
 """
@@ -50,7 +50,7 @@ def _waits_forever_privately(t: ThreadSample, shared: Mapping[int, object]) -> b
     )
 
 
-def hopeless(prev: ProcessSample | None, now: ProcessSample) -> bool:
+def no_waker(prev: ProcessSample | None, now: ProcessSample) -> bool:
     """Whether no thread of ``now`` can ever be woken but by a signal, confirmed against
     ``prev``, the same process one read earlier. A POSIX timer could send one: the caller
     leaves out the processes that hold one (the Observer, from the sampler's read)."""

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field, replace
 from ..analysis import evidence as ev
 from ..analysis.answers import stream_in_flight
 from ..analysis.classify import (
-    Evidence,
     ProcessFacts,
+    ServiceFacts,
     ServiceVerdict,
     classify_service,
     lock_cycle,
@@ -28,7 +28,7 @@ from ..analysis.classify import (
 from ..analysis.frontdoor import FrontDoorConfig, FrontDoors, front_doors
 from ..analysis.gpu import GpuHistory, gpu_active
 from ..analysis.last_progress import last_progress
-from ..analysis.nowaker import hopeless
+from ..analysis.nowaker import no_waker
 from ..analysis.outbound import CLIENT, LEAVES, ServiceEnds, inode_of, received_from_outside
 from ..analysis.progress import ParkSettings, ParkTracker, window_progress
 from ..analysis.waitgraph import WaitForGraph, WordGroup
@@ -68,7 +68,7 @@ class Tick:
     cycles: tuple[tuple[int, ...], ...]  # stable: seen with the same edges in the previous tick
     reading: ProbeReading
     gpu: GpuReading | None = None  # None: no GPU source
-    hopeless: frozenset[int] = frozenset()  # processes no thread can wake (agent.analysis.nowaker)
+    no_waker: frozenset[int] = frozenset()  # processes no thread can wake (agent.analysis.nowaker)
     # pid -> inodes of its sockets whose streamed answer is unfinished (agent.analysis.answers)
     streams: Mapping[int, frozenset[int]] = field(default_factory=dict)
     # root -> its service's listeners, front doors or not (agent.analysis.frontdoor)
@@ -220,7 +220,7 @@ class Observer:
             self.probe.watch(pids)
         return pids
 
-    def tick(self, gpu: GpuReading | None = None, settings: Settings = _DEFAULTS) -> Tick:
+    def observe(self, gpu: GpuReading | None = None, settings: Settings = _DEFAULTS) -> Tick:
         """One observation; ``gpu`` is this interval's NVML reading, when there is a source.
         Ticks older than the progress window (``settings.window_s``) are let go."""
         pids = self.discover()
@@ -236,7 +236,7 @@ class Observer:
         sigs = {graph.cycle_signature(c): c for c in graph.cycles()}
         stable = tuple(sorted(c for sig, c in sigs.items() if sig in self._prev_sigs))
         self._prev_sigs = set(sigs)
-        stuck = self._hopeless(snap)
+        stuck = self._no_waker(snap)
         self.tracker.update(snap, park_settings(settings))
         self._heartbeat_files = {
             k: v
@@ -263,13 +263,13 @@ class Observer:
         if stale:
             self.probe.forget(stale)
 
-    def _hopeless(self, snap: Snapshot) -> frozenset[int]:
+    def _no_waker(self, snap: Snapshot) -> frozenset[int]:
         """The processes no thread of which can be woken (agent.analysis.nowaker), confirmed
         against the previous tick; /proc/PID/timers is read of those alone."""
         prev = self.ticks[-1].snapshot if self.ticks else None
         if prev is None:
             return frozenset()
-        proven = [pid for pid, p in snap.processes.items() if hopeless(prev.processes.get(pid), p)]
+        proven = [pid for pid, p in snap.processes.items() if no_waker(prev.processes.get(pid), p)]
         return frozenset(proven) - self.sampler.with_posix_timers(proven)
 
     def _streams(self, pid: int, reading: ProbeReading) -> frozenset[int]:
@@ -359,7 +359,7 @@ class Observer:
         gone = sorted(self._seen.get(root, set()) - live)  # empty unless remember_gone
         cycles = sorted({c for f in facts for c in f.cycles})
         demand_ns = self._demand_ns.get(root)
-        evidence = Evidence(
+        evidence = ServiceFacts(
             cycles=[lock_cycle(c, w.latest.graph.edges, w.names) for c in cycles],
             parked=self._parked_evidence(live, w.latest, w.groups, doors),
             demand_age_s=(
@@ -369,7 +369,7 @@ class Observer:
             ),
         )
 
-        def classify(evidence: Evidence) -> ServiceVerdict:
+        def classify(evidence: ServiceFacts) -> ServiceVerdict:
             return classify_service(
                 root,
                 facts,
@@ -427,7 +427,7 @@ class Observer:
             gpu=gpu,
             front_door_ports=doors.ports,
             waits=process_waits(sample, snap.mono_ns),
-            hopeless=pid in latest.hopeless,
+            no_waker=pid in latest.no_waker,
             streams=latest.streams.get(pid, frozenset()),
         )
 

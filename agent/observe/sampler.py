@@ -390,7 +390,7 @@ class Sampler:
 
     # --- reads asked for between snapshots --------------------------------------------------
     # What the Observer needs only sometimes (a pipe written, a quiet service to date, a
-    # process proven hopeless): read here, on its request, so that every /proc read of a
+    # process proven to have no waker): read here, on its request, so that every /proc read of a
     # tick is the sampler's and the analysis is handed data only.
 
     def fd_targets(self, fds: Iterable[tuple[int, int]]) -> dict[tuple[int, int], str]:

@@ -268,7 +268,7 @@ def test_a_process_seen_before_it_execs_the_target_is_watched(tmp_path: Path) ->
 def test_daemon_proves_a_python_hang_without_an_owner(daemon: Daemon, name: str) -> None:
     """A Python two-lock cycle with the main thread joining, and a child forked while a lock
     was held: deadlocked by the proof without an owner (two reads), far under the threshold's
-    wait, with the hopeless process as the culprit in the state-change log."""
+    wait, with the process with no waker as the culprit in the state-change log."""
     fixture = name.replace("-", "_")
     with Fixture.py(fixture) as fx:
         formed = time.monotonic()

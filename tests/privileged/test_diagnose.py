@@ -101,7 +101,7 @@ def test_pi_deadlock_formed_while_watched(start_diagnose: StartDiagnose) -> None
 def test_pi_deadlock_formed_before_attach(diagnose: Diagnose) -> None:
     """The EDEADLK was missed: the parked thread's dummy word has no owner to follow, so no
     cycle can be drawn. Every thread (the two lockers, the main thread joining) waits with no
-    timeout on a private word: proven hopeless, deadlocked without a cycle."""
+    timeout on a private word: proven to have no waker, deadlocked without a cycle."""
     with Fixture.c("pi_deadlock") as fx:
         d = diagnose(fx.pid)
     svc = verdict(d, fx.pid, "deadlocked")
@@ -132,9 +132,11 @@ def test_barrier_with_a_computing_rank_is_progressing(diagnose: Diagnose) -> Non
     verdict(d, fx.pid, "progressing")
 
 
-def test_barrier_with_a_hopeless_rank_is_deadlocked_without_a_cycle(diagnose: Diagnose) -> None:
+def test_barrier_with_a_rank_with_no_waker_is_deadlocked_without_a_cycle(
+    diagnose: Diagnose,
+) -> None:
     """The last rank waits on a private condvar nobody can signal (its only thread): proven
-    hopeless, so deadlocked at once, held up by it. The others wait on a shared barrier, which
+    to have no waker, so deadlocked at once, held up by it. The others wait on a shared barrier, which
     has no owner: no cycle is drawn."""
     with Fixture.c("barrier_ranks", "4", "--last-rank-parks") as fx:
         d = diagnose(fx.pid)
@@ -177,7 +179,7 @@ def test_python_lock_cycle_with_main_joining_is_proven_deadlocked(diagnose: Diag
 
 def test_a_child_forked_with_a_lock_held_is_proven_deadlocked(diagnose: Diagnose) -> None:
     """The child waits for a lock whose holder it does not have; the parent waits for the
-    child in wait4. The child is hopeless, so the service is deadlocked, held up by it."""
+    child in wait4. The child has no waker, so the service is deadlocked, held up by it."""
     with Fixture.py("fork_locked") as fx:
         child = fx.info.get_int("child")
         d = diagnose(fx.pid)
@@ -199,7 +201,7 @@ def tids_of(fx: Fixture) -> set[int]:
     return set(fx.info.get_ints("tids"))
 
 
-def test_a_python_pool_of_2000_threads_is_grouped_and_never_hopeless(
+def test_a_python_pool_of_2000_threads_is_grouped_and_never_without_a_waker(
     diagnose: Diagnose,
 ) -> None:
     """2,000 workers in Queue.get and an I/O thread in select: one group at the worker's

@@ -192,7 +192,7 @@ def test_thread_churn_with_tid_reuse(daemon: Daemon) -> None:
             assert stopped.get_int("reused") > 0, stopped.line
         # Left: the sleeper on its condvar and the main thread joining it. Both parked, and
         # parked since before the churn stopped: no dead thread's wait is counted. Neither can
-        # wake the other: proven hopeless (agent/analysis/nowaker.py), so deadlocked.
+        # wake the other: proven to have no waker (agent/analysis/nowaker.py), so deadlocked.
         s = wait_until(
             daemon,
             lambda s: (
@@ -380,14 +380,14 @@ def test_proc_entries_vanishing_mid_read_mean_gone(tmp_path: Path, only_thread: 
     """Pure: whichever read the process (or one thread) disappears before, a tick completes
     and says gone (or one thread fewer); the observer's verdicts never raise."""
     counting = VanishingProcFS(make_proc(tmp_path / "count"), at=-1, only_thread=only_thread)
-    Observer(Sampler(counting), None, SCOPE).tick()
+    Observer(Sampler(counting), None, SCOPE).observe()
     assert counting.calls > 10
     for at in range(1, counting.calls + 2):
         root = make_proc(tmp_path / f"{at}")
         proc = VanishingProcFS(root, at, only_thread)
         obs = Observer(Sampler(proc), None, SCOPE)
-        tick = obs.tick()
-        obs.tick()  # and the tick after, with the entry gone for good
+        tick = obs.observe()
+        obs.observe()  # and the tick after, with the entry gone for good
         verdicts = obs.verdicts(Settings.daemon(60, 1))
         assert [v.pid for v in verdicts] == [10]
         p = tick.snapshot.processes.get(10)

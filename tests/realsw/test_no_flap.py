@@ -76,7 +76,7 @@ class Watch:
             if name not in self.reached and len(now) == 1 and now[0] in states:
                 self.reached[name] = now[0]
             elif self.reached.get(name) == "stalled" and now == ["deadlocked"] and now[0] in states:
-                # A stall later proven hopeless (agent/analysis/nowaker.py): knowledge grows, one way;
+                # A stall later proven to have no waker (agent/analysis/nowaker.py): knowledge grows, one way;
                 # going back would be a flap.
                 self.reached[name] = "deadlocked"
                 self.upgraded.add(name)
@@ -231,7 +231,7 @@ def test_the_daemon_gives_the_other_rows_their_verdicts(tmp_path: Path) -> None:
         shapes["loading"] = "loading"
         want: Want = {
             "rdzv": (line.get_int("pid"), ("stalled",)),
-            "loader": (main, ABBA_STATES),  # deadlocked once the worker is proven hopeless
+            "loader": (main, ABBA_STATES),  # deadlocked once the worker is proven to have no waker
             "fork": (stacks["fork"].pid, ABBA_STATES),
             "retry": (stacks["retry"].pid, ABBA_STATES),
             "blocked": (stacks["blocked"].pid, ("stalled",)),

@@ -6,8 +6,14 @@ import random
 from collections.abc import Iterable
 from dataclasses import replace
 
-from agent.analysis.classify import DEADLOCKED, STALLED, Evidence, ProcessFacts, classify_service
-from agent.analysis.nowaker import hopeless
+from agent.analysis.classify import (
+    DEADLOCKED,
+    STALLED,
+    ProcessFacts,
+    ServiceFacts,
+    classify_service,
+)
+from agent.analysis.nowaker import no_waker
 from agent.analysis.progress import ProcessProgress
 from agent.model import FutexWait, ProbeReading, Snapshot, ThreadSample
 from agent.observe.observer import Observer, Scope
@@ -28,17 +34,17 @@ def abba(pid: int = 10, cpu: int = 0):
     return process(pid, forever(pid, 0x100), forever(pid + 1, 0x200, cpu), forever(pid + 2, 0x300))
 
 
-def test_a_python_lock_cycle_with_the_main_thread_joining_is_hopeless():
-    assert hopeless(abba(), abba())
+def test_a_python_lock_cycle_with_the_main_thread_joining_has_no_waker():
+    assert no_waker(abba(), abba())
 
 
 def test_one_read_is_not_a_proof():
-    assert not hopeless(None, abba())
+    assert not no_waker(None, abba())
 
 
-def test_a_child_forked_with_a_lock_held_is_hopeless():
+def test_a_child_forked_with_a_lock_held_has_no_waker():
     child = process(20, forever(20, 0x100))
-    assert hopeless(child, child)
+    assert no_waker(child, child)
 
 
 def test_any_thread_that_can_be_woken_from_outside_breaks_the_proof():
@@ -57,17 +63,17 @@ def test_any_thread_that_can_be_woken_from_outside_breaks_the_proof():
     }
     for what, t in ways.items():
         p = replace(base, threads=(base.threads[0], t, base.threads[2]))
-        assert not hopeless(p, p), what
+        assert not no_waker(p, p), what
 
 
 def test_a_thread_that_ran_or_moved_between_the_reads_breaks_the_proof():
-    assert not hopeless(abba(cpu=0), abba(cpu=1_000))  # it used CPU: something woke it
+    assert not no_waker(abba(cpu=0), abba(cpu=1_000))  # it used CPU: something woke it
     moved = process(10, forever(10, 0x100), forever(11, 0x999), forever(12, 0x300))
-    assert not hopeless(abba(), moved)
+    assert not no_waker(abba(), moved)
     fewer = process(10, forever(10, 0x100), forever(11, 0x200))
-    assert not hopeless(fewer, abba())
+    assert not no_waker(fewer, abba())
     reused = replace(abba(), start_ticks=999)  # the PID now names another process
-    assert not hopeless(reused, abba())
+    assert not no_waker(reused, abba())
 
 
 class _TimersOf:
@@ -90,12 +96,12 @@ class _Frozen(Sampler):
 def test_a_posix_timer_could_send_a_signal():
     for timers, want in ((set(), {10}), ({10}, set())):
         obs = Observer(_Frozen(_TimersOf(timers)), None, Scope(lambda: {10: [10]}, False))  # type: ignore[arg-type]
-        obs.tick()
-        assert obs.tick().hopeless == want, timers
+        obs.observe()
+        assert obs.observe().no_waker == want, timers
 
 
-def test_random_processes_are_hopeless_exactly_when_every_thread_waits_forever_privately():
-    """Property, over random processes: hopeless iff every thread is a private, untimed futex
+def test_random_processes_have_no_waker_exactly_when_every_thread_waits_forever_privately():
+    """Property, over random processes: no waker iff every thread is a private, untimed futex
     wait that is the same in both reads; never when any thread is anything else."""
     rng = random.Random(13)
     kinds = ["forever", "timed", "shared", "epoll", "running", "sleep"]
@@ -119,31 +125,31 @@ def test_random_processes_are_hopeless_exactly_when_every_thread_waits_forever_p
             threads.append(t)
         p = process(100, *threads, word_ids={0x9000 + i: ("shared", "0:5", 1, i) for i in range(6)})
         want = all(k == "forever" for k in picks)
-        assert hopeless(p, p) == want, (case, picks)
+        assert no_waker(p, p) == want, (case, picks)
         seen[want] += 1
         if want:  # the same process, one thread having run in between: no proof
             i = rng.randrange(n)
             ran = list(threads)
             ran[i] = replace(ran[i], cpu_ns=ran[i].cpu_ns + 1)
-            assert not hopeless(p, replace(p, threads=tuple(ran))), case
+            assert not no_waker(p, replace(p, threads=tuple(ran))), case
     assert seen[True] > 50 and seen[False] > 50, seen
 
 
-def test_a_hopeless_process_makes_its_service_deadlocked_at_once():
+def test_a_process_with_no_waker_makes_its_service_deadlocked_at_once():
     """Parked for 0.5 s, far under the threshold: the proof needs no waiting."""
     server = process(10, parked(10, 0x50))  # the front-end, waiting on the scheduler
     stuck = abba(pid=20)
     prog = ProcessProgress(pid=0, window_ns=5 * 10**9)
     facts = [
         ProcessFacts(server, replace(prog, pid=10), 1, 0.5),
-        ProcessFacts(stuck, replace(prog, pid=20), 3, 0.5, hopeless=True),
+        ProcessFacts(stuck, replace(prog, pid=20), 3, 0.5, no_waker=True),
     ]
-    v = classify_service(10, facts, 60, evidence=Evidence())
+    v = classify_service(10, facts, 60, evidence=ServiceFacts())
     assert v.state == DEADLOCKED, reasons(v.reasons)
     assert v.culprit is not None and v.culprit.pid == 20 and v.culprit.why == "no waker"
     assert any("only a signal can end it" in r for r in reasons(v.reasons))
     assert [p.state for p in v.processes] == [DEADLOCKED, DEADLOCKED]
-    calm = [replace(f, hopeless=False) for f in facts]
+    calm = [replace(f, no_waker=False) for f in facts]
     assert classify_service(10, calm, 60).state != DEADLOCKED
     assert classify_service(10, calm, 0.4).state == STALLED
 
@@ -153,6 +159,6 @@ def test_a_join_without_the_private_flag_counts_only_in_a_private_mapping():
     no other process can reach it, in a shared one another process could wake it."""
     joining = replace(forever(10, 0x100), private_futex=False)
     p = process(10, joining, forever(11, 0x200))
-    assert hopeless(p, p)
+    assert no_waker(p, p)
     shared = replace(p, word_ids={0x100: ("shared", "00:05", 7, 0)})
-    assert not hopeless(shared, shared)
+    assert not no_waker(shared, shared)
