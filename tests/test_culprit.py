@@ -291,3 +291,37 @@ def test_among_as_many_the_process_whose_work_dates_the_stop() -> None:
     assert got is not None and got.pid == 14532, got
     v.reasons = []  # nothing dates it: a tie, no one named
     assert find_culprit(v, procs) is None
+
+
+def test_a_status_write_after_the_hang_does_not_hide_the_one_main_thread_that_stopped() -> None:
+    """Real Ray, the driver in ray.get on an actor method that waits on an Event: the GCS
+    dumped its event stats (every 60 s) 10.3 s ago, just before the observation, so that
+    write dates the service's last progress; no wait began then. The actor's main thread
+    stopped 41 s ago, the only main thread in an untimed wait: the actor is named. With a
+    second main thread stopped at another time, which one began the hang is unknown."""
+
+    def untimed(tid: int, ago_s: float) -> ThreadSample:
+        return replace(parked(tid, uaddr=0x7000 + 8 * tid, since=NOW - int(ago_s * S)), timed=False)
+
+    # A cluster up for 75 s: the waits did not begin in the processes' first seconds.
+    gcs = replace(
+        process(7307, *(untimed(7310 + i, 70.0) for i in range(3)), comm="gcs_server"), age_s=75.0
+    )
+    actor = replace(
+        process(7484, untimed(7484, 41.2), untimed(7490, 41.0), comm="ray::Stuck.bloc"), age_s=75.0
+    )
+    procs = [facts(p, process_waits(p, NOW)) for p in (gcs, actor)]
+    v = verdict(procs)
+    v.seconds_since_progress = 10.3
+    v.reasons = [ev.LastProgress("write", "gcs_server.out", 7307, 10.3)]
+    got = find_culprit(v, procs)
+    assert got is not None and got.pid == 7484, got
+    assert got.age_s == pytest.approx(41.2, abs=0.01)
+    # A request waiting dates the stop itself: no second guess.
+    v.oldest_request_s = 10.3
+    assert find_culprit(v, procs) is None
+    v.oldest_request_s = 0.0
+    # Two main threads stopped, 41 s and 25 s ago: none named, as before.
+    helper = replace(process(7500, untimed(7500, 25.0), comm="python"), age_s=75.0)
+    procs.append(facts(helper, process_waits(helper, NOW)))
+    assert find_culprit(v, procs) is None

@@ -19,6 +19,9 @@ if TYPE_CHECKING:  # the classifier imports this module: its types only, for ann
 CULPRIT_BAND_MIN_S = 2.0
 CULPRIT_BAND_RATIO = 0.1
 
+# Per process: (its lead, its untimed waits counted, the oldest one's age, its PID).
+Scored = list[tuple[tuple[int, bool, bool], int, float | None, int]]
+
 
 def find_culprit(v: ServiceVerdict, procs: Sequence[ProcessFacts]) -> ev.Culprit | None:
     """The process that holds a stalled or deadlocked service up, when the evidence singles
@@ -45,7 +48,9 @@ def find_culprit(v: ServiceVerdict, procs: Sequence[ProcessFacts]) -> ev.Culprit
        waits since it started, 10-20 more in timed waits on gRPC timers), and the age quoted
        is the hang's, not the process's uptime. So vLLM's Worker (its main thread and the
        26 gloo run-loop threads its step had woken) is named, not the API server with its 4
-       request threads; a Serve replica, not Ray's autoscaler monitor.
+       request threads; a Serve replica, not Ray's autoscaler monitor. Where no wait began
+       at the stop (another process's status write dated it) and exactly one main thread
+       stopped in an untimed wait, that stop dates the hang.
     """
     if not procs:
         return None
@@ -64,7 +69,20 @@ def find_culprit(v: ServiceVerdict, procs: Sequence[ProcessFacts]) -> ev.Culprit
         ]
         n, neg_pid = max(held)
         return ev.Culprit(-neg_pid, comm[-neg_pid], "cycle") if n else None
-    scored = _scored_by_own_waits(v, procs)
+    stop = v.oldest_request_s or v.seconds_since_progress
+    scored, dated = _scored_by_own_waits(v, procs, stop)
+    if dated and not v.oldest_request_s and all(lead[0] == 0 for lead, *_ in scored):
+        # The latest dated progress was a status write that no thread stopped with (Ray's
+        # GCS dumps its event stats every 60 s: one that fell between the hang and the
+        # observation dated the stop). One main thread that stopped in an untimed wait
+        # dates the hang instead; with two or more, which began it is unknown: none named.
+        mains = [
+            f.waits.main_untimed_s
+            for f in procs
+            if f.waits is not None and f.waits.main_untimed_s is not None
+        ]
+        if len(mains) == 1:
+            scored, _ = _scored_by_own_waits(v, procs, mains[0])
     scored.sort(key=lambda x: x[0], reverse=True)
     if not scored:
         return None
@@ -75,13 +93,12 @@ def find_culprit(v: ServiceVerdict, procs: Sequence[ProcessFacts]) -> ev.Culprit
 
 
 def _scored_by_own_waits(
-    v: ServiceVerdict, procs: Sequence[ProcessFacts]
-) -> list[tuple[tuple[int, bool, bool], int, float | None, int]]:
+    v: ServiceVerdict, procs: Sequence[ProcessFacts], stop: float
+) -> tuple[Scored, bool]:
     """Rule 2 of find_culprit, per process: (its lead, its untimed waits, the oldest's age,
-    its PID), dated where the waits and the service's stop are (see find_culprit)."""
-    scored = []
-    # When it stopped: a service idle until a request came stopped serving when it came.
-    stop = v.oldest_request_s or v.seconds_since_progress
+    its PID), dated against ``stop`` where the waits are (see find_culprit); and whether
+    they were dated."""
+    scored: Scored = []
     band = max(CULPRIT_BAND_MIN_S, CULPRIT_BAND_RATIO * stop)
     dated = stop > 0 and any(f.waits is not None and f.waits.untimed_ages_s for f in procs)
     # The process whose work dates the stop (its log's last line) made the last progress.
@@ -105,4 +122,4 @@ def _scored_by_own_waits(
         timed = sum(n for _name, timed, n in f.waits.waits if timed)
         lead = (untimed - timed, False, False)
         scored.append((lead, untimed, f.waits.oldest_untimed_s, f.sample.pid))
-    return scored
+    return scored, dated
