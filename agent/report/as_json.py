@@ -3,7 +3,6 @@ and tests read them, so a key is added here, never renamed."""
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from ..analysis.classify import ProcessVerdict, ServiceVerdict
@@ -11,7 +10,7 @@ from ..analysis.lockwords import words_wanted
 from ..analysis.stacks import group_stacks, lock_cycle_hint, lock_waiters
 from ..model import ProcessSample, StackRead, Wanted
 from .diagnosis import ISO, Report, probe_summary, since
-from .sentences import evidence_json, reasons, wait_words
+from .sentences import clock, evidence_json, reasons, wait_words
 
 
 def wanted(r: Report) -> Wanted:
@@ -26,7 +25,7 @@ def to_json(r: Report) -> dict[str, Any]:
         "duration_seconds": r.duration_s,
         # Longer than the duration where a quiet service had to be watched to the threshold.
         "observed_seconds": round(observed, 3),
-        "observed_at": time.strftime(ISO, time.localtime(r.snapshot.wall)),
+        "observed_at": clock(r.snapshot.wall, ISO),
         "services": [_service(r, v) for v in r.verdicts],
         "probe": probe_summary(r),
         "gpu": gpu_summary(r),

@@ -3,13 +3,13 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..analysis.classify import ServiceVerdict
 from ..analysis.waitgraph import WaitForGraph
 from ..model import Enrichment, GpuReading, ProbeEvent, Snapshot
+from .sentences import clock
 
 ISO = "%Y-%m-%dT%H:%M:%S%z"
 
@@ -37,7 +37,7 @@ def since(snap: Snapshot, ns: int | None, fmt: str = "%H:%M:%S") -> str:
     """Wall-clock time of a CLOCK_MONOTONIC instant of this snapshot; '' when not dated."""
     if not ns:
         return ""
-    return time.strftime(fmt, time.localtime(snap.wall_of(ns)))
+    return clock(snap.wall_of(ns), fmt)
 
 
 def probe_summary(r: Report) -> dict:

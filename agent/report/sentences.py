@@ -400,7 +400,7 @@ def lock_hint(f: ev.PyLockHint) -> str:
     where = " and ".join(sites) if len(sites) <= 2 else ", ".join(sites[:-1]) + f" and {sites[-1]}"
     since = ""
     if f.since_wall is not None:
-        since = ", all since " + time.strftime("%H:%M:%S", time.localtime(f.since_wall))
+        since = ", all since " + clock(f.since_wall)
     return (
         f"{plural(len(f.waits), 'thread')} of process {f.pid} wait with no timeout at {where} "
         f"on {plural(f.words, 'lock word')}{since}: a Python lock cycle? "
@@ -445,9 +445,9 @@ def reasons(facts: Iterable[ev.Fact]) -> list[str]:
 # --- typed fields of records, in words ------------------------------------------------------
 
 
-def clock(wall: float) -> str:
+def clock(wall: float, fmt: str = "%H:%M:%S") -> str:
     """A wall-clock time (time.time()) as the local clock shows it: '05:13:06'."""
-    return time.strftime("%H:%M:%S", time.localtime(wall))
+    return time.strftime(fmt, time.localtime(wall))
 
 
 def progress_target(target: str | ev.Thread) -> str:

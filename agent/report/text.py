@@ -6,7 +6,6 @@ reads nothing."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
@@ -18,7 +17,7 @@ from ..analysis.waitgraph import WordGroup
 from ..model import ProcessSample, StackRead, ThreadSample, Wanted, plural
 from .diagnosis import Report, probe_summary, since
 from .fds import fds_words
-from .sentences import EXITED, labels_text, reasons, render, wait_words, who
+from .sentences import EXITED, clock, labels_text, reasons, render, wait_words, who
 
 
 @dataclass(frozen=True)
@@ -79,7 +78,7 @@ def render_text(r: Report) -> str:
     lines = [
         f"hangwatch diagnose: {plural(len(r.verdicts), 'service')}, threshold "
         f"{r.threshold_s:g} s, observed {observed}, at "
-        f"{time.strftime('%H:%M:%S', time.localtime(snap.wall))}",
+        f"{clock(snap.wall)}",
         "",
     ]
     groups = r.graph.groups()
