@@ -52,6 +52,13 @@ def score(w: ev.ProcessWaits) -> int:
     return own - sum(n for _, timed, n in w.waits if timed is True)
 
 
+def untimed(tid: int, ago_s: float, uaddr: int | None = None) -> ThreadSample:
+    """A thread in an untimed futex wait that began ``ago_s`` before NOW, on a word of its own
+    unless one is given."""
+    word = 0x5000 + 8 * tid if uaddr is None else uaddr
+    return replace(parked(tid, uaddr=word, since=NOW - int(ago_s * S)), timed=False)
+
+
 # --- random services -------------------------------------------------------------------------
 
 
@@ -230,16 +237,13 @@ def test_thread_pools_parked_since_start_up_are_background() -> None:
     the request came, 41 s ago. By counts alone the monitor leads; by when the waits began,
     the replica holds the service up, and the age quoted is the hang's."""
 
-    def untimed(tid: int, uaddr: int, ago_s: int) -> ThreadSample:
-        return replace(parked(tid, uaddr=uaddr, since=NOW - ago_s * S), timed=False)
-
     monitor = process(
-        10, *(untimed(100 + i, 0x2000 + 8 * i, 90) for i in range(9)), comm="monitor.py"
+        10, *(untimed(100 + i, 90, uaddr=0x2000 + 8 * i) for i in range(9)), comm="monitor.py"
     )
     replica = process(
         20,
-        untimed(200, 0x3000, 41),
-        *(untimed(201 + i, 0x4000 + 8 * i, 88) for i in range(6)),
+        untimed(200, 41, uaddr=0x3000),
+        *(untimed(201 + i, 88, uaddr=0x4000 + 8 * i) for i in range(6)),
         comm="ServeReplica",
     )
     procs = [facts(p, process_waits(p, NOW)) for p in (monitor, replica)]
@@ -260,9 +264,6 @@ def test_the_process_whose_threads_began_to_wait_when_the_service_stopped() -> N
     run-loop threads the step had woken, read 1.9 s older through se.exec_start (each CPU's
     task clock); the EngineCore's 2. The Worker is where it stopped."""
 
-    def untimed(tid: int, ago_s: float) -> ThreadSample:
-        return replace(parked(tid, uaddr=0x5000 + 8 * tid, since=NOW - int(ago_s * S)), timed=False)
-
     api = process(314, *(untimed(3140 + i, 35.8) for i in range(4)), comm="python")
     engine = process(382, *(untimed(3820 + i, 36.8) for i in range(2)), comm="VLLM::EngineCor")
     worker = process(398, *(untimed(3980 + i, 37.7) for i in range(27)), comm="VLLM::Worker")
@@ -277,9 +278,6 @@ def test_among_as_many_the_process_whose_work_dates_the_stop() -> None:
     """Real Ray, an actor whose method ray.get()s another method of itself: its one untimed
     wait began when it logged its last line, 36 s ago; so did the log monitor's, woken by
     that line. The actor made the last progress: it is named."""
-
-    def untimed(tid: int, ago_s: float) -> ThreadSample:
-        return replace(parked(tid, uaddr=0x6000 + 8 * tid, since=NOW - int(ago_s * S)), timed=False)
 
     actor = process(14532, untimed(14540, 35.7), comm="ray::Selfish.ou")
     log_monitor = process(14402, untimed(14410, 33.6), comm="python")
@@ -299,9 +297,6 @@ def test_a_status_write_after_the_hang_does_not_hide_the_one_main_thread_that_st
     write dates the service's last progress; no wait began then. The actor's main thread
     stopped 41 s ago, the only main thread in an untimed wait: the actor is named. With a
     second main thread stopped at another time, which one began the hang is unknown."""
-
-    def untimed(tid: int, ago_s: float) -> ThreadSample:
-        return replace(parked(tid, uaddr=0x7000 + 8 * tid, since=NOW - int(ago_s * S)), timed=False)
 
     # A cluster up for 75 s: the waits did not begin in the processes' first seconds.
     gcs = replace(
