@@ -84,6 +84,17 @@ class Prometheus:
             return None
         return answer["data"]["result"] if answer.get("status") == "success" else None
 
+    def firing(self, alertname: str) -> tuple[list[dict], set[tuple[str, str]]]:
+        """All alerts now, and the (service, service_pid) of those named ``alertname`` that
+        are firing."""
+        alerts = self.alerts()
+        firing = {
+            (a["labels"].get("service", ""), a["labels"].get("service_pid", ""))
+            for a in alerts
+            if a["labels"]["alertname"] == alertname and a["state"] == "firing"
+        }
+        return alerts, firing
+
     def alerts(self) -> list[dict]:
         try:
             answer = self.api("alerts")

@@ -120,17 +120,12 @@ def test_all_threads_parked_fires_for_real_hangs_and_never_for_the_idle_server(
         seen_for_idle: list[dict] = []
         alerts: list[dict] = []
         while time.monotonic() < deadline:
-            alerts = prom.alerts()
+            alerts, firing = prom.firing(ALERT)
             seen_for_idle += [
                 a
                 for a in alerts
                 if a["labels"].get("service") == "idle" and a["state"] in ("pending", "firing")
             ]
-            firing = {
-                (a["labels"].get("service", ""), a["labels"].get("service_pid", ""))
-                for a in alerts
-                if a["labels"]["alertname"] == ALERT and a["state"] == "firing"
-            }
             if want <= firing:
                 break
             time.sleep(1)

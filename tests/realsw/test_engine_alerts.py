@@ -105,12 +105,7 @@ def test_alerts_fire_for_a_vllm_stream_hang_and_a_hung_serve_replica_never_when_
         alerts: list[dict] = []
         deadline = time.monotonic() + FIRING_TIMEOUT_S
         while time.monotonic() < deadline:
-            alerts = prom.alerts()
-            firing = {
-                (a["labels"].get("service", ""), a["labels"].get("service_pid", ""))
-                for a in alerts
-                if a["labels"]["alertname"] == ALERT and a["state"] == "firing"
-            }
+            alerts, firing = prom.firing(ALERT)
             if want <= firing:
                 break
             time.sleep(1)
