@@ -36,10 +36,17 @@ from .export.exposition import (
     CollectorStatus,
     Exposition,
     ProcessStatus,
-    ProgramStats,
     ServiceStatus,
 )
-from .model import Enrichment, GpuDevice, GpuReading, ProbeReading, StackRead, Wanted
+from .model import (
+    Enrichment,
+    GpuDevice,
+    GpuReading,
+    ProbeReading,
+    ProgramStats,
+    StackRead,
+    Wanted,
+)
 from .observe import enrich
 from .observe.discovery import Discovery, Service
 from .observe.observer import Scope, Tick

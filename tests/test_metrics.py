@@ -28,7 +28,6 @@ from agent.export.exposition import (
     CollectorStatus,
     Exposition,
     ProcessStatus,
-    ProgramStats,
     ServiceStatus,
 )
 from agent.export.metrics import (
@@ -40,7 +39,7 @@ from agent.export.metrics import (
     label_name,
     registry_for,
 )
-from agent.model import GpuDevice
+from agent.model import GpuDevice, ProgramStats
 
 GOLDEN = Path(__file__).parent / "golden" / "metrics.txt"
 VERSION = "0.0.0-test"  # fixed, so the golden file does not change with releases
