@@ -126,13 +126,9 @@ class Settings:
     park_threshold_s: float = PARK_THRESHOLD.default
     interval_s: float = INTERVAL.default
     window_s: float | None = None
-    # A thread "did work" in a tick when it used more CPU than this share of the tick.
-    # An idle poll loop (Python's serve_forever wakes twice a second) uses ~0.01%; a torch
-    # rank polling its own store every 10 ms while it waits for a peer, 1-2.5%.
-    cpu_floor_ratio: float = 0.05
-    # ... and never less than this, so that a short tick does not count a wake-up as work:
-    # a thread asleep on a 10 ms timer was seen charged 3-14 ms at once now and then.
-    cpu_floor_min_ns: int = 20_000_000
+    # The CPU a thread must use in a tick to count as working (CPU_FLOOR_* above, for why).
+    cpu_floor_ratio: float = CPU_FLOOR_RATIO.default
+    cpu_floor_min_ns: int = round(CPU_FLOOR_MIN.default * 1e9)
 
     @classmethod
     def daemon(cls, park_threshold_s: float, interval_s: float) -> Settings:
