@@ -320,3 +320,34 @@ def test_a_status_write_after_the_hang_does_not_hide_the_one_main_thread_that_st
     helper = replace(process(7500, untimed(7500, 25.0), comm="python"), age_s=75.0)
     procs.append(facts(helper, process_waits(helper, NOW)))
     assert find_culprit(v, procs) is None
+
+
+def test_the_process_whose_work_dates_the_stop_before_an_idle_worker_whose_main_re_parked() -> None:
+    """Real Ray, an actor calling itself (a CI run's numbers): the actor logged its last line
+    35.9 s ago and one of its threads began an untimed wait then (its main thread waits in
+    ray.get with a timeout); an idle worker's main thread woke and parked again 36.2 s ago, as
+    the actor blocked and gave its CPU back. The actor made the last progress: it is named,
+    not the idle worker. Had a status write dated the stop instead, the idle worker's main
+    thread would be the only one stopped in an untimed wait: it dates the hang, then ties with
+    the actor's thread, and no one is named."""
+
+    up = 75.0  # both started with the cluster: no wait in their first seconds
+    actor = replace(
+        process(
+            2630,
+            replace(parked(2630, uaddr=0x9000, since=NOW - int(35.9 * S)), timed=True),
+            untimed(2655, 35.6),
+            comm="ray::Selfish",
+        ),
+        age_s=up,
+    )
+    idle = replace(process(2629, untimed(2629, 36.2), comm="ray::IDLE"), age_s=up)
+    procs = [facts(p, process_waits(p, NOW)) for p in (idle, actor)]
+    v = verdict(procs)
+    v.seconds_since_progress = 35.867
+    v.reasons = [ev.LastProgress("write", "python-core-worker_2630.log", 2630, 35.867)]
+    got = find_culprit(v, procs)
+    assert got is not None and got.pid == 2630, got
+    v.seconds_since_progress = 10.3
+    v.reasons = [ev.LastProgress("write", "gcs_server.out", 2459, 10.3)]
+    assert find_culprit(v, procs) is None

@@ -40,17 +40,19 @@ def find_culprit(v: ServiceVerdict, procs: Sequence[ProcessFacts]) -> ev.Culprit
        child forked with a lock held against the parent joining it 5 s at a time.
        Where the waits are dated and the service's stop is known (when its oldest unanswered
        request came, else its time without progress), only the untimed waits that began
-       when it stopped count (within CULPRIT_BAND_* of it; classify.process_waits has left out those
-       of each process's first STARTUP_S), no timed wait is taken off, and among as many the
-       process whose main thread stopped then leads, then the one whose work dates the stop
-       (a Ray actor's last log line, against the log monitor that read it). Thread pools parked since start-up are
+       when it stopped count (within CULPRIT_BAND_* of it; classify.process_waits has left out
+       those of each process's first STARTUP_S), no timed wait is taken off, and among as
+       many the process whose work dates the stop leads (a Ray actor's last log line, against
+       the log monitor that read it and the idle worker whose main thread re-parked as the
+       actor blocked), then the one whose main thread stopped then. Thread pools parked since start-up are
        background, not evidence (every Ray process carries 6-10 gRPC threads in untimed
        waits since it started, 10-20 more in timed waits on gRPC timers), and the age quoted
        is the hang's, not the process's uptime. So vLLM's Worker (its main thread and the
        26 gloo run-loop threads its step had woken) is named, not the API server with its 4
        request threads; a Serve replica, not Ray's autoscaler monitor. Where no wait began
        at the stop (another process's status write dated it) and exactly one main thread
-       stopped in an untimed wait, that stop dates the hang.
+       stopped in an untimed wait, that stop dates the hang; that main thread then breaks
+       no tie, since it chose the date.
     """
     if not procs:
         return None
@@ -82,7 +84,7 @@ def find_culprit(v: ServiceVerdict, procs: Sequence[ProcessFacts]) -> ev.Culprit
             if f.waits is not None and f.waits.main_untimed_s is not None
         ]
         if len(mains) == 1:
-            scored, _ = _scored_by_own_waits(v, procs, mains[0])
+            scored, _ = _scored_by_own_waits(v, procs, mains[0], mains_break_ties=False)
     scored.sort(key=lambda x: x[0], reverse=True)
     if not scored:
         return None
@@ -93,11 +95,12 @@ def find_culprit(v: ServiceVerdict, procs: Sequence[ProcessFacts]) -> ev.Culprit
 
 
 def _scored_by_own_waits(
-    v: ServiceVerdict, procs: Sequence[ProcessFacts], stop: float
+    v: ServiceVerdict, procs: Sequence[ProcessFacts], stop: float, mains_break_ties: bool = True
 ) -> tuple[Scored, bool]:
     """Rule 2 of find_culprit, per process: (its lead, its untimed waits, the oldest's age,
     its PID), dated against ``stop`` where the waits are (see find_culprit); and whether
-    they were dated."""
+    they were dated. ``mains_break_ties``: whether a main thread that stopped at ``stop``
+    breaks a tie (not where that main thread's stop is ``stop``)."""
     scored: Scored = []
     band = max(CULPRIT_BAND_MIN_S, CULPRIT_BAND_RATIO * stop)
     dated = stop > 0 and any(f.waits is not None and f.waits.untimed_ages_s for f in procs)
@@ -108,12 +111,13 @@ def _scored_by_own_waits(
             continue
         if dated:
             began = [a for a in f.waits.untimed_ages_s if abs(a - stop) <= band]
-            # Among as many, the one whose main thread stopped then, then the one that made
-            # the last progress: pools and runtime threads react to what the others do (Ray's
-            # log monitor wakes on each line an actor logs).
+            # Among as many, the one that made the last progress, then the one whose main
+            # thread stopped then: pools and runtime threads react to what the others do
+            # (Ray's log monitor wakes on each line an actor logs; an idle worker's main
+            # thread wakes and parks again as the actor blocks and gives its CPU back).
             main = f.waits.main_untimed_s
-            main_stopped = main is not None and abs(main - stop) <= band
-            lead = (len(began), main_stopped, f.sample.pid == last)
+            main_stopped = mains_break_ties and main is not None and abs(main - stop) <= band
+            lead = (len(began), f.sample.pid == last, main_stopped)
             scored.append((lead, len(began), max(began, default=None), f.sample.pid))
             continue
         untimed = sum(
