@@ -10,7 +10,9 @@ failed under ``CI=true``. Every cluster is killed, and swept, at the end of its 
 
 from __future__ import annotations
 
+import ast
 import http.client
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -194,16 +196,31 @@ def test_actor_self_call_never_runs_the_inner_call(
     no_leftovers(job)
 
 
+UNMET = re.compile(r"No available node types can fulfill resource request (\{[^}]*\})")
+
+
+def unmet_requests(log: str) -> list[dict[str, float]]:
+    """The resource requests the autoscaler's monitor reports it cannot meet, in ``log``."""
+    return [ast.literal_eval(m) for m in UNMET.findall(log)]
+
+
+def test_unmet_requests_are_read_in_either_key_order() -> None:
+    log = (
+        "No available node types can fulfill resource request {'GPU': 1.0, 'CPU': 1.0}. Add\n"
+        "No available node types can fulfill resource request {'CPU': 1.0, 'GPU': 1.0}. Add\n"
+    )
+    assert unmet_requests(log) == [{"CPU": 1.0, "GPU": 1.0}] * 2
+    assert unmet_requests("no such line") == []
+
+
 def test_infeasible_task_is_never_scheduled(tmp_path_factory: pytest.TempPathFactory) -> None:
     with raylib.ray_job("infeasible_task", tmp_path_factory.mktemp("rs"), *QUICK) as job:
         has_processes(job, *CLUSTER)
-        # The autoscaler's monitor reports the demand it cannot meet (every 5 s).
+        # The autoscaler's monitor reports the demand it cannot meet (every 5 s). The request
+        # is a protobuf map printed as a dict: its keys come in either order from run to run.
         monitor = job.logs() / "monitor.log"
         wait_until(
-            lambda: (
-                "No available node types can fulfill resource request {'CPU': 1.0, 'GPU': 1.0}"
-                in monitor.read_text()
-            ),
+            lambda: {"CPU": 1.0, "GPU": 1.0} in unmet_requests(monitor.read_text()),
             90,  # the monitor's first report can take a minute on a loaded 2-CPU machine
             "the infeasible GPU demand in monitor.log",
         )
