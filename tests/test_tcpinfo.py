@@ -13,12 +13,15 @@ import contextlib
 import os
 import shutil
 import socket
+import struct
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from agent.analysis.classify import (
     IDLE,
@@ -155,13 +158,48 @@ def test_the_service_sees_requests_held_by_a_process_without_the_listener():
     assert "connections accepted on port 8000: 1 request unanswered for 70 s" in reasons(w.reasons)
 
 
-def test_dumps_asked_for_per_family_and_port():
-    assert tcpinfo._requests(None) == [(socket.AF_INET, 0), (socket.AF_INET6, 0)]
+def test_dumps_asked_for_per_family_with_their_ports():
+    assert tcpinfo._requests(None) == [(socket.AF_INET, ()), (socket.AF_INET6, ())]
     got = tcpinfo._requests([("tcp6", 8000), ("tcp", 9000), ("tcp", 8000), ("udp", 53)])
-    assert got == [(socket.AF_INET, 8000), (socket.AF_INET, 9000), (socket.AF_INET6, 8000)]
+    assert got == [(socket.AF_INET, (8000, 9000)), (socket.AF_INET6, (8000,))]
     many = [("tcp", p) for p in range(1000, 1000 + tcpinfo.MAX_FILTERED_PORTS + 1)]
-    assert tcpinfo._requests(many) == [(socket.AF_INET, 0)]
+    assert tcpinfo._requests(many) == [(socket.AF_INET, ())]
     assert tcpinfo._requests([("tcp", 0), ("tcp", 70000)]) == []
+
+
+def test_port_filter_is_the_kernels_bytecode():
+    """Two ports, as ss(8) writes an OR: S_EQ 8000 (yes on to the JMP, no over it to the next
+    S_EQ), its port in the second op's ``no``; the JMP to the end (20 - 8 = 12); S_EQ 9000,
+    yes to the end, no 4 past it."""
+    assert tcpinfo.port_filter([8000, 9000]) == struct.pack(
+        "=BBHBBHBBHBBHBBH", 11, 8, 12, 0, 0, 8000, 1, 4, 12, 11, 8, 12, 0, 0, 9000
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=400))
+def test_dump_parser_is_total(data: bytes):
+    """Whatever a read holds, the parser adds what it can and never raises but for the
+    kernel's error message (an OSError, as the reader's callers expect)."""
+    out: dict[int, TcpInfo] = {}
+    try:
+        tcpinfo.parse_dump(data, out)
+    except OSError:
+        pass
+    assert all(isinstance(v, TcpInfo) for v in out.values())
+
+
+def test_dump_parser_skips_a_short_tcp_info_and_stops_at_the_end():
+    info = bytes(tcpinfo.TCPI_NEEDED - 8)  # a kernel before bytes_received
+    msg = bytearray(tcpinfo.DIAG_MSG_LEN)
+    struct.pack_into("=I", msg, tcpinfo.DIAG_INODE_AT, 77)
+    attr = struct.pack("=HH", 4 + len(info), tcpinfo.INET_DIAG_INFO) + info
+    body = bytes(msg) + attr
+    one = struct.pack("=IHHII", 16 + len(body), tcpinfo.SOCK_DIAG_BY_FAMILY, 2, 1, 0) + body
+    done = struct.pack("=IHHII", 20, tcpinfo.NLMSG_DONE, 2, 1, 0) + bytes(4)
+    out: dict[int, TcpInfo] = {}
+    assert tcpinfo.parse_dump(one + done, out) and out == {}
+    assert not tcpinfo.parse_dump(one, out)  # more to read
 
 
 # --- the reader, against the kernel -------------------------------------------------------
@@ -219,11 +257,26 @@ def test_reader_sees_a_request_wait_and_its_answer_end_the_wait(family):
         assert inode(client) in read_tcp_info(None)
 
 
+def test_the_kernel_keeps_the_ports_asked_for_and_no_other():
+    with contextlib.ExitStack() as stack:
+        pairs = [stack.enter_context(pair()) for _ in range(4)]
+        asked = [port for _, _, port in pairs[:3]]
+        got = read_tcp_info([("tcp", port) for port in asked])
+        assert all(inode(server) in got for server, _, _ in pairs[:3])
+        assert all(inode(client) not in got for _, client, _ in pairs)
+        server, _, port = pairs[3]
+        assert inode(server) not in got
+        assert inode(server) in read_tcp_info([("tcp", port)])
+
+
 def test_reader_failures_give_nothing(monkeypatch):
     assert read_tcp_info(None, netns="/proc/does-not-exist/ns/net") == {}
     assert read_tcp_info([("sctp", 80)]) == {}
-    monkeypatch.setitem(sys.modules, "pyroute2.netlink.diag", None)  # import fails
+    def refused(*_args: object) -> socket.socket:
+        raise PermissionError(1, "netlink refused")
+
     with pair() as (_, _, port):
+        monkeypatch.setattr(tcpinfo.socket, "socket", refused)
         assert read_tcp_info([("tcp", port)]) == {}
 
 
