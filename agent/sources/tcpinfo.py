@@ -31,8 +31,8 @@ import ctypes
 import logging
 import os
 import socket
-import threading
 import struct
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
 
