@@ -10,7 +10,7 @@ from __future__ import annotations
 import bisect
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 
 from ..model import (
@@ -83,20 +83,39 @@ class _ThreadRead:
     state: str
     syscall: SyscallLine | None
     last_ran_ns: int | None
+    # The start of the probe's in-flight futex wait the thread was read in, if it was in one
+    wait_since_ns: int | None = None
 
     @property
     def blocked(self) -> bool:
         return is_blocked(self.state)
 
 
-class Sampler:
-    """Takes snapshots of a set of processes.
+@dataclass(frozen=True)
+class _Kept:
+    """A process's last sample and what it was read from: reused whole, but for its sockets
+    and its words in shared memory, while the process stays quiet (see Sampler)."""
 
-    A tick costs O(threads) small reads, but only one per thread that has not run since
-    the last tick (its schedstat): the stat, syscall and sched files of a thread that did
-    not run cannot have changed, so they are reused. Lock words are read once per word per
-    tick, however many threads wait on it. On a pool of 2,000 parked threads that is one
-    read per thread per tick instead of four.
+    key: tuple[int, str]  # (start time, comm): a reused PID or an exec is another process
+    tids: tuple[int, ...]
+    sample: ProcessSample
+    sockets: frozenset[int]  # the inodes of its sockets (an fd walk)
+
+
+class Sampler:
+    """Takes snapshots of a set of processes, reading what can have changed.
+
+    A thread that did not run since the last tick shows the same stat, syscall and sched
+    files, so its last read is reused. Whether it ran: where the probe saw the futex wait it
+    was read in begin and has not seen it end (the same start time in its in-flight map),
+    it never left the syscall, and nothing is read; else its schedstat (run time in ns,
+    which moves on every run) says, one read. A process none of whose threads ran, with the
+    same threads and the same start time and comm, is quiet: nothing it could change has
+    changed (its memory maps, its private lock words, its fds, its write counter), so its
+    last sample is reused. What others change is read again: lock words in shared mappings
+    (another process may take them) and its sockets' queues and tcp_info (clients send
+    without the server running: that is how a hung server is found). Lock words are read
+    once per word per tick, however many threads wait on it.
     """
 
     def __init__(
@@ -118,6 +137,8 @@ class Sampler:
         self._sched_offset_ns = 0  # CLOCK_MONOTONIC minus the scheduler clock: see snapshot
         self._plumbing: dict[int, tuple[tuple[int, str], Plumbing]] = {}
         self._next_plumbing: dict[int, tuple[tuple[int, str], Plumbing]] = {}
+        self._kept: dict[int, _Kept] = {}  # pid -> its last sample, to reuse while quiet
+        self._next_kept: dict[int, _Kept] = {}
 
     def snapshot(self, pids: Iterable[int], probe: ProbeReading | None = None) -> Snapshot:
         probe = probe or ProbeReading()
@@ -135,6 +156,7 @@ class Sampler:
         net_of: dict[int, str] = {}  # pid -> its network namespace (processes with sockets)
         self._next_reads = {}
         self._next_plumbing = {}
+        self._next_kept = {}
         for pid in pids:
             p = self._process(pid, probe, net_cache, net_of)
             if p is None:
@@ -144,6 +166,7 @@ class Sampler:
         self._add_tcp_info(processes, net_cache, net_of)
         self._reads = self._next_reads  # threads not seen this tick are forgotten
         self._plumbing = self._next_plumbing
+        self._kept = self._next_kept
         known = {t.tid for p in processes.values() for t in p.threads}
         foreign = {}
         for tid in owner_candidates(processes.values()) - known:
@@ -163,37 +186,89 @@ class Sampler:
         st = proc.stat(pid)
         if st is None or st.state in ("Z", "X"):
             return None
-        mem = proc.open_memory(pid)
-        try:
-            threads = []
-            stack_ptrs = {}
-            words: dict[int, LockRead | None] = {}
-            for tid in proc.tids(pid):
-                t, sp = self._thread(pid, tid, probe, mem, words)
-                if t is not None:
-                    threads.append(t)
-                    if sp:
-                        stack_ptrs[tid] = sp
-            threads, word_ids = self._place_in_maps(pid, threads, stack_ptrs)
-        finally:
-            if mem is not None:
-                mem.close()
-        if not threads:
+        key = (st.start_ticks, st.comm)
+        reads: dict[int, _ThreadRead] = {}
+        quiet = True
+        for tid in proc.tids(pid):
+            got = self._read_thread(pid, tid, probe)
+            if got is None:
+                quiet = False  # it exited between the listing and the read
+                continue
+            read, same = got
+            reads[tid] = read
+            self._next_reads[(pid, tid)] = read
+            quiet = quiet and same
+        if not reads:
             return None
-        listeners, connections = self._sockets(pid, net_cache, net_of)
-        return ProcessSample(
+        kept = self._kept.get(pid)
+        if quiet and kept is not None and kept.key == key and kept.tids == tuple(reads):
+            threads, word_ids = self._shared_words_again(pid, kept.sample)
+            write_bytes = kept.sample.write_bytes
+            inodes = kept.sockets
+        else:
+            threads, word_ids = self._threads(pid, reads, probe)
+            write_bytes = proc.io_wchar(pid)
+            inodes = frozenset(proc.socket_inodes(pid))
+        listeners, connections = self._sockets(pid, inodes, net_cache, net_of)
+        sample = ProcessSample(
             pid=pid,
             ppid=st.ppid,
             comm=st.comm,
             start_ticks=st.start_ticks,
-            threads=tuple(threads),
-            write_bytes=proc.io_wchar(pid),
+            threads=threads,
+            write_bytes=write_bytes,
             listeners=listeners,
             word_ids=word_ids,
             connections=connections,
-            plumbing=self._plumbing_of(pid, (st.start_ticks, st.comm)),
+            plumbing=self._plumbing_of(pid, key),
             age_s=max(0.0, self._uptime_s - st.start_ticks / CLK_TCK),
         )
+        self._next_kept[pid] = _Kept(key, tuple(reads), sample, inodes)
+        return sample
+
+    def _threads(
+        self, pid: int, reads: Mapping[int, _ThreadRead], probe: ProbeReading
+    ) -> tuple[tuple[ThreadSample, ...], Mapping[int, tuple]]:
+        """The process's threads from this tick's reads, their lock words read and their
+        stacks and words placed in its memory maps."""
+        mem = self.proc.open_memory(pid)
+        try:
+            threads = []
+            stack_ptrs = {}
+            words: dict[int, LockRead | None] = {}
+            for tid, read in reads.items():
+                t, sp = self._thread(pid, tid, read, probe, mem, words)
+                threads.append(t)
+                if sp:
+                    stack_ptrs[tid] = sp
+            placed, word_ids = self._place_in_maps(pid, threads, stack_ptrs)
+            return tuple(placed), word_ids
+        finally:
+            if mem is not None:
+                mem.close()
+
+    def _shared_words_again(
+        self, pid: int, sample: ProcessSample
+    ) -> tuple[tuple[ThreadSample, ...], Mapping[int, tuple]]:
+        """A quiet process's last threads, with the lock words it waits on in shared
+        mappings read again: another process may have taken or released them."""
+        shared = {a for a, ident in sample.word_ids.items() if ident[0] == "shared"}
+        if not shared:
+            return sample.threads, sample.word_ids
+        mem = self.proc.open_memory(pid)
+        try:
+            words = {a: _lock_read(mem, a) for a in shared}
+        finally:
+            if mem is not None:
+                mem.close()
+        threads = []
+        for t in sample.threads:
+            if t.wait is not None and t.wait.uaddr in words and not t.wait.vector:
+                t = replace(t, lock=words[t.wait.uaddr])
+            if t.refused is not None and t.refused.uaddr in words:
+                t = replace(t, refused=replace(t.refused, lock=words[t.refused.uaddr]))
+            threads.append(t)
+        return tuple(threads), sample.word_ids
 
     def _plumbing_of(self, pid: int, key: tuple[int, str]) -> Plumbing:
         known = self._plumbing.get(pid)
@@ -201,14 +276,24 @@ class Sampler:
         self._next_plumbing[pid] = (key, hints)
         return hints
 
-    def _read_thread(self, pid: int, tid: int) -> _ThreadRead | None:
+    def _read_thread(
+        self, pid: int, tid: int, probe: ProbeReading
+    ) -> tuple[_ThreadRead, bool] | None:
+        """The thread's read, and whether it is last tick's (it has not run since)."""
+        before = self._reads.get((pid, tid))
+        hit = probe.inflight.get(tid)
+        since = hit.wait.since_ns if hit is not None and hit.tgid == pid else None
+        if before is not None and since is not None and before.wait_since_ns == since:
+            return before, True  # still in the futex wait it was read in: not a byte changed
         proc = self.proc
         cpu = proc.thread_cpu_ns(pid, tid)
         if cpu is None:
             return None
-        before = self._reads.get((pid, tid))
         if before is not None and before.blocked and before.cpu_ns == cpu:
-            return before  # has not run since: nothing it shows can have changed
+            # Has not run since: nothing it shows can have changed. Dated by the wait the
+            # probe now sees, if it began before the thread last ran (seen from /proc
+            # before the probe was attached, or by a read that came in mid-syscall).
+            return replace(before, wait_since_ns=since), True
         st = proc.thread_stat(pid, tid)
         if st is None or st.state in ("Z", "X"):
             return None
@@ -221,20 +306,18 @@ class Sampler:
             # clamped so that the offset's own error never puts it in the future.
             if ms is not None:
                 last_ran = min(int(ms * 1e6) + self._sched_offset_ns, self.clock_ns())
-        return _ThreadRead(cpu, st.comm, st.state, sc, last_ran)
+        in_futex = blocked and sc is not None and wait_kind(sc.nr) == FUTEX
+        return _ThreadRead(cpu, st.comm, st.state, sc, last_ran, since if in_futex else None), False
 
     def _thread(
         self,
         pid: int,
         tid: int,
+        read: _ThreadRead,
         probe: ProbeReading,
         mem: ProcessMemory | None,
         words: dict[int, LockRead | None],
-    ) -> tuple[ThreadSample | None, int | None]:
-        read = self._read_thread(pid, tid)
-        if read is None:
-            return None, None
-        self._next_reads[(pid, tid)] = read
+    ) -> tuple[ThreadSample, int | None]:
         sc = read.syscall
         wait = None
         if sc is not None and wait_kind(sc.nr) == FUTEX:
@@ -304,12 +387,15 @@ class Sampler:
         return placed, word_ids
 
     def _sockets(
-        self, pid: int, net_cache: dict[str, list[TcpSocket]], net_of: dict[int, str]
+        self,
+        pid: int,
+        inodes: frozenset[int],
+        net_cache: dict[str, list[TcpSocket]],
+        net_of: dict[int, str],
     ) -> tuple[tuple[Listener, ...], tuple[Connection, ...]]:
         """Its listeners and its established connections (with their unread bytes):
         /proc/PID/net/tcp{,6} filtered by the socket inodes of its fds (one read of the
         tables per network namespace per tick)."""
-        inodes = self.proc.socket_inodes(pid)
         if not inodes:
             return (), ()
         ns = self.proc.net_namespace(pid) or f"pid:{pid}"
