@@ -267,9 +267,9 @@ class WalkCountingProcFS(CountingProcFS):
         self.walks = 0
         self.opens = 0
 
-    def socket_inodes(self, pid: int) -> set[int]:
+    def socket_fds(self, pid: int) -> dict[int, int]:
         self.walks += 1
-        return super().socket_inodes(pid)
+        return super().socket_fds(pid)
 
     def open_memory(self, pid: int):  # type: ignore[no-untyped-def]
         self.opens += 1

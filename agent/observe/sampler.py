@@ -10,7 +10,7 @@ from __future__ import annotations
 import bisect
 import os
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, replace
 
 from ..model import (
@@ -36,6 +36,7 @@ from ..model import (
 from ..sources.procfs import MemMap, ProcessMemory, ProcFS, TcpSocket
 from ..sources.tcpinfo import TCP_ESTABLISHED, TCP_LISTEN
 from ..syscalls import FUTEX, SYS_FUTEX, SYS_FUTEX_WAIT, futex_private, syscall_wait, wait_kind
+from .sockets import SocketTables
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")  # /proc/PID/stat counts starttime in these
 
@@ -99,7 +100,7 @@ class _Kept:
     key: tuple[int, str]  # (start time, comm): a reused PID or an exec is another process
     tids: tuple[int, ...]
     sample: ProcessSample
-    sockets: frozenset[int]  # the inodes of its sockets (an fd walk)
+    sockets: Mapping[int, int]  # its sockets, inode -> fd (an fd walk)
 
 
 class Sampler:
@@ -139,6 +140,7 @@ class Sampler:
         self._next_plumbing: dict[int, tuple[tuple[int, str], Plumbing]] = {}
         self._kept: dict[int, _Kept] = {}  # pid -> its last sample, to reuse while quiet
         self._next_kept: dict[int, _Kept] = {}
+        self.sockets = SocketTables(self.proc)
 
     def snapshot(self, pids: Iterable[int], probe: ProbeReading | None = None) -> Snapshot:
         probe = probe or ProbeReading()
@@ -152,17 +154,20 @@ class Sampler:
         self._uptime_s = self.uptime()
         processes: dict[int, ProcessSample] = {}
         gone = set()
-        net_cache: dict[str, list[TcpSocket]] = {}
-        net_of: dict[int, str] = {}  # pid -> its network namespace (processes with sockets)
+        fds: dict[int, Mapping[int, int]] = {}  # pid -> socket inode -> fd
+        ran = set()
         self._next_reads = {}
         self._next_plumbing = {}
         self._next_kept = {}
         for pid in pids:
-            p = self._process(pid, probe, net_cache, net_of)
-            if p is None:
+            got = self._process(pid, probe)
+            if got is None:
                 gone.add(pid)
-            else:
-                processes[pid] = p
+                continue
+            processes[pid], fds[pid], quiet = got
+            if not quiet:
+                ran.add(pid)
+        net_cache, net_of = self._read_sockets(processes, fds, ran)
         self._add_tcp_info(processes, net_cache, net_of)
         self._reads = self._next_reads  # threads not seen this tick are forgotten
         self._plumbing = self._next_plumbing
@@ -176,12 +181,10 @@ class Sampler:
         return Snapshot(now, wall, processes, frozenset(gone), foreign, self.proc.ephemeral_from())
 
     def _process(
-        self,
-        pid: int,
-        probe: ProbeReading,
-        net_cache: dict[str, list[TcpSocket]],
-        net_of: dict[int, str],
-    ) -> ProcessSample | None:
+        self, pid: int, probe: ProbeReading
+    ) -> tuple[ProcessSample, Mapping[int, int], bool] | None:
+        """The process's sample but for its sockets, its sockets (inode -> fd), and whether
+        it was quiet (none of its threads ran since the last tick); None if it is gone."""
         proc = self.proc
         st = proc.stat(pid)
         if st is None or st.state in ("Z", "X"):
@@ -204,12 +207,12 @@ class Sampler:
         if quiet and kept is not None and kept.key == key and kept.tids == tuple(reads):
             threads, word_ids = self._shared_words_again(pid, kept.sample)
             write_bytes = kept.sample.write_bytes
-            inodes = kept.sockets
+            sockets = kept.sockets
         else:
+            quiet = False
             threads, word_ids = self._threads(pid, reads, probe)
             write_bytes = proc.io_wchar(pid)
-            inodes = frozenset(proc.socket_inodes(pid))
-        listeners, connections = self._sockets(pid, inodes, net_cache, net_of)
+            sockets = proc.socket_fds(pid)
         sample = ProcessSample(
             pid=pid,
             ppid=st.ppid,
@@ -217,14 +220,12 @@ class Sampler:
             start_ticks=st.start_ticks,
             threads=threads,
             write_bytes=write_bytes,
-            listeners=listeners,
             word_ids=word_ids,
-            connections=connections,
             plumbing=self._plumbing_of(pid, key),
             age_s=max(0.0, self._uptime_s - st.start_ticks / CLK_TCK),
         )
-        self._next_kept[pid] = _Kept(key, tuple(reads), sample, inodes)
-        return sample
+        self._next_kept[pid] = _Kept(key, tuple(reads), sample, sockets)
+        return sample, sockets, quiet
 
     def _threads(
         self, pid: int, reads: Mapping[int, _ThreadRead], probe: ProbeReading
@@ -386,41 +387,48 @@ class Sampler:
             placed.append(replace(t, stack=(stack.start, stack.end)) if stack else t)
         return placed, word_ids
 
-    def _sockets(
+    def _read_sockets(
         self,
-        pid: int,
-        inodes: frozenset[int],
-        net_cache: dict[str, list[TcpSocket]],
-        net_of: dict[int, str],
-    ) -> tuple[tuple[Listener, ...], tuple[Connection, ...]]:
-        """Its listeners and its established connections (with their unread bytes):
-        /proc/PID/net/tcp{,6} filtered by the socket inodes of its fds (one read of the
-        tables per network namespace per tick)."""
-        if not inodes:
-            return (), ()
-        ns = self.proc.net_namespace(pid) or f"pid:{pid}"
-        net_of[pid] = ns
-        if ns not in net_cache:
-            net_cache[ns] = self.proc.tcp_sockets(pid)
-        listeners, connections = [], []
-        for s in net_cache[ns]:
-            if s.inode not in inodes:
-                continue
-            if s.state == TCP_LISTEN:
-                listeners.append(Listener(s.family, s.address, s.port, s.rx_queue, s.tx_queue))
-            elif s.state == TCP_ESTABLISHED:
-                connections.append(
-                    Connection(
-                        s.address,
-                        s.port,
-                        s.remote_address,
-                        s.remote_port,
-                        s.inode,
-                        s.rx_queue,
-                        s.tx_queue,
+        processes: dict[int, ProcessSample],
+        fds: Mapping[int, Mapping[int, int]],
+        ran: Collection[int],
+    ) -> tuple[dict[str, list[TcpSocket]], dict[int, str]]:
+        """Give each process its listeners and established connections (with their queues):
+        one read of its network namespace's table per tick, for the ports its watched
+        processes hold (agent.observe.sockets). The tables read, and pid -> namespace."""
+        by_ns: dict[str, dict[int, Mapping[int, int]]] = {}
+        net_of: dict[int, str] = {}
+        for pid, held in fds.items():
+            if held:
+                ns = self.proc.net_namespace(pid) or f"pid:{pid}"
+                net_of[pid] = ns
+                by_ns.setdefault(ns, {})[pid] = held
+        tables = {ns: self.sockets.read(ns, held, ran) for ns, held in by_ns.items()}
+        self.sockets.forget(by_ns, {i for held in fds.values() for i in held})
+        for pid, ns in net_of.items():
+            listeners, connections = [], []
+            held = fds[pid]
+            for s in tables[ns]:
+                if s.inode not in held:
+                    continue
+                if s.state == TCP_LISTEN:
+                    listeners.append(Listener(s.family, s.address, s.port, s.rx_queue, s.tx_queue))
+                elif s.state == TCP_ESTABLISHED:
+                    connections.append(
+                        Connection(
+                            s.address,
+                            s.port,
+                            s.remote_address,
+                            s.remote_port,
+                            s.inode,
+                            s.rx_queue,
+                            s.tx_queue,
+                        )
                     )
-                )
-        return tuple(listeners), tuple(connections)
+            processes[pid] = replace(
+                processes[pid], listeners=tuple(listeners), connections=tuple(connections)
+            )
+        return tables, net_of
 
     def _add_tcp_info(
         self,

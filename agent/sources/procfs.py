@@ -23,7 +23,7 @@ from ..model import (
     TcpInfo,
     WrittenFd,
 )
-from .tcpinfo import TcpInfoRead, read_tcp_info
+from .tcpinfo import SocketsRead, TcpInfoRead, TcpSocket, read_sockets, read_tcp_info
 
 # The kernel's ceiling for kernel.pid_max (PID_MAX_LIMIT on 64-bit): no PID is larger.
 PID_MAX_LIMIT = 1 << 22
@@ -62,19 +62,6 @@ class ProcStat:
     state: str
     ppid: int
     start_ticks: int
-
-
-@dataclass(frozen=True)
-class TcpSocket:
-    family: str
-    address: str
-    port: int
-    state: int
-    tx_queue: int
-    rx_queue: int
-    inode: int
-    remote_address: str = ""
-    remote_port: int = 0
 
 
 @dataclass(frozen=True)
@@ -347,9 +334,23 @@ class ProcFS:
     ``tcp_info`` reads the kernel's tcp_info of a network namespace (agent.sources.tcpinfo);
     None where there is no kernel to ask (a fixture tree) or a test stands in for it."""
 
-    def __init__(self, root: str = "/proc", tcp_info: TcpInfoRead | None = read_tcp_info) -> None:
+    def __init__(
+        self,
+        root: str = "/proc",
+        tcp_info: TcpInfoRead | None = read_tcp_info,
+        sockets: SocketsRead | None = None,
+    ) -> None:
+        """``tcp_info`` reads the kernel's sock_diag (None: not at all). ``sockets`` lists a
+        namespace's sockets; by default, the kernel's sock_diag where ``root`` is the real
+        /proc, and none elsewhere (a fixture tree lists its own in net/tcp)."""
         self.root = root
         self._tcp_info = tcp_info
+        if sockets is None and root == "/proc":
+            sockets = read_sockets
+        self._sockets = sockets
+
+    def _path(self, *parts: object) -> str:
+        return os.path.join(self.root, *map(str, parts))
 
     def _read(self, *parts: object) -> str | None:
         try:
@@ -479,6 +480,20 @@ class ProcFS:
     def socket_inodes(self, pid: int) -> set[int]:
         return {inode for _, inode in self._fd_inodes(pid, "socket")}
 
+    def socket_fds(self, pid: int) -> dict[int, int]:
+        """Inode -> fd of each socket the process holds (one fd for a socket held twice)."""
+        return {inode: int(fd) for fd, inode in self._fd_inodes(pid, "socket")}
+
+    def socket_protocol(self, pid: int, fd: int) -> str | None:
+        """The protocol of the process's socket ``fd``, as the kernel names it ("TCP",
+        "TCPv6", "UNIX-STREAM", "UDP", ...: the inode's system.sockprotoname); None where
+        it cannot be read (the fd closed, or a tree that is not the real /proc)."""
+        try:
+            raw = os.getxattr(self._path(pid, "fd", fd), "system.sockprotoname")
+        except OSError:
+            return None
+        return raw.rstrip(b"\0").decode("ascii", "replace")
+
     def pipes_read(self, pid: int) -> set[int]:
         """Inodes of the pipes the process holds open for reading (an fd and its fdinfo
         flags per pipe): whose writes stay in the service when a process of it reads them."""
@@ -570,14 +585,27 @@ class ProcFS:
         """The fds in the process's epoll set ``epfd``."""
         return parse_epoll_fds(self._read(pid, "fdinfo", epfd) or "")
 
-    def tcp_sockets(self, pid: int) -> list[TcpSocket]:
-        """TCP sockets of the process's network namespace (containers have their own)."""
+    def tcp_sockets(self, pid: int, ports: Iterable[int] | None = None) -> list[TcpSocket]:
+        """TCP sockets of the process's network namespace (containers have their own), those
+        on the local ``ports`` only if given: from the kernel's sock_diag (the kernel filters
+        by port, no text to parse) where this reads the real /proc, else, or where that
+        fails, from /proc/PID/net/tcp{,6}."""
+        wanted = None if ports is None else set(ports)
+        if self._sockets is not None:
+            theirs = self.net_namespace(pid)
+            if theirs is None:
+                return []
+            asked = None if wanted is None else [(f, p) for f in ("tcp", "tcp6") for p in wanted]
+            netns = None if theirs == self.net_namespace("self") else self._path(pid, "ns", "net")
+            got = self._sockets(asked, netns)
+            if got is not None:
+                return got
         out: list[TcpSocket] = []
         for family in ("tcp", "tcp6"):
             text = self._read(pid, "net", family)
             if text:
                 out.extend(parse_net_tcp(text, family))
-        return out
+        return out if wanted is None else [s for s in out if s.port in wanted]
 
     def maps(self, pid: int | str) -> list[MemMap]:
         text = self._read(pid, "maps")

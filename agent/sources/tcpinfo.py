@@ -34,6 +34,7 @@ import socket
 import struct
 import threading
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import TypeVar
 
 from ..model import TcpInfo
@@ -47,6 +48,8 @@ TCP_LISTEN = 0x0A
 INET_DIAG_INFO = 2  # include/uapi/linux/inet_diag.h: the tcp_info extension
 CLONE_NEWNET = 0x40000000
 FAMILIES = {"tcp": socket.AF_INET, "tcp6": socket.AF_INET6}
+FAMILY_NAMES: dict[int, str] = {int(af): name for name, af in FAMILIES.items()}
+ALL_STATES = (1 << 12) - 2  # TCP_ESTABLISHED (1) .. TCP_CLOSING (11): a bit per state
 # Beyond this many ports of one family the filter (8 bytes and one test per port, run by the
 # kernel on every socket of the namespace) is dropped for one unfiltered dump.
 MAX_FILTERED_PORTS = 64
@@ -76,8 +79,26 @@ NETNS_TIMEOUT_S = 5.0
 
 T = TypeVar("T")
 
+
+@dataclass(frozen=True)
+class TcpSocket:
+    """A TCP socket as /proc/net/tcp lists it (and sock_diag, read_sockets)."""
+
+    family: str
+    address: str
+    port: int
+    state: int
+    tx_queue: int
+    rx_queue: int
+    inode: int
+    remote_address: str = ""
+    remote_port: int = 0
+
+
 # How a namespace's tcp_info is read: (ports, netns path or None for our own) -> by inode.
 TcpInfoRead = Callable[[Iterable[tuple[str, int]] | None, str | None], dict[int, TcpInfo]]
+# How a namespace's sockets are listed (read_sockets): None when it cannot be.
+SocketsRead = Callable[[Iterable[tuple[str, int]] | None, str | None], "list[TcpSocket] | None"]
 
 
 def read_tcp_info(
@@ -140,36 +161,68 @@ def _request(af: int, states: int, ext: int, ports: Sequence[int]) -> bytes:
     return struct.pack("=IHHII", NLMSG_HDRLEN + len(body), SOCK_DIAG_BY_FAMILY, flags, 1, 0) + body
 
 
-def parse_dump(data: bytes, out: dict[int, TcpInfo]) -> bool:
-    """Add each socket of one netlink read of a dump to ``out`` (inode -> its tcp_info);
-    True once the dump's end is read. Messages too short for their kind, and tcp_info
-    shorter than the fields read (kernels before 4.1), are skipped, never misread."""
+def _messages(data: bytes) -> tuple[list[tuple[int, int]], bool]:
+    """(start, end) of the sock_diag message body of each socket in one netlink read of a
+    dump, and whether the dump ended there. Messages too short for their kind are left
+    out, never misread; the kernel's error ends the read as an OSError."""
+    found: list[tuple[int, int]] = []
     pos, end = 0, len(data)
     while pos + NLMSG_HDRLEN <= end:
         length, kind = struct.unpack_from("=IH", data, pos)
         if length < NLMSG_HDRLEN or pos + length > end:
-            return True  # malformed: stop here rather than read past it
+            return found, True  # malformed: stop here rather than read past it
         if kind == NLMSG_DONE:
-            return True
+            return found, True
         if kind == NLMSG_ERROR:
             (err,) = struct.unpack_from("=i", data, pos + NLMSG_HDRLEN)
             raise OSError(-err, os.strerror(-err) if err else "netlink error")
-        msg = pos + NLMSG_HDRLEN
         if kind == SOCK_DIAG_BY_FAMILY and length >= NLMSG_HDRLEN + DIAG_MSG_LEN:
-            (inode,) = struct.unpack_from("=I", data, msg + DIAG_INODE_AT)
-            info = _attr(data, msg + DIAG_MSG_LEN, pos + length, INET_DIAG_INFO)
-            if inode and info is not None and info[1] >= TCPI_NEEDED:
-                at = info[0]
-                sent, _, recv = struct.unpack_from("=III", data, at + TCPI_LAST_DATA_SENT)
-                acked, received = struct.unpack_from("=QQ", data, at + TCPI_BYTES_ACKED)
-                out[inode] = TcpInfo(
-                    last_data_recv_ms=recv,
-                    last_data_sent_ms=sent,
-                    bytes_received=received,
-                    bytes_acked=acked,
-                )
+            found.append((pos + NLMSG_HDRLEN, pos + length))
         pos += (length + 3) & ~3
-    return False
+    return found, False
+
+
+def parse_dump(data: bytes, out: dict[int, TcpInfo]) -> bool:
+    """Add each socket of one netlink read of a dump to ``out`` (inode -> its tcp_info);
+    True once the dump's end is read. A tcp_info shorter than the fields read (kernels
+    before 4.1) is skipped."""
+    found, done = _messages(data)
+    for msg, end in found:
+        (inode,) = struct.unpack_from("=I", data, msg + DIAG_INODE_AT)
+        info = _attr(data, msg + DIAG_MSG_LEN, end, INET_DIAG_INFO)
+        if inode and info is not None and info[1] >= TCPI_NEEDED:
+            at = info[0]
+            sent, _, recv = struct.unpack_from("=III", data, at + TCPI_LAST_DATA_SENT)
+            acked, received = struct.unpack_from("=QQ", data, at + TCPI_BYTES_ACKED)
+            out[inode] = TcpInfo(
+                last_data_recv_ms=recv,
+                last_data_sent_ms=sent,
+                bytes_received=received,
+                bytes_acked=acked,
+            )
+    return done
+
+
+def parse_sockets(data: bytes, out: list[TcpSocket]) -> bool:
+    """Add each socket of one netlink read of a dump to ``out``, as /proc/net/tcp would list
+    it; True once the dump's end is read. Sockets without an inode (TIME_WAIT: no process
+    holds them) are left out."""
+    found, done = _messages(data)
+    for msg, _ in found:
+        af, state = data[msg], data[msg + 1]
+        sport, dport = struct.unpack_from(">HH", data, msg + 4)
+        rqueue, wqueue, _, inode = struct.unpack_from("=IIII", data, msg + 56)
+        if not inode or af not in FAMILY_NAMES:
+            continue
+        size = 4 if af == socket.AF_INET else 16
+        src = socket.inet_ntop(af, data[msg + 8 : msg + 8 + size])
+        dst = socket.inet_ntop(af, data[msg + 24 : msg + 24 + size])
+        # As /proc/net/tcp: a connection's tx_queue and rx_queue are its bytes not yet
+        # acknowledged and not yet read; a listener's rx_queue is its accept queue, and its
+        # tx_queue 0 there (sock_diag gives its backlog instead: left out, to read the same).
+        tx = 0 if state == TCP_LISTEN else wqueue
+        out.append(TcpSocket(FAMILY_NAMES[af], src, sport, state, tx, rqueue, inode, dst, dport))
+    return done
 
 
 def _attr(data: bytes, pos: int, end: int, kind: int) -> tuple[int, int] | None:
@@ -186,17 +239,47 @@ def _attr(data: bytes, pos: int, end: int, kind: int) -> tuple[int, int] | None:
 
 
 def _read(ports: Iterable[tuple[str, int]] | None) -> dict[int, TcpInfo]:
-    requests = _requests(ports)
-    if not requests:
-        return {}
     out: dict[int, TcpInfo] = {}
+    _dump(_requests(ports), 1 << TCP_ESTABLISHED, 1 << (INET_DIAG_INFO - 1), parse_dump, out)
+    return out
+
+
+def read_sockets(
+    ports: Iterable[tuple[str, int]] | None = None, netns: str | None = None
+) -> list[TcpSocket] | None:
+    """The TCP sockets of a network namespace (IPv4 and IPv6, every state but those no
+    process holds), as /proc/net/tcp{,6} lists them, from one sock_diag dump per family:
+    ``ports`` ((family, local port) pairs; None: all) filtered by the kernel. ``netns``: as
+    read_tcp_info. None on any failure (the caller reads /proc/net/tcp instead)."""
+    out: list[TcpSocket] = []
+    try:
+        requests = _requests(ports)
+        if netns is None:
+            _dump(requests, ALL_STATES, 0, parse_sockets, out)
+        else:
+            _in_netns(netns, lambda: _dump(requests, ALL_STATES, 0, parse_sockets, out))
+    except (OSError, TimeoutError) as e:
+        log.debug("sockets not read over netlink (netns %s): %r", netns, e)
+        return None
+    return out
+
+
+def _dump(
+    requests: Sequence[tuple[int, tuple[int, ...]]],
+    states: int,
+    ext: int,
+    parse: Callable[[bytes, T], bool],
+    out: T,
+) -> None:
+    """Ask for each dump of ``requests`` in turn and ``parse`` each read into ``out``."""
+    if not requests:
+        return
     with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_SOCK_DIAG) as nl:
         nl.settimeout(NETNS_TIMEOUT_S)  # the kernel answers at once; never hang a tick on it
         for af, wanted in requests:
-            nl.send(_request(af, 1 << TCP_ESTABLISHED, 1 << (INET_DIAG_INFO - 1), wanted))
-            while not parse_dump(nl.recv(RECV_BYTES), out):
+            nl.send(_request(af, states, ext, wanted))
+            while not parse(nl.recv(RECV_BYTES), out):
                 pass
-    return out
 
 
 def _setns(fd: int, nstype: int) -> None:
