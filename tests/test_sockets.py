@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from agent.observe.sampler import Sampler
 from agent.observe.sockets import SocketTables
 from agent.sources.procfs import ProcFS, TcpSocket
-from agent.sources.tcpinfo import read_sockets
+from agent.sources.tcpinfo import read_sockets, read_tcp_info
 from tests.test_procfs_sockets import make_job
 
 NS = "net:[1]"
@@ -141,15 +141,28 @@ def test_the_kernels_sockets_read_as_proc_net_tcp_lists_them():
         assert diag[inode(accepted[0])].rx_queue == 5
 
 
+def accepted_conns(p, srv: socket.socket) -> list:
+    return [c for c in p.connections if c.local_port == srv.getsockname()[1]]
+
+
 def test_the_sampler_reads_the_namespace_by_the_ports_it_holds():
     with server_with_clients(20) as (srv, clients, accepted):
         uds = socket.socket(socket.AF_UNIX)
         with uds:
-            sampler = Sampler()
+            asked = []
+
+            def tcp_info(ports, netns):  # the second dump: only for what the first lacked
+                asked.append(ports)
+                return read_tcp_info(ports, netns)
+
+            sampler = Sampler(ProcFS(tcp_info=tcp_info))
             first = sampler.snapshot([os.getpid()]).processes[os.getpid()]
+            assert len(asked) == 1  # the whole table, read once: no tcp_info in it
             for _ in range(3):
                 again = sampler.snapshot([os.getpid()]).processes[os.getpid()]
-            assert sampler.sockets.whole_reads == 1
+            assert sampler.sockets.whole_reads == 1 and len(asked) == 1
+            served = accepted_conns(again, srv)  # with tcp_info, from the one dump
+            assert len(served) == 20 and all(c.bytes_received == 0 for c in served)
             assert {c.inode for c in again.connections} == {inode(s) for s in clients + accepted}
             assert [lst.port for lst in again.listeners] == [srv.getsockname()[1]]
 

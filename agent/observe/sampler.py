@@ -469,8 +469,13 @@ class Sampler:
             }
             if not accepted:
                 continue
-            got = self.proc.tcp_info(pids[0], sorted(set(accepted.values())))
-            infos = {inode: info for inode, info in got.items() if inode in accepted}
+            # The table's read carried the tcp_info of the ports it asked for; the rest
+            # (a whole table, read for a new socket; /proc/net/tcp) are asked for here.
+            infos = {s.inode: s.info for s in net_cache[ns] if s.info and s.inode in accepted}
+            unread = {where for inode, where in accepted.items() if inode not in infos}
+            if unread:
+                got = self.proc.tcp_info(pids[0], sorted(unread))
+                infos.update((i, info) for i, info in got.items() if i in accepted)
             if not infos:
                 continue
             for pid in pids:

@@ -93,6 +93,7 @@ class TcpSocket:
     inode: int
     remote_address: str = ""
     remote_port: int = 0
+    info: TcpInfo | None = None  # its tcp_info, where the read carried it (read_sockets)
 
 
 # How a namespace's tcp_info is read: (ports, netns path or None for our own) -> by inode.
@@ -184,31 +185,34 @@ def _messages(data: bytes) -> tuple[list[tuple[int, int]], bool]:
 
 def parse_dump(data: bytes, out: dict[int, TcpInfo]) -> bool:
     """Add each socket of one netlink read of a dump to ``out`` (inode -> its tcp_info);
-    True once the dump's end is read. A tcp_info shorter than the fields read (kernels
-    before 4.1) is skipped."""
+    True once the dump's end is read."""
     found, done = _messages(data)
     for msg, end in found:
         (inode,) = struct.unpack_from("=I", data, msg + DIAG_INODE_AT)
-        info = _attr(data, msg + DIAG_MSG_LEN, end, INET_DIAG_INFO)
-        if inode and info is not None and info[1] >= TCPI_NEEDED:
-            at = info[0]
-            sent, _, recv = struct.unpack_from("=III", data, at + TCPI_LAST_DATA_SENT)
-            acked, received = struct.unpack_from("=QQ", data, at + TCPI_BYTES_ACKED)
-            out[inode] = TcpInfo(
-                last_data_recv_ms=recv,
-                last_data_sent_ms=sent,
-                bytes_received=received,
-                bytes_acked=acked,
-            )
+        info = _tcp_info(data, msg, end)
+        if inode and info is not None:
+            out[inode] = info
     return done
+
+
+def _tcp_info(data: bytes, msg: int, end: int) -> TcpInfo | None:
+    """The tcp_info a message carries, if it does; None too where it is shorter than the
+    fields read (kernels before 4.1)."""
+    info = _attr(data, msg + DIAG_MSG_LEN, end, INET_DIAG_INFO)
+    if info is None or info[1] < TCPI_NEEDED:
+        return None
+    at = info[0]
+    sent, _, recv = struct.unpack_from("=III", data, at + TCPI_LAST_DATA_SENT)
+    acked, received = struct.unpack_from("=QQ", data, at + TCPI_BYTES_ACKED)
+    return TcpInfo(recv, sent, received, acked)
 
 
 def parse_sockets(data: bytes, out: list[TcpSocket]) -> bool:
     """Add each socket of one netlink read of a dump to ``out``, as /proc/net/tcp would list
-    it; True once the dump's end is read. Sockets without an inode (TIME_WAIT: no process
-    holds them) are left out."""
+    it, with its tcp_info where the dump carries it; True once the dump's end is read.
+    Sockets without an inode (TIME_WAIT: no process holds them) are left out."""
     found, done = _messages(data)
-    for msg, _ in found:
+    for msg, end in found:
         af, state = data[msg], data[msg + 1]
         sport, dport = struct.unpack_from(">HH", data, msg + 4)
         rqueue, wqueue, _, inode = struct.unpack_from("=IIII", data, msg + 56)
@@ -221,7 +225,9 @@ def parse_sockets(data: bytes, out: list[TcpSocket]) -> bool:
         # acknowledged and not yet read; a listener's rx_queue is its accept queue, and its
         # tx_queue 0 there (sock_diag gives its backlog instead: left out, to read the same).
         tx = 0 if state == TCP_LISTEN else wqueue
-        out.append(TcpSocket(FAMILY_NAMES[af], src, sport, state, tx, rqueue, inode, dst, dport))
+        info = _tcp_info(data, msg, end) if state == TCP_ESTABLISHED else None
+        name = FAMILY_NAMES[af]
+        out.append(TcpSocket(name, src, sport, state, tx, rqueue, inode, dst, dport, info))
     return done
 
 
@@ -248,16 +254,19 @@ def read_sockets(
     ports: Iterable[tuple[str, int]] | None = None, netns: str | None = None
 ) -> list[TcpSocket] | None:
     """The TCP sockets of a network namespace (IPv4 and IPv6, every state but those no
-    process holds), as /proc/net/tcp{,6} lists them, from one sock_diag dump per family:
-    ``ports`` ((family, local port) pairs; None: all) filtered by the kernel. ``netns``: as
-    read_tcp_info. None on any failure (the caller reads /proc/net/tcp instead)."""
+    process holds), as /proc/net/tcp{,6} lists them, from one sock_diag dump per family.
+    ``ports`` ((family, local port) pairs) are filtered by the kernel, and the established
+    ones then carry their tcp_info (one dump for both: a caller asks for its own ports);
+    None: the whole table, without tcp_info. ``netns``: as read_tcp_info. None on any
+    failure (the caller reads /proc/net/tcp instead)."""
     out: list[TcpSocket] = []
+    ext = 0 if ports is None else 1 << (INET_DIAG_INFO - 1)
     try:
         requests = _requests(ports)
         if netns is None:
-            _dump(requests, ALL_STATES, 0, parse_sockets, out)
+            _dump(requests, ALL_STATES, ext, parse_sockets, out)
         else:
-            _in_netns(netns, lambda: _dump(requests, ALL_STATES, 0, parse_sockets, out))
+            _in_netns(netns, lambda: _dump(requests, ALL_STATES, ext, parse_sockets, out))
     except (OSError, TimeoutError) as e:
         log.debug("sockets not read over netlink (netns %s): %r", netns, e)
         return None
