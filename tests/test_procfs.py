@@ -403,3 +403,25 @@ def test_parse_epoll_fds_reads_each_tfd_line():
     )
     assert parse_epoll_fds(fdinfo) == [11, 9]
     assert parse_epoll_fds("") == []
+
+
+def test_the_pipes_a_process_reads_are_listed_again_only_once_it_has_run(tmp_path):
+    root = make_proc(tmp_path)
+    parked_only(root)
+    walks = []
+
+    class PipeWalks(ProcFS):
+        def pipes_read(self, pid: int) -> set[int]:
+            walks.append(pid)
+            return super().pipes_read(pid)
+
+    sampler = Sampler(PipeWalks(str(root)), clock_ns=lambda: 6_000_000_000)
+    sampler.snapshot([10])
+    sampler.pipes_read([10])
+    sampler.snapshot([10])  # quiet: its fds are what they were
+    sampler.pipes_read([10])
+    assert walks == [10]
+    write(root / "10/task/11/schedstat", "1000000 0 4\n")  # it ran
+    sampler.snapshot([10])
+    sampler.pipes_read([10])
+    assert walks == [10, 10]

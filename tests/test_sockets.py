@@ -28,7 +28,9 @@ class Table(ProcFS):
         self.protocols = protocols or {}
         self.asked: list[set[int] | None] = []
 
-    def tcp_sockets(self, pid: int, ports: Iterable[int] | None = None) -> list[TcpSocket]:
+    def tcp_sockets(
+        self, pid: int, ports: Iterable[int] | None = None, listening: bool = False
+    ) -> list[TcpSocket]:
         wanted = None if ports is None else set(ports)
         self.asked.append(wanted)
         return [s for s in self.table if wanted is None or s.port in wanted]

@@ -141,6 +141,7 @@ class Sampler:
         self._kept: dict[int, _Kept] = {}  # pid -> its last sample, to reuse while quiet
         self._next_kept: dict[int, _Kept] = {}
         self.sockets = SocketTables(self.proc)
+        self._pipes: dict[int, frozenset[int]] = {}  # pid -> pipes_read, while it is quiet
 
     def snapshot(self, pids: Iterable[int], probe: ProbeReading | None = None) -> Snapshot:
         probe = probe or ProbeReading()
@@ -168,6 +169,7 @@ class Sampler:
             if not quiet:
                 ran.add(pid)
         net_cache, net_of = self._read_sockets(processes, fds, ran)
+        self._pipes = {p: v for p, v in self._pipes.items() if p in processes and p not in ran}
         self._add_tcp_info(processes, net_cache, net_of)
         self._reads = self._next_reads  # threads not seen this tick are forgotten
         self._plumbing = self._next_plumbing
@@ -497,8 +499,14 @@ class Sampler:
         return {k: t for k in fds if (t := self.proc.fd_target(*k)) is not None}
 
     def pipes_read(self, pids: Iterable[int]) -> frozenset[int]:
-        """Inodes of the pipes that any of ``pids`` holds open for reading."""
-        return frozenset().union(*(self.proc.pipes_read(pid) for pid in pids))
+        """Inodes of the pipes that any of ``pids`` holds open for reading: an fd walk of
+        each, kept while it stays quiet (its fds cannot change if none of its threads runs)."""
+        out: set[int] = set()
+        for pid in pids:
+            if pid not in self._pipes:
+                self._pipes[pid] = frozenset(self.proc.pipes_read(pid))
+            out |= self._pipes[pid]
+        return frozenset(out)
 
     def written_files(self, pids: Iterable[int]) -> dict[int, tuple[WrittenFd, ...]]:
         """pid -> the fds it holds open for writing to a file, a pipe or a terminal, with
@@ -515,7 +523,8 @@ class Sampler:
         if not target or not target.startswith("socket:["):
             return None
         inode = int(target[8:-1])
-        return next((s.port for s in self.proc.tcp_sockets(pid) if s.inode == inode), None)
+        listeners = self.proc.tcp_sockets(pid, listening=True)  # few, whatever the host holds
+        return next((s.port for s in listeners if s.inode == inode), None)
 
     def alive(self, pids: Iterable[int]) -> frozenset[int]:
         """Those of ``pids`` that still exist (a stat each)."""

@@ -23,7 +23,15 @@ from ..model import (
     TcpInfo,
     WrittenFd,
 )
-from .tcpinfo import SocketsRead, TcpInfoRead, TcpSocket, read_sockets, read_tcp_info
+from .tcpinfo import (
+    ALL_STATES,
+    TCP_LISTEN,
+    SocketsRead,
+    TcpInfoRead,
+    TcpSocket,
+    read_sockets,
+    read_tcp_info,
+)
 
 # The kernel's ceiling for kernel.pid_max (PID_MAX_LIMIT on 64-bit): no PID is larger.
 PID_MAX_LIMIT = 1 << 22
@@ -585,11 +593,13 @@ class ProcFS:
         """The fds in the process's epoll set ``epfd``."""
         return parse_epoll_fds(self._read(pid, "fdinfo", epfd) or "")
 
-    def tcp_sockets(self, pid: int, ports: Iterable[int] | None = None) -> list[TcpSocket]:
+    def tcp_sockets(
+        self, pid: int, ports: Iterable[int] | None = None, listening: bool = False
+    ) -> list[TcpSocket]:
         """TCP sockets of the process's network namespace (containers have their own), those
-        on the local ``ports`` only if given: from the kernel's sock_diag (the kernel filters
-        by port, no text to parse) where this reads the real /proc, else, or where that
-        fails, from /proc/PID/net/tcp{,6}."""
+        on the local ``ports`` only if given, listeners only if ``listening``: from the
+        kernel's sock_diag (the kernel filters, no text to parse) where this reads the real
+        /proc, else, or where that fails, from /proc/PID/net/tcp{,6}."""
         wanted = None if ports is None else set(ports)
         if self._sockets is not None:
             theirs = self.net_namespace(pid)
@@ -597,7 +607,8 @@ class ProcFS:
                 return []
             asked = None if wanted is None else [(f, p) for f in ("tcp", "tcp6") for p in wanted]
             netns = None if theirs == self.net_namespace("self") else self._path(pid, "ns", "net")
-            got = self._sockets(asked, netns)
+            states = 1 << TCP_LISTEN if listening else ALL_STATES
+            got = self._sockets(asked, netns, states)
             if got is not None:
                 return got
         out: list[TcpSocket] = []
@@ -605,7 +616,11 @@ class ProcFS:
             text = self._read(pid, "net", family)
             if text:
                 out.extend(parse_net_tcp(text, family))
-        return out if wanted is None else [s for s in out if s.port in wanted]
+        return [
+            s
+            for s in out
+            if (wanted is None or s.port in wanted) and (not listening or s.state == TCP_LISTEN)
+        ]
 
     def maps(self, pid: int | str) -> list[MemMap]:
         text = self._read(pid, "maps")

@@ -28,14 +28,14 @@ gives an empty answer, never an exception: the verdict then does without this ev
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import socket
 import struct
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 from ..model import TcpInfo
 
@@ -80,9 +80,9 @@ NETNS_TIMEOUT_S = 5.0
 T = TypeVar("T")
 
 
-@dataclass(frozen=True)
-class TcpSocket:
-    """A TCP socket as /proc/net/tcp lists it (and sock_diag, read_sockets)."""
+class TcpSocket(NamedTuple):
+    """A TCP socket as /proc/net/tcp lists it (and sock_diag, read_sockets). A tuple: a
+    tick builds one per socket held, thousands on a front-end."""
 
     family: str
     address: str
@@ -99,7 +99,9 @@ class TcpSocket:
 # How a namespace's tcp_info is read: (ports, netns path or None for our own) -> by inode.
 TcpInfoRead = Callable[[Iterable[tuple[str, int]] | None, str | None], dict[int, TcpInfo]]
 # How a namespace's sockets are listed (read_sockets): None when it cannot be.
-SocketsRead = Callable[[Iterable[tuple[str, int]] | None, str | None], "list[TcpSocket] | None"]
+SocketsRead = Callable[
+    [Iterable[tuple[str, int]] | None, str | None, int], "list[TcpSocket] | None"
+]
 
 
 def read_tcp_info(
@@ -219,8 +221,8 @@ def parse_sockets(data: bytes, out: list[TcpSocket]) -> bool:
         if not inode or af not in FAMILY_NAMES:
             continue
         size = 4 if af == socket.AF_INET else 16
-        src = socket.inet_ntop(af, data[msg + 8 : msg + 8 + size])
-        dst = socket.inet_ntop(af, data[msg + 24 : msg + 24 + size])
+        src = _address(af, data[msg + 8 : msg + 8 + size])
+        dst = _address(af, data[msg + 24 : msg + 24 + size])
         # As /proc/net/tcp: a connection's tx_queue and rx_queue are its bytes not yet
         # acknowledged and not yet read; a listener's rx_queue is its accept queue, and its
         # tx_queue 0 there (sock_diag gives its backlog instead: left out, to read the same).
@@ -229,6 +231,12 @@ def parse_sockets(data: bytes, out: list[TcpSocket]) -> bool:
         name = FAMILY_NAMES[af]
         out.append(TcpSocket(name, src, sport, state, tx, rqueue, inode, dst, dport, info))
     return done
+
+
+@functools.lru_cache(maxsize=4096)
+def _address(af: int, raw: bytes) -> str:
+    """An address in text: a front-end's connections come from a few addresses."""
+    return socket.inet_ntop(af, raw)
 
 
 def _attr(data: bytes, pos: int, end: int, kind: int) -> tuple[int, int] | None:
@@ -251,22 +259,24 @@ def _read(ports: Iterable[tuple[str, int]] | None) -> dict[int, TcpInfo]:
 
 
 def read_sockets(
-    ports: Iterable[tuple[str, int]] | None = None, netns: str | None = None
+    ports: Iterable[tuple[str, int]] | None = None,
+    netns: str | None = None,
+    states: int = ALL_STATES,
 ) -> list[TcpSocket] | None:
     """The TCP sockets of a network namespace (IPv4 and IPv6, every state but those no
     process holds), as /proc/net/tcp{,6} lists them, from one sock_diag dump per family.
     ``ports`` ((family, local port) pairs) are filtered by the kernel, and the established
     ones then carry their tcp_info (one dump for both: a caller asks for its own ports);
-    None: the whole table, without tcp_info. ``netns``: as read_tcp_info. None on any
-    failure (the caller reads /proc/net/tcp instead)."""
+    None: the whole table, without tcp_info. ``netns``: as read_tcp_info. ``states``: a
+    bit per TCP state to list. None on any failure (the caller reads /proc/net/tcp)."""
     out: list[TcpSocket] = []
     ext = 0 if ports is None else 1 << (INET_DIAG_INFO - 1)
     try:
         requests = _requests(ports)
         if netns is None:
-            _dump(requests, ALL_STATES, ext, parse_sockets, out)
+            _dump(requests, states, ext, parse_sockets, out)
         else:
-            _in_netns(netns, lambda: _dump(requests, ALL_STATES, ext, parse_sockets, out))
+            _in_netns(netns, lambda: _dump(requests, states, ext, parse_sockets, out))
     except (OSError, TimeoutError) as e:
         log.debug("sockets not read over netlink (netns %s): %r", netns, e)
         return None
