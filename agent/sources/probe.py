@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import os
 import platform
 import re
+import struct
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -114,6 +116,89 @@ def _by_tid(table: Any) -> list[tuple[int, Any]]:
         return [(int(k), v) for k, v in table.items_lookup_batch()]
     except Exception:  # bcc raises bare Exception when the kernel refuses batch ops
         return [(k.value, v) for k, v in table.items()]
+
+
+# The fields read of each map keyed by TID, in their order in bpf/hangwatch.h.
+THREAD_FIELDS = {
+    "threads": ("start_ns", "uaddr", "tgid", "op", "val", "syscall", "flags"),
+    "pi_ops": ("start_ns", "uaddr", "tgid", "op"),
+    "refusals": ("ts_ns", "uaddr", "tgid"),
+}
+
+# struct module codes of the ctypes scalars the maps' fields are made of
+_CODES = {
+    ctypes.c_uint8: "B", ctypes.c_uint16: "H", ctypes.c_uint32: "I", ctypes.c_uint64: "Q",
+    ctypes.c_int8: "b", ctypes.c_int16: "h", ctypes.c_int32: "i", ctypes.c_int64: "q",
+    ctypes.c_ulong: "Q", ctypes.c_long: "q", ctypes.c_uint: "I", ctypes.c_int: "i",
+}  # fmt: skip
+
+
+def _layout(ctype: Any, fields: tuple[str, ...]) -> struct.Struct:
+    """A struct that unpacks ``fields`` (in that order) of one ``ctype`` (a bcc map's key
+    or leaf), skipping the rest: built from ctypes' own offsets, so it follows the C."""
+    if not fields:  # a scalar key or leaf
+        return struct.Struct("=" + _CODES[ctype])
+    types = dict(ctype._fields_)
+    placed = sorted((getattr(ctype, name).offset, name) for name in fields)
+    if [name for _, name in placed] != list(fields):
+        raise ValueError(f"fields {fields} not in their order in the struct")
+    fmt, pos = "=", 0
+    for offset, name in placed:
+        code = _CODES[types[name]]
+        fmt += f"{offset - pos}x{code}"
+        pos = offset + struct.calcsize("=" + code)
+    return struct.Struct(fmt + f"{ctypes.sizeof(ctype) - pos}x")
+
+
+class BatchReader:
+    """Every entry of a hash map, as tuples of plain ints: BPF_MAP_LOOKUP_BATCH into buffers
+    allocated once, decoded by one struct per entry. bcc's items_lookup_batch allocates
+    and zeroes buffers for the map's whole capacity on each call (3 MiB for 65,536 threads)
+    and yields a ctypes object per field read; the daemon reads the thread map every tick."""
+
+    CHUNK = 4096  # entries per batch call
+
+    def __init__(self, table: Any, key_fields: tuple[str, ...], leaf_fields: tuple[str, ...]):
+        from bcc.libbcc import lib  # bcc's own binding of libbpf's bpf_map_lookup_batch
+
+        self._lib = lib
+        self._fd = table.map_fd
+        self._keys = (table.Key * self.CHUNK)()
+        self._leaves = (table.Leaf * self.CHUNK)()
+        self._key = _layout(table.Key, key_fields)
+        self._leaf = _layout(table.Leaf, leaf_fields)
+
+    def rows(self) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """(key fields, leaf fields) of every entry now. OSError if the kernel refuses."""
+        out: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+        batch, count = ctypes.c_uint32(0), ctypes.c_uint32(0)
+        first = True
+        keys = memoryview(self._keys).cast("B")
+        leaves = memoryview(self._leaves).cast("B")
+        while True:
+            count.value = self.CHUNK
+            res = self._lib.bpf_lookup_batch(
+                self._fd,
+                None if first else ctypes.byref(batch),
+                ctypes.byref(batch),
+                ctypes.byref(self._keys),
+                ctypes.byref(self._leaves),
+                ctypes.byref(count),
+            )
+            err = ctypes.get_errno()
+            n = count.value
+            if n:
+                out.extend(
+                    zip(
+                        self._key.iter_unpack(keys[: n * self._key.size]),
+                        self._leaf.iter_unpack(leaves[: n * self._leaf.size]),
+                    )
+                )
+            if res != 0:
+                if err == errno.ENOENT:
+                    return out  # the last batch
+                raise OSError(err, os.strerror(err))
+            first = False
 
 
 def _enable_stats_fd() -> int | None:
@@ -262,6 +347,14 @@ class KernelProbes:
         self._accepts = self._bpf[b"accepts"]
         self._fd_writes = self._bpf[b"fd_writes"]
         self._watching: set[int] = set()
+        self._readers: dict[str, BatchReader | None] = {}
+        for name, fields in THREAD_FIELDS.items():
+            try:
+                self._readers[name] = BatchReader(self._bpf[name.encode()], (), fields)
+            except (ImportError, AttributeError, KeyError, ValueError):
+                self._readers[name] = None  # bcc without the binding: one by one
+        # tid -> (its threads-map row, the InflightWait built from it) at the last read
+        self._built: dict[int, tuple[tuple[int, ...], InflightWait]] = {}
 
     def _open_events(self) -> None:
         """The ring buffer, and what its records are kept in until the next read."""
@@ -333,6 +426,18 @@ class KernelProbes:
                 with contextlib.suppress(KeyError):  # the kernel side may have deleted it
                     del table[key]
 
+    def _rows(self, name: str) -> list[tuple[int, tuple[int, ...]]]:
+        """(TID, the fields of THREAD_FIELDS[name]) for every entry of a map keyed by TID."""
+        reader = self._readers.get(name)
+        if reader is not None:
+            try:
+                return [(k[0], v) for k, v in reader.rows()]
+            except OSError:  # the kernel refuses batch lookups: one by one from now on
+                self._readers[name] = None
+        fields = THREAD_FIELDS[name]
+        table = self._bpf[name.encode()]
+        return [(tid, tuple(getattr(v, f) for f in fields)) for tid, v in _by_tid(table)]
+
     def _waits(self) -> tuple[dict[int, InflightWait], set[int], list[int]]:
         """In-flight waits of watched processes, the TIDs with an entry, and dead TIDs."""
         vector = self._defs["HW_SYSCALL_FUTEX_WAITV"]
@@ -340,33 +445,44 @@ class KernelProbes:
         watching = self._watching
         inflight = {}
         tracked = set()
-        for tid, t in _by_tid(self._threads):
-            if t.tgid not in watching:
+        built = self._built
+        self._built = {}
+        for tid, row in self._rows("threads"):
+            start_ns, uaddr, tgid, op, val, syscall, flags = row
+            if tgid not in watching:
                 continue  # unwatched since: forget_processes deletes it
             tracked.add(tid)
-            if t.flags & waiting:
+            if flags & waiting:
+                # The same wait as at the last read: the same objects (most threads of a
+                # parked pool, every tick).
+                known = built.get(tid)
+                if known is not None and known[0] == row:
+                    self._built[tid] = known
+                    inflight[tid] = known[1]
+                    continue
                 wait = FutexWait(
-                    uaddr=t.uaddr,
-                    op=t.op,
-                    val=t.val,
-                    since_ns=t.start_ns,
-                    vector=t.syscall == vector,
+                    uaddr=uaddr,
+                    op=op,
+                    val=val,
+                    since_ns=start_ns,
+                    vector=syscall == vector,
                     source="bpf",
                 )
-                inflight[tid] = InflightWait(tid, t.tgid, wait)
+                inflight[tid] = InflightWait(tid, tgid, wait)
+                self._built[tid] = (row, inflight[tid])
         # A PI lock entered before the process was watched: its thread has no entry yet.
         # The entry is the thread's last PI operation, which may have ended; the sampler
         # keeps it only where /proc shows the thread still blocked on that word.
         pi_locks = (self._defs["HW_FUTEX_LOCK_PI"], self._defs["HW_FUTEX_LOCK_PI2"])
         dead = []
-        for tid, o in _by_tid(self._pi_ops):
-            if o.tgid not in watching or tid in tracked or o.op not in pi_locks:
+        for tid, (start_ns, uaddr, tgid, op) in self._rows("pi_ops"):
+            if tgid not in watching or tid in tracked or op not in pi_locks:
                 continue
-            if not self._proc.thread_exists(o.tgid, tid):
+            if not self._proc.thread_exists(tgid, tid):
                 dead.append(tid)
                 continue
-            wait = FutexWait(uaddr=o.uaddr, op=o.op, val=0, since_ns=o.start_ns, source="bpf")
-            inflight[tid] = InflightWait(tid, o.tgid, wait)
+            wait = FutexWait(uaddr=uaddr, op=op, val=0, since_ns=start_ns, source="bpf")
+            inflight[tid] = InflightWait(tid, tgid, wait)
         return inflight, tracked, dead
 
     def drain(self, seconds: float) -> None:
@@ -386,10 +502,10 @@ class KernelProbes:
         # watched; they are dropped here once their thread is gone, since no caller would
         # ever name them in forget().
         refusals = {}
-        for tid, r in _by_tid(self._refusals):
-            if r.tgid in self._watching:
-                refusals[tid] = (r.tgid, r.uaddr, r.ts_ns)
-            elif not self._proc.thread_exists(r.tgid, tid):
+        for tid, (ts_ns, uaddr, tgid) in self._rows("refusals"):
+            if tgid in self._watching:
+                refusals[tid] = (tgid, uaddr, ts_ns)
+            elif not self._proc.thread_exists(tgid, tid):
                 dead.append(tid)
         if dead:
             self.forget(dead)
