@@ -15,7 +15,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from types import FrameType
 from typing import Any, TypeVar
 
@@ -38,6 +38,7 @@ from .export.exposition import (
     ProcessStatus,
     ServiceStatus,
 )
+from .flight import MAX_PENDING, FlightRecorder
 from .model import (
     Enrichment,
     GpuDevice,
@@ -138,6 +139,16 @@ def _as_reported(reading: GpuReading) -> CollectorStatus:
     return CollectorStatus(reading.ok, reading.duration_s)
 
 
+@dataclass(frozen=True)
+class Change:
+    """A service's change of state, as the loop saw it, for the flight recorder."""
+
+    service: str  # the target's name
+    old: str | None  # None: the service is new
+    verdict: ServiceVerdict
+    tick: Tick
+
+
 class Daemon:
     """The loop, its state, and what it publishes. /proc is a constructor argument; the
     probe and GPU source come with the session (``start()``, or ``with_sources`` in tests)."""
@@ -166,6 +177,8 @@ class Daemon:
         self.reload_requested = threading.Event()
         self.config_path: str | None = None
         self.source_lines = SourceLines(proc)  # the lines stacks point at, kept between changes
+        # Change lines and stacks, beside the loop; only its thread uses source_lines.
+        self.flight: FlightRecorder[Change] = FlightRecorder(self._record, self._record_at_once)
 
     @classmethod
     def with_sources(
@@ -281,8 +294,8 @@ class Daemon:
     def _log_changes(self, verdicts: list[ServiceVerdict], tick: Tick) -> None:
         """A log line for every state change of a service, whether or not anyone scraped it;
         on a change to stalled or deadlocked, the Python stacks of its processes at that
-        moment (a flight record: by the time someone looks, the process may be gone)."""
-        budget = STACKS_BUDGET_S  # per tick, across services: the loop must go on
+        moment (a flight record: by the time someone looks, the process may be gone). Both
+        are written beside the loop (agent.flight): the tick does not wait for them."""
         for v in verdicts:
             svc = self.services.get(v.pid)
             key = (svc.name if svc else "unknown", v.pid)
@@ -290,23 +303,41 @@ class Daemon:
             if old == v.state:
                 continue
             self.states[key] = v.state
-            start = time.monotonic()
-            flight = v.state in (STALLED, DEADLOCKED) and self.cfg.stacks and budget > 0
-            # Lock words named from memory at the change only: it reads /proc/PID/maps
-            # and symbol tables, too much to do every tick for every service.
-            inputs = self._enrich(v, tick, budget if flight else 0.0)
-            (v,) = named_verdicts([v], tick.snapshot, inputs.words)
-            log.info(
-                "service %s pid %d: %s -> %s: %s",
-                key[0],
-                v.pid,
-                old or "new",
-                v.state,
-                "; ".join(map(render, v.reasons)),
-            )
-            if flight:
-                self._log_stacks(key[0], v, tick, inputs)
-                budget -= time.monotonic() - start
+            self.flight.submit(Change(key[0], old, v, tick))
+
+    def _record(self, change: Change) -> None:
+        """A change's log lines, with its lock words named and, at a change to stalled or
+        deadlocked, its stacks (in the flight recorder's thread)."""
+        v, tick = change.verdict, change.tick
+        flight = v.state in (STALLED, DEADLOCKED) and self.cfg.stacks
+        # Lock words named from memory at the change only: it reads /proc/PID/maps
+        # and symbol tables, too much to do every tick for every service.
+        inputs = self._enrich(v, tick, STACKS_BUDGET_S if flight else 0.0)
+        (v,) = named_verdicts([v], tick.snapshot, inputs.words)
+        self._log_change(change.service, change.old, v)
+        if flight:
+            self._log_stacks(change.service, v, tick, inputs)
+
+    def _record_at_once(self, change: Change) -> None:
+        """A change's line with what the verdict alone says: the recorder is full."""
+        self._log_change(change.service, change.old, change.verdict)
+        log.warning(
+            "service %s pid %d: no flight record (%d changes already waiting for theirs)",
+            change.service,
+            change.verdict.pid,
+            MAX_PENDING,
+        )
+
+    @staticmethod
+    def _log_change(service: str, old: str | None, v: ServiceVerdict) -> None:
+        log.info(
+            "service %s pid %d: %s -> %s: %s",
+            service,
+            v.pid,
+            old or "new",
+            v.state,
+            "; ".join(map(render, v.reasons)),
+        )
 
     def _enrich(self, v: ServiceVerdict, tick: Tick, budget: float) -> Enrichment:
         """What the change's lines show beyond the snapshot: the names of its lock words, and
@@ -368,13 +399,16 @@ class Daemon:
         log.info("reloaded %s: %d targets", new.source, len(new.targets))
 
     def loop(self) -> None:
-        while not self.stop.is_set():
-            started = self.clock()
-            if self.reload_requested.is_set():
-                self.reload_requested.clear()
-                self.reload()
-            self.step()
-            self._wait_until(started + self.cfg.interval_seconds)
+        try:
+            while not self.stop.is_set():
+                started = self.clock()
+                if self.reload_requested.is_set():
+                    self.reload_requested.clear()
+                    self.reload()
+                self.step()
+                self._wait_until(started + self.cfg.interval_seconds)
+        finally:
+            self.flight.close(STACKS_BUDGET_S)  # the changes seen before the stop, logged
 
     def _wait_until(self, deadline: float) -> None:
         """Sleep until the next step, draining the ring buffer meanwhile: drained once per
