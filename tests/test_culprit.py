@@ -351,3 +351,32 @@ def test_the_process_whose_work_dates_the_stop_before_an_idle_worker_whose_main_
     v.seconds_since_progress = 10.3
     v.reasons = [ev.LastProgress("write", "gcs_server.out", 2459, 10.3)]
     assert find_culprit(v, procs) is None
+
+
+def test_the_waits_a_status_write_woke_do_not_hide_the_one_main_thread_that_stopped() -> None:
+    """Real Ray, the driver in ray.get on an actor blocked on an Event (a CI run's numbers):
+    the GCS's status write dated the stop 11.4 s ago, and one thread of each of four
+    processes (the actor, an idle worker, two helpers) parked again 9.3-10.8 s ago, woken
+    with it: four-way tie. The actor's main thread, the only one stopped in an untimed
+    wait, stopped 41.2 s ago: that dates the hang, and the actor is named."""
+
+    up = 75.0
+    actor = replace(
+        process(11443, untimed(11443, 41.19), untimed(11450, 10.58), comm="ray::Stuck.bloc"),
+        age_s=up,
+    )
+    idle = replace(
+        process(11442, untimed(11449, 31.35), untimed(11451, 10.77), comm="ray::IDLE"), age_s=up
+    )
+    helpers = [
+        replace(process(pid, untimed(pid * 10, ago)), age_s=up)
+        for pid, ago in ((11319, 9.30), (11258, 9.32))
+    ]
+    gcs = replace(process(11200, untimed(11210, 2.76)), age_s=up)
+    procs = [facts(p, process_waits(p, NOW)) for p in (gcs, idle, actor, *helpers)]
+    v = verdict(procs)
+    v.seconds_since_progress = 11.355
+    v.reasons = [ev.LastProgress("write", "gcs_server.out", 11200, 11.355)]
+    got = find_culprit(v, procs)
+    assert got is not None and got.pid == 11443, got
+    assert got.age_s == pytest.approx(41.19, abs=0.01)

@@ -49,10 +49,11 @@ def find_culprit(v: ServiceVerdict, procs: Sequence[ProcessFacts]) -> ev.Culprit
        waits since it started, 10-20 more in timed waits on gRPC timers), and the age quoted
        is the hang's, not the process's uptime. So vLLM's Worker (its main thread and the
        26 gloo run-loop threads its step had woken) is named, not the API server with its 4
-       request threads; a Serve replica, not Ray's autoscaler monitor. Where no wait began
-       at the stop (another process's status write dated it) and exactly one main thread
-       stopped in an untimed wait, that stop dates the hang; that main thread then breaks
-       no tie, since it chose the date.
+       request threads; a Serve replica, not Ray's autoscaler monitor. Where that singles
+       out no one (another process's status write dated the stop, and no wait or only the
+       waits it woke began then) and exactly one main thread stopped in an untimed wait,
+       that stop dates the hang; that main thread then breaks no tie, since it chose the
+       date.
     """
     if not procs:
         return None
@@ -73,25 +74,32 @@ def find_culprit(v: ServiceVerdict, procs: Sequence[ProcessFacts]) -> ev.Culprit
         return ev.Culprit(-neg_pid, comm[-neg_pid], "cycle") if n else None
     stop = v.oldest_request_s or v.seconds_since_progress
     scored, dated = _scored_by_own_waits(v, procs, stop)
-    if dated and not v.oldest_request_s and all(lead[0] == 0 for lead, *_ in scored):
-        # The latest dated progress was a status write that no thread stopped with (Ray's
+    got = _leader(scored)
+    if got is None and dated and not v.oldest_request_s:
+        # The latest dated progress may be a status write that no thread stopped with (Ray's
         # GCS dumps its event stats every 60 s: one that fell between the hang and the
-        # observation dated the stop). One main thread that stopped in an untimed wait
-        # dates the hang instead; with two or more, which began it is unknown: none named.
+        # observation dated the stop, and the threads of every process it woke parked again
+        # with it). One main thread that stopped in an untimed wait dates the hang instead;
+        # with two or more, which began it is unknown: none named.
         mains = [
             f.waits.main_untimed_s
             for f in procs
             if f.waits is not None and f.waits.main_untimed_s is not None
         ]
         if len(mains) == 1:
-            scored, _ = _scored_by_own_waits(v, procs, mains[0], mains_break_ties=False)
-    scored.sort(key=lambda x: x[0], reverse=True)
-    if not scored:
+            got = _leader(_scored_by_own_waits(v, procs, mains[0], mains_break_ties=False)[0])
+    if got is None:
         return None
-    lead, untimed, age, pid = scored[0]
-    if lead[0] < 1 or (len(scored) > 1 and scored[1][0] >= lead):
-        return None
+    _lead, untimed, age, pid = got
     return ev.Culprit(pid, comm[pid], "own waits", threads=untimed, age_s=age)
+
+
+def _leader(scored: Scored) -> tuple[tuple[int, bool, bool], int, float | None, int] | None:
+    """The process that leads the others by at least one wait, or None."""
+    ranked = sorted(scored, key=lambda x: x[0], reverse=True)
+    if not ranked or ranked[0][0][0] < 1 or (len(ranked) > 1 and ranked[1][0] >= ranked[0][0]):
+        return None
+    return ranked[0]
 
 
 def _scored_by_own_waits(
