@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import builtins
 import re
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from .abi import HW
 
@@ -202,6 +203,15 @@ def owner_candidate(thread: ThreadSample) -> Candidate | None:
     return None
 
 
+def candidates(threads: Sequence[ThreadSample]) -> tuple[tuple[int, Candidate], ...]:
+    """(TID, the owner its lock words name) of each thread whose words name one."""
+    return derived(
+        threads,
+        "candidates",
+        lambda ts: tuple((t.tid, c) for t in ts if (c := owner_candidate(t)) is not None),
+    )
+
+
 @dataclass(frozen=True)
 class Listener:
     """A listening TCP socket held by a process."""
@@ -318,6 +328,35 @@ class Plumbing:
         return next((flag for flag, p in self.flag_ports if p == port), None)
 
 
+D = TypeVar("D")
+
+
+class Threads(tuple):
+    """A process's threads as a sample holds them: a tuple that keeps what is derived from
+    it. A process none of whose threads ran is sampled again as the same Threads object
+    (agent.observe.sampler), so what the analysis derives from its threads alone is derived
+    once, however many ticks the process stays parked (see ``derived``)."""
+
+
+def derived(
+    threads: Sequence[ThreadSample], key: str, fn: Callable[[Sequence[ThreadSample]], D]
+) -> D:
+    """``fn(threads)``, kept on ``threads`` under ``key`` where they are a Threads (else
+    computed): ``fn`` must depend on the threads alone, and ``key`` name ``fn``."""
+    memo = getattr(threads, "__dict__", None)
+    if memo is None:
+        return fn(threads)
+    try:
+        return memo[key]
+    except KeyError:
+        value = memo[key] = fn(threads)
+        return value
+
+
+def thread_ids(threads: Sequence[ThreadSample]) -> tuple[int, ...]:
+    return derived(threads, "tids", lambda ts: tuple(t.tid for t in ts))
+
+
 @dataclass(frozen=True)
 class ProcessSample:
     pid: int
@@ -359,8 +398,7 @@ class Snapshot:
     def tid_to_pid(self) -> dict[int, int]:
         out = dict(self.foreign_owners)
         for p in self.processes.values():
-            for t in p.threads:
-                out[t.tid] = p.pid
+            out.update(dict.fromkeys(thread_ids(p.threads), p.pid))
         return out
 
 

@@ -26,8 +26,11 @@ from agent.sources.procfs import (
 TCP_HEADER = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
 
 
-def stat_line(pid: int, comm: str, state: str = "S", ppid: int = 1, start: int = 4242) -> str:
+def stat_line(
+    pid: int, comm: str, state: str = "S", ppid: int = 1, start: int = 4242, threads: int = 0
+) -> str:
     rest = [state, str(ppid)] + ["0"] * 17 + [str(start)] + ["0"] * 30
+    rest[17] = str(threads)  # field 20, num_threads
     return f"{pid} ({comm}) {' '.join(rest)}\n"
 
 
@@ -425,3 +428,54 @@ def test_the_pipes_a_process_reads_are_listed_again_only_once_it_has_run(tmp_pat
     sampler.snapshot([10])
     sampler.pipes_read([10])
     assert walks == [10, 10]
+
+
+class TaskListings(CountingProcFS):
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        self.listed = 0
+
+    def tids(self, pid: int) -> list[int]:
+        self.listed += 1
+        return super().tids(pid)
+
+
+def test_threads_still_in_their_waits_and_as_many_are_not_listed_again(tmp_path):
+    """Thread 10 is in the futex wait the probe saw begin, thread 11 parked and not running,
+    and the process counts two threads: the task directory is not listed again (no thread
+    can have come or gone); thread 11's schedstat is read."""
+    root = make_proc(tmp_path)
+    parked_only(root)
+    write(root / "10/stat", stat_line(10, "server", ppid=1, threads=2))
+    proc = TaskListings(str(root))
+    sampler = Sampler(proc, clock_ns=lambda: 6_000_000_000)
+    first = sampler.snapshot([10], in_wait(10, 4_000_000_000)).processes[10]
+    assert proc.listed == 1
+    proc.reads.clear()
+    again = sampler.snapshot([10], in_wait(10, 4_000_000_000)).processes[10]
+    assert proc.listed == 1 and proc.reads["schedstat"] == 1
+    assert again.threads is first.threads
+    # A third thread: the count moved, so the threads are listed, and it is seen.
+    t12 = root / "10/task/12"
+    write(t12 / "stat", stat_line(12, "new", state="R", ppid=1))
+    write(t12 / "schedstat", "5 0 1\n")
+    write(root / "10/stat", stat_line(10, "server", ppid=1, threads=3))
+    moved = sampler.snapshot([10], in_wait(10, 4_000_000_000)).processes[10]
+    assert proc.listed == 2 and [t.tid for t in moved.threads] == [10, 11, 12]
+
+
+def test_a_wait_that_ended_means_the_threads_are_listed_again(tmp_path):
+    root = make_proc(tmp_path)
+    parked_only(root)
+    write(root / "10/stat", stat_line(10, "server", ppid=1, threads=2))
+    proc = TaskListings(str(root))
+    sampler = Sampler(proc, clock_ns=lambda: 6_000_000_000)
+    sampler.snapshot([10], in_wait(10, 4_000_000_000))
+    sampler.snapshot([10], in_wait(10, 4_500_000_000))  # another wait of thread 10
+    assert proc.listed == 2
+    # Thread 11 is gone though the count says two (another came): listed again.
+    for name in ("stat", "schedstat", "sched", "syscall"):
+        (root / f"10/task/11/{name}").unlink()
+    (root / "10/task/11").rmdir()
+    snap = sampler.snapshot([10], in_wait(10, 4_500_000_000))
+    assert proc.listed == 3 and [t.tid for t in snap.processes[10].threads] == [10]

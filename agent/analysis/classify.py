@@ -12,7 +12,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ..model import Connection, Listener, ProcessSample
+from ..model import Connection, Listener, ProcessSample, ThreadSample, derived
 from ..syscalls import FUTEX, syscall_name, wait_kind
 from . import evidence as ev
 from .culprit import find_culprit
@@ -254,28 +254,42 @@ def process_waits(s: ProcessSample, now_ns: int) -> ev.ProcessWaits:
     """What the threads of a process wait in, counted by syscall and timeout; with the age
     of its oldest untimed futex wait (from ThreadSample.quiet_since_ns), and of each untimed
     futex wait but those of pools parked since start-up (ProcessWaits)."""
+    waits, running, began = derived(s.threads, "waits", _waits_of)
+    if not began:
+        return ev.ProcessWaits(waits, running, None, (), None)
+    oldest = max(0.0, (now_ns - began[0][0]) / 1e9)
+    ages, main = [], None
+    for ns, tid in began:
+        age = max(0.0, (now_ns - ns) / 1e9)
+        if s.age_s is None or age <= s.age_s - STARTUP_S:
+            ages.append(age)
+            if tid == s.pid:
+                main = age
+    return ev.ProcessWaits(waits, running, oldest, tuple(sorted(ages, reverse=True)), main)
+
+
+def _waits_of(
+    threads: Sequence[ThreadSample],
+) -> tuple[tuple[tuple[str, bool | None, int], ...], int, list[tuple[int, int]]]:
+    """Of process_waits, what the threads alone say: the waits counted, the threads not
+    blocked, and (start, TID) of each untimed futex wait, oldest first."""
     counts: Counter[tuple[str, bool | None]] = Counter()
-    running, oldest, main = 0, None, None
-    ages: list[float] = []
-    for t in s.threads:
+    running = 0
+    began = []
+    for t in threads:
         if not t.blocked:
             running += 1
             continue
         name = syscall_name(t.syscall) if t.syscall is not None and t.syscall >= 0 else "no syscall"
         counts[(name, t.timed)] += 1
         if wait_kind(t.syscall) == FUTEX and t.timed is False:
-            began = t.quiet_since_ns
-            if began is not None:
-                age = max(0.0, (now_ns - began) / 1e9)
-                oldest = age if oldest is None else max(oldest, age)
-                if s.age_s is None or age <= s.age_s - STARTUP_S:  # else parked since start-up
-                    ages.append(age)
-                    if t.tid == s.pid:
-                        main = age
+            ns = t.quiet_since_ns
+            if ns is not None:
+                began.append((ns, t.tid))
     waits = tuple(
         (name, timed, n) for (name, timed), n in sorted(counts.items(), key=lambda x: -x[1])
     )
-    return ev.ProcessWaits(waits, running, oldest, tuple(sorted(ages, reverse=True)), main)
+    return waits, running, sorted(began)
 
 
 def gpu_idle(gpus: Mapping[int, ProcessGpu]) -> ev.GpuIdle | None:

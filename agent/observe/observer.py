@@ -32,7 +32,15 @@ from ..analysis.nowaker import no_waker
 from ..analysis.outbound import CLIENT, LEAVES, ServiceEnds, inode_of, received_from_outside
 from ..analysis.progress import ParkSettings, ParkTracker, window_progress
 from ..analysis.waitgraph import WaitForGraph, WordGroup
-from ..model import GpuReading, ProbeEvent, ProbeReading, ProcessSample, Snapshot, SocketEvent
+from ..model import (
+    GpuReading,
+    ProbeEvent,
+    ProbeReading,
+    ProcessSample,
+    Snapshot,
+    SocketEvent,
+    thread_ids,
+)
 from ..settings import Settings
 from ..sources.procfs import ProcFS
 from ..sources.protocols import ProbeSource
@@ -417,13 +425,12 @@ class Observer:
             # Its mtimes tell of the heartbeat, not of work: never date from them.
             key = (pid, sample.start_ticks)
             self._heartbeat_files.setdefault(key, set()).update(written.files)
-        tids = {t.tid for t in sample.threads}
         return ProcessFacts(
             sample=sample,
             progress=progress,
-            parked_threads=sum(1 for x in self.tracker.parks.get(pid, {}).values() if x.parked),
+            parked_threads=self.tracker.parked_threads(pid),
             parked_seconds=self.tracker.parked_seconds(pid, snap.mono_ns),
-            cycles=[c for c in latest.cycles if tids.intersection(c)],
+            cycles=[c for c in latest.cycles if not set(thread_ids(sample.threads)).isdisjoint(c)],
             gpu=gpu,
             front_door_ports=doors.ports,
             waits=process_waits(sample, snap.mono_ns),

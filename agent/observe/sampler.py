@@ -27,11 +27,13 @@ from ..model import (
     Refusal,
     Snapshot,
     SyscallLine,
+    Threads,
     ThreadSample,
     WrittenFd,
+    candidates,
     endpoint,
     is_blocked,
-    owner_candidate,
+    thread_ids,
 )
 from ..sources.procfs import MemMap, ProcessMemory, ProcFS, TcpSocket
 from ..sources.tcpinfo import TCP_ESTABLISHED, TCP_LISTEN
@@ -43,7 +45,7 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")  # /proc/PID/stat counts starttime in these
 
 def owner_candidates(processes: Iterable[ProcessSample]) -> set[int]:
     """TIDs that lock words name as owners: the snapshot checks which of them are alive."""
-    return {c.owner for p in processes for t in p.threads if (c := owner_candidate(t))}
+    return {c.owner for p in processes for _, c in candidates(p.threads)}
 
 
 def seeded_wait(sc: SyscallLine | None) -> FutexWait | None:
@@ -101,6 +103,9 @@ class _Kept:
     tids: tuple[int, ...]
     sample: ProcessSample
     sockets: Mapping[int, int]  # its sockets, inode -> fd (an fd walk)
+    # (TID, start) of the threads read in a futex wait the probe saw begin; the others
+    proven: frozenset[tuple[int, int]] = frozenset()
+    others: frozenset[int] = frozenset()
 
 
 class Sampler:
@@ -139,6 +144,8 @@ class Sampler:
         self._plumbing: dict[int, tuple[tuple[int, str], Plumbing]] = {}
         self._next_plumbing: dict[int, tuple[tuple[int, str], Plumbing]] = {}
         self._kept: dict[int, _Kept] = {}  # pid -> its last sample, to reuse while quiet
+        # tgid -> (TID, start) of the probe's in-flight waits, this snapshot's
+        self._waiting: dict[int, frozenset[tuple[int, int]]] = {}
         self._next_kept: dict[int, _Kept] = {}
         self.sockets = SocketTables(self.proc)
         self._pipes: dict[int, frozenset[int]] = {}  # pid -> pipes_read, while it is quiet
@@ -160,6 +167,11 @@ class Sampler:
         self._next_reads = {}
         self._next_plumbing = {}
         self._next_kept = {}
+        waiting: dict[int, set[tuple[int, int]]] = {}
+        for w in probe.inflight.values():
+            if w.wait.since_ns:
+                waiting.setdefault(w.tgid, set()).add((w.tid, w.wait.since_ns))
+        self._waiting = {tgid: frozenset(v) for tgid, v in waiting.items()}
         for pid in pids:
             got = self._process(pid, probe)
             if got is None:
@@ -174,7 +186,7 @@ class Sampler:
         self._reads = self._next_reads  # threads not seen this tick are forgotten
         self._plumbing = self._next_plumbing
         self._kept = self._next_kept
-        known = {t.tid for p in processes.values() for t in p.threads}
+        known = {tid for p in processes.values() for tid in thread_ids(p.threads)}
         foreign = {}
         for tid in owner_candidates(processes.values()) - known:
             tgid = self.proc.tgid_of(tid)
@@ -192,20 +204,13 @@ class Sampler:
         if st is None or st.state in ("Z", "X"):
             return None
         key = (st.start_ticks, st.comm)
-        reads: dict[int, _ThreadRead] = {}
-        quiet = True
-        for tid in proc.tids(pid):
-            got = self._read_thread(pid, tid, probe)
-            if got is None:
-                quiet = False  # it exited between the listing and the read
-                continue
-            read, same = got
-            reads[tid] = read
-            self._next_reads[(pid, tid)] = read
-            quiet = quiet and same
+        kept = self._kept.get(pid)
+        got = self._reads_if_unlisted(pid, st.num_threads, key, kept, probe)
+        if got is None:
+            got = self._reads_listed(pid, probe)
+        reads, quiet = got
         if not reads:
             return None
-        kept = self._kept.get(pid)
         if quiet and kept is not None and kept.key == key and kept.tids == tuple(reads):
             threads, word_ids = self._shared_words_again(pid, kept.sample)
             write_bytes = kept.sample.write_bytes
@@ -226,8 +231,57 @@ class Sampler:
             plumbing=self._plumbing_of(pid, key),
             age_s=max(0.0, self._uptime_s - st.start_ticks / CLK_TCK),
         )
-        self._next_kept[pid] = _Kept(key, tuple(reads), sample, sockets)
+        proven = frozenset((t, r.wait_since_ns) for t, r in reads.items() if r.wait_since_ns)
+        others = frozenset(t for t, r in reads.items() if not r.wait_since_ns)
+        self._next_kept[pid] = _Kept(key, tuple(reads), sample, sockets, proven, others)
         return sample, sockets, quiet
+
+    def _reads_listed(self, pid: int, probe: ProbeReading) -> tuple[dict[int, _ThreadRead], bool]:
+        """The reads of every thread /proc/PID/task lists, and whether none of them ran."""
+        reads: dict[int, _ThreadRead] = {}
+        quiet = True
+        for tid in self.proc.tids(pid):
+            got = self._read_thread(pid, tid, probe)
+            if got is None:
+                quiet = False  # it exited between the listing and the read
+                continue
+            read, same = got
+            reads[tid] = read
+            self._next_reads[(pid, tid)] = read
+            quiet = quiet and same
+        return reads, quiet
+
+    def _reads_if_unlisted(
+        self,
+        pid: int,
+        num_threads: int,
+        key: tuple[int, str],
+        kept: _Kept | None,
+        probe: ProbeReading,
+    ) -> tuple[dict[int, _ThreadRead], bool] | None:
+        """The threads' reads without listing them, where the last tick's threads are
+        provably all there is: as many as the process counts now, those read in a futex
+        wait still in it (the probe's in-flight waits hold the same starts: not one of them
+        left it, so none exited or started a thread), the others read again. None where
+        that does not hold (then they are listed)."""
+        if kept is None or kept.key != key or num_threads != len(kept.tids):
+            return None
+        if kept.proven and not kept.proven <= self._waiting.get(pid, frozenset()):
+            return None
+        reads: dict[int, _ThreadRead] = {}
+        quiet = True
+        for tid in kept.tids:
+            if tid in kept.others:
+                got = self._read_thread(pid, tid, probe)
+                if got is None:
+                    return None  # exited: list them
+                read, same = got
+                quiet = quiet and same
+            else:
+                read = self._reads[(pid, tid)]
+            reads[tid] = read
+            self._next_reads[(pid, tid)] = read
+        return reads, quiet
 
     def _threads(
         self, pid: int, reads: Mapping[int, _ThreadRead], probe: ProbeReading
@@ -245,7 +299,7 @@ class Sampler:
                 if sp:
                     stack_ptrs[tid] = sp
             placed, word_ids = self._place_in_maps(pid, threads, stack_ptrs)
-            return tuple(placed), word_ids
+            return Threads(placed), word_ids
         finally:
             if mem is not None:
                 mem.close()
@@ -271,7 +325,7 @@ class Sampler:
             if t.refused is not None and t.refused.uaddr in words:
                 t = replace(t, refused=replace(t.refused, lock=words[t.refused.uaddr]))
             threads.append(t)
-        return tuple(threads), sample.word_ids
+        return Threads(threads), sample.word_ids
 
     def _plumbing_of(self, pid: int, key: tuple[int, str]) -> Plumbing:
         known = self._plumbing.get(pid)

@@ -70,6 +70,7 @@ class ProcStat:
     state: str
     ppid: int
     start_ticks: int
+    num_threads: int = 0  # of the process (a thread's own stat repeats its process's)
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,8 @@ def parse_stat(text: str) -> ProcStat | None:
     if not pid or ppid is None or ppid >= 1 << 31 or start is None:
         return None
     comm = printable(text[lp + 1 : rp], limit=64)
-    return ProcStat(pid=pid, comm=comm, state=rest[0], ppid=ppid, start_ticks=start)
+    threads = _uint(rest[17], limit=1 << 31) or 0
+    return ProcStat(pid, comm, rest[0], ppid, start, threads)
 
 
 def parse_syscall(text: str) -> SyscallLine | None:
