@@ -487,6 +487,18 @@ class ProbeReading:
     # TIDs the kernel keeps an entry for (watched processes): forget them once gone
     threads: frozenset[int] = frozenset()
     execs: tuple[ExecEvent, ...] = ()  # drained since the last read
+    # tgid -> (TID, start) of each in-flight wait with a start (from ``inflight``); None:
+    # not given, derived from ``inflight`` (see waiting_by_process)
+    waiting: Mapping[int, frozenset[tuple[int, int]]] | None = None
+
+    def waiting_by_process(self) -> Mapping[int, frozenset[tuple[int, int]]]:
+        if self.waiting is not None:
+            return self.waiting
+        out: dict[int, set[tuple[int, int]]] = {}
+        for w in self.inflight.values():
+            if w.wait.since_ns:
+                out.setdefault(w.tgid, set()).add((w.tid, w.wait.since_ns))
+        return {tgid: frozenset(v) for tgid, v in out.items()}
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ threshold), and stalled otherwise.
 
 from __future__ import annotations
 
+import bisect
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -254,28 +255,30 @@ def process_waits(s: ProcessSample, now_ns: int) -> ev.ProcessWaits:
     """What the threads of a process wait in, counted by syscall and timeout; with the age
     of its oldest untimed futex wait (from ThreadSample.quiet_since_ns), and of each untimed
     futex wait but those of pools parked since start-up (ProcessWaits)."""
-    waits, running, began = derived(s.threads, "waits", _waits_of)
+    waits, running, began, by_tid = derived(s.threads, "waits", _waits_of)
+    main_ns = by_tid.get(s.pid)
     if not began:
         return ev.ProcessWaits(waits, running, None, (), None)
-    oldest = max(0.0, (now_ns - began[0][0]) / 1e9)
-    ages, main = [], None
-    for ns, tid in began:
-        age = max(0.0, (now_ns - ns) / 1e9)
-        if s.age_s is None or age <= s.age_s - STARTUP_S:
-            ages.append(age)
-            if tid == s.pid:
-                main = age
-    return ev.ProcessWaits(waits, running, oldest, tuple(sorted(ages, reverse=True)), main)
+    oldest = max(0.0, (now_ns - began[0]) / 1e9)
+    # Those of the first STARTUP_S of the process are left out: they begin at the cut.
+    cut = 0
+    if s.age_s is not None:
+        cut = bisect.bisect_left(began, now_ns - (s.age_s - STARTUP_S) * 1e9)
+    ages = tuple(max(0.0, (now_ns - ns) / 1e9) for ns in began[cut:])  # oldest first
+    main = None
+    if main_ns is not None and (s.age_s is None or main_ns >= now_ns - (s.age_s - STARTUP_S) * 1e9):
+        main = max(0.0, (now_ns - main_ns) / 1e9)
+    return ev.ProcessWaits(waits, running, oldest, ages, main)
 
 
 def _waits_of(
     threads: Sequence[ThreadSample],
-) -> tuple[tuple[tuple[str, bool | None, int], ...], int, list[tuple[int, int]]]:
+) -> tuple[tuple[tuple[str, bool | None, int], ...], int, list[int], dict[int, int]]:
     """Of process_waits, what the threads alone say: the waits counted, the threads not
-    blocked, and (start, TID) of each untimed futex wait, oldest first."""
+    blocked, when each untimed futex wait began (in order), and the same by TID."""
     counts: Counter[tuple[str, bool | None]] = Counter()
     running = 0
-    began = []
+    by_tid: dict[int, int] = {}
     for t in threads:
         if not t.blocked:
             running += 1
@@ -285,11 +288,11 @@ def _waits_of(
         if wait_kind(t.syscall) == FUTEX and t.timed is False:
             ns = t.quiet_since_ns
             if ns is not None:
-                began.append((ns, t.tid))
+                by_tid[t.tid] = ns
     waits = tuple(
         (name, timed, n) for (name, timed), n in sorted(counts.items(), key=lambda x: -x[1])
     )
-    return waits, running, sorted(began)
+    return waits, running, sorted(by_tid.values()), by_tid
 
 
 def gpu_idle(gpus: Mapping[int, ProcessGpu]) -> ev.GpuIdle | None:

@@ -101,6 +101,7 @@ class _Kept:
 
     key: tuple[int, str]  # (start time, comm): a reused PID or an exec is another process
     tids: tuple[int, ...]
+    reads: Mapping[int, _ThreadRead]  # tid -> its read
     sample: ProcessSample
     sockets: Mapping[int, int]  # its sockets, inode -> fd (an fd walk)
     # (TID, start) of the threads read in a futex wait the probe saw begin; the others
@@ -136,8 +137,6 @@ class Sampler:
         self.wall = wall
         self.uptime = uptime  # the clock /proc/PID/stat's starttime counts on, in seconds
         self._uptime_s = 0.0
-        self._reads: dict[tuple[int, int], _ThreadRead] = {}  # (pid, tid) -> last tick's read
-        self._next_reads: dict[tuple[int, int], _ThreadRead] = {}
         # pid -> ((start time, comm), its plumbing hints): read once per process, and again
         # when the PID is reused or the process execs (its comm changes)
         self._sched_offset_ns = 0  # CLOCK_MONOTONIC minus the scheduler clock: see snapshot
@@ -145,7 +144,7 @@ class Sampler:
         self._next_plumbing: dict[int, tuple[tuple[int, str], Plumbing]] = {}
         self._kept: dict[int, _Kept] = {}  # pid -> its last sample, to reuse while quiet
         # tgid -> (TID, start) of the probe's in-flight waits, this snapshot's
-        self._waiting: dict[int, frozenset[tuple[int, int]]] = {}
+        self._waiting: Mapping[int, frozenset[tuple[int, int]]] = {}
         self._next_kept: dict[int, _Kept] = {}
         self.sockets = SocketTables(self.proc)
         self._pipes: dict[int, frozenset[int]] = {}  # pid -> pipes_read, while it is quiet
@@ -164,14 +163,9 @@ class Sampler:
         gone = set()
         fds: dict[int, Mapping[int, int]] = {}  # pid -> socket inode -> fd
         ran = set()
-        self._next_reads = {}
         self._next_plumbing = {}
         self._next_kept = {}
-        waiting: dict[int, set[tuple[int, int]]] = {}
-        for w in probe.inflight.values():
-            if w.wait.since_ns:
-                waiting.setdefault(w.tgid, set()).add((w.tid, w.wait.since_ns))
-        self._waiting = {tgid: frozenset(v) for tgid, v in waiting.items()}
+        self._waiting = probe.waiting_by_process()
         for pid in pids:
             got = self._process(pid, probe)
             if got is None:
@@ -183,7 +177,6 @@ class Sampler:
         net_cache, net_of = self._read_sockets(processes, fds, ran)
         self._pipes = {p: v for p, v in self._pipes.items() if p in processes and p not in ran}
         self._add_tcp_info(processes, net_cache, net_of)
-        self._reads = self._next_reads  # threads not seen this tick are forgotten
         self._plumbing = self._next_plumbing
         self._kept = self._next_kept
         known = {tid for p in processes.values() for tid in thread_ids(p.threads)}
@@ -205,13 +198,16 @@ class Sampler:
             return None
         key = (st.start_ticks, st.comm)
         kept = self._kept.get(pid)
-        got = self._reads_if_unlisted(pid, st.num_threads, key, kept, probe)
+        if kept is not None and kept.key != key:
+            kept = None  # the PID was reused, or the process exec'd: another process
+        got = self._reads_if_unlisted(pid, st.num_threads, kept, probe)
+        unlisted = got is not None
         if got is None:
-            got = self._reads_listed(pid, probe)
+            got = self._reads_listed(pid, probe, kept.reads if kept else {})
         reads, quiet = got
         if not reads:
             return None
-        if quiet and kept is not None and kept.key == key and kept.tids == tuple(reads):
+        if quiet and kept is not None and (unlisted or kept.tids == tuple(reads)):
             threads, word_ids = self._shared_words_again(pid, kept.sample)
             write_bytes = kept.sample.write_bytes
             sockets = kept.sockets
@@ -231,57 +227,58 @@ class Sampler:
             plumbing=self._plumbing_of(pid, key),
             age_s=max(0.0, self._uptime_s - st.start_ticks / CLK_TCK),
         )
-        proven = frozenset((t, r.wait_since_ns) for t, r in reads.items() if r.wait_since_ns)
-        others = frozenset(t for t, r in reads.items() if not r.wait_since_ns)
-        self._next_kept[pid] = _Kept(key, tuple(reads), sample, sockets, proven, others)
+        if quiet and kept is not None and reads is kept.reads:  # not one read changed
+            tids, proven, others = kept.tids, kept.proven, kept.others
+        else:
+            tids = tuple(reads)
+            proven = frozenset((t, r.wait_since_ns) for t, r in reads.items() if r.wait_since_ns)
+            others = frozenset(t for t, r in reads.items() if not r.wait_since_ns)
+        self._next_kept[pid] = _Kept(key, tids, reads, sample, sockets, proven, others)
         return sample, sockets, quiet
 
-    def _reads_listed(self, pid: int, probe: ProbeReading) -> tuple[dict[int, _ThreadRead], bool]:
-        """The reads of every thread /proc/PID/task lists, and whether none of them ran."""
+    def _reads_listed(
+        self, pid: int, probe: ProbeReading, before: Mapping[int, _ThreadRead]
+    ) -> tuple[Mapping[int, _ThreadRead], bool]:
+        """The reads of every thread /proc/PID/task lists (``before``: the last tick's), and
+        whether none of them ran."""
         reads: dict[int, _ThreadRead] = {}
         quiet = True
         for tid in self.proc.tids(pid):
-            got = self._read_thread(pid, tid, probe)
+            got = self._read_thread(pid, tid, probe, before.get(tid))
             if got is None:
                 quiet = False  # it exited between the listing and the read
                 continue
             read, same = got
             reads[tid] = read
-            self._next_reads[(pid, tid)] = read
             quiet = quiet and same
         return reads, quiet
 
     def _reads_if_unlisted(
-        self,
-        pid: int,
-        num_threads: int,
-        key: tuple[int, str],
-        kept: _Kept | None,
-        probe: ProbeReading,
-    ) -> tuple[dict[int, _ThreadRead], bool] | None:
+        self, pid: int, num_threads: int, kept: _Kept | None, probe: ProbeReading
+    ) -> tuple[Mapping[int, _ThreadRead], bool] | None:
         """The threads' reads without listing them, where the last tick's threads are
         provably all there is: as many as the process counts now, those read in a futex
         wait still in it (the probe's in-flight waits hold the same starts: not one of them
         left it, so none exited or started a thread), the others read again. None where
         that does not hold (then they are listed)."""
-        if kept is None or kept.key != key or num_threads != len(kept.tids):
+        if kept is None or num_threads != len(kept.tids):
             return None
         if kept.proven and not kept.proven <= self._waiting.get(pid, frozenset()):
             return None
-        reads: dict[int, _ThreadRead] = {}
+        changed: dict[int, _ThreadRead] = {}
         quiet = True
-        for tid in kept.tids:
-            if tid in kept.others:
-                got = self._read_thread(pid, tid, probe)
-                if got is None:
-                    return None  # exited: list them
-                read, same = got
-                quiet = quiet and same
-            else:
-                read = self._reads[(pid, tid)]
-            reads[tid] = read
-            self._next_reads[(pid, tid)] = read
-        return reads, quiet
+        for tid in kept.others:
+            before = kept.reads[tid]
+            got = self._read_thread(pid, tid, probe, before)
+            if got is None:
+                return None  # exited: list them
+            read, same = got
+            quiet = quiet and same
+            if read is not before:
+                changed[tid] = read
+        if not changed:
+            return kept.reads, quiet  # the same reads, the same object
+        return {tid: changed.get(tid, r) for tid, r in kept.reads.items()}, quiet
 
     def _threads(
         self, pid: int, reads: Mapping[int, _ThreadRead], probe: ProbeReading
@@ -334,10 +331,10 @@ class Sampler:
         return hints
 
     def _read_thread(
-        self, pid: int, tid: int, probe: ProbeReading
+        self, pid: int, tid: int, probe: ProbeReading, before: _ThreadRead | None
     ) -> tuple[_ThreadRead, bool] | None:
-        """The thread's read, and whether it is last tick's (it has not run since)."""
-        before = self._reads.get((pid, tid))
+        """The thread's read (``before``: its last), and whether it is the last tick's (it
+        has not run since)."""
         hit = probe.inflight.get(tid)
         since = hit.wait.since_ns if hit is not None and hit.tgid == pid else None
         if before is not None and since is not None and before.wait_since_ns == since:
@@ -350,7 +347,9 @@ class Sampler:
             # Has not run since: nothing it shows can have changed. Dated by the wait the
             # probe now sees, if it began before the thread last ran (seen from /proc
             # before the probe was attached, or by a read that came in mid-syscall).
-            return replace(before, wait_since_ns=since), True
+            return (
+                before if before.wait_since_ns == since else replace(before, wait_since_ns=since)
+            ), True
         st = proc.thread_stat(pid, tid)
         if st is None or st.state in ("Z", "X"):
             return None

@@ -14,7 +14,7 @@ import platform
 import re
 import struct
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -158,19 +158,28 @@ class BatchReader:
 
     CHUNK = 4096  # entries per batch call
 
-    def __init__(self, table: Any, key_fields: tuple[str, ...], leaf_fields: tuple[str, ...]):
+    def __init__(self, table: Any, leaf_fields: tuple[str, ...]):
         from bcc.libbcc import lib  # bcc's own binding of libbpf's bpf_map_lookup_batch
 
         self._lib = lib
         self._fd = table.map_fd
         self._keys = (table.Key * self.CHUNK)()
         self._leaves = (table.Leaf * self.CHUNK)()
-        self._key = _layout(table.Key, key_fields)
+        self._key = _layout(table.Key, ())
         self._leaf = _layout(table.Leaf, leaf_fields)
+        if (
+            self._key.size != ctypes.sizeof(table.Key)
+            or len(self._key.unpack(bytes(self._key.size))) != 1
+        ):
+            raise ValueError("a scalar key only")
+        self._raw: list[bytes] = []  # the last call's buffers, to tell an unchanged map
+        self._rows: list[tuple[int, tuple[int, ...]]] = []
 
-    def rows(self) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-        """(key fields, leaf fields) of every entry now. OSError if the kernel refuses."""
-        out: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    def rows(self) -> list[tuple[int, tuple[int, ...]]]:
+        """(the key, as an int, the leaf's fields) of every entry now, for a map with a
+        scalar key; the very list of the last call where not a byte of the map changed (a
+        pool parked since the last tick). OSError if the kernel refuses."""
+        raw: list[bytes] = []
         batch, count = ctypes.c_uint32(0), ctypes.c_uint32(0)
         first = True
         keys = memoryview(self._keys).cast("B")
@@ -188,17 +197,24 @@ class BatchReader:
             err = ctypes.get_errno()
             n = count.value
             if n:
-                out.extend(
-                    zip(
-                        self._key.iter_unpack(keys[: n * self._key.size]),
-                        self._leaf.iter_unpack(leaves[: n * self._leaf.size]),
-                    )
-                )
+                raw += (bytes(keys[: n * self._key.size]), bytes(leaves[: n * self._leaf.size]))
             if res != 0:
-                if err == errno.ENOENT:
-                    return out  # the last batch
-                raise OSError(err, os.strerror(err))
+                if err != errno.ENOENT:
+                    raise OSError(err, os.strerror(err))
+                break  # the last batch
             first = False
+        if raw == self._raw:
+            return self._rows
+        out: list[tuple[int, tuple[int, ...]]] = []
+        for k, v in zip(raw[::2], raw[1::2]):
+            out.extend(
+                zip(
+                    (key for (key,) in self._key.iter_unpack(k)),
+                    self._leaf.iter_unpack(v),
+                )
+            )
+        self._raw, self._rows = raw, out
+        return out
 
 
 def _enable_stats_fd() -> int | None:
@@ -350,11 +366,17 @@ class KernelProbes:
         self._readers: dict[str, BatchReader | None] = {}
         for name, fields in THREAD_FIELDS.items():
             try:
-                self._readers[name] = BatchReader(self._bpf[name.encode()], (), fields)
+                self._readers[name] = BatchReader(self._bpf[name.encode()], fields)
             except (ImportError, AttributeError, KeyError, ValueError):
                 self._readers[name] = None  # bcc without the binding: one by one
         # tid -> (its threads-map row, the InflightWait built from it) at the last read
         self._built: dict[int, tuple[tuple[int, ...], InflightWait]] = {}
+        # The threads map's rows at the last read, the watched set then, and the answer
+        self._threads_rows: list[tuple[int, tuple[int, ...]]] | None = None
+        self._threads_watching: set[int] = set()
+        self._threads_answer: tuple[dict[int, InflightWait], frozenset[int]] = ({}, frozenset())
+        self._threads_waiting: Mapping[int, frozenset[tuple[int, int]]] = {}
+        self._waiting: Mapping[int, frozenset[tuple[int, int]]] = {}  # the last read's
 
     def _open_events(self) -> None:
         """The ring buffer, and what its records are kept in until the next read."""
@@ -431,23 +453,22 @@ class KernelProbes:
         reader = self._readers.get(name)
         if reader is not None:
             try:
-                return [(k[0], v) for k, v in reader.rows()]
+                return reader.rows()
             except OSError:  # the kernel refuses batch lookups: one by one from now on
                 self._readers[name] = None
         fields = THREAD_FIELDS[name]
         table = self._bpf[name.encode()]
         return [(tid, tuple(getattr(v, f) for f in fields)) for tid, v in _by_tid(table)]
 
-    def _waits(self) -> tuple[dict[int, InflightWait], set[int], list[int]]:
-        """In-flight waits of watched processes, the TIDs with an entry, and dead TIDs."""
-        vector = self._defs["HW_SYSCALL_FUTEX_WAITV"]
-        waiting = self._defs["HW_THREAD_WAITING"]
-        watching = self._watching
-        inflight = {}
-        tracked = set()
+    def _threads_waits(
+        self, rows: list[tuple[int, tuple[int, ...]]], watching: set[int], vector: int, waiting: int
+    ) -> tuple[dict[int, InflightWait], set[int]]:
+        """The in-flight waits and the TIDs with an entry, from the threads map's rows."""
+        inflight: dict[int, InflightWait] = {}
+        tracked: set[int] = set()
         built = self._built
         self._built = {}
-        for tid, row in self._rows("threads"):
+        for tid, row in rows:
             start_ns, uaddr, tgid, op, val, syscall, flags = row
             if tgid not in watching:
                 continue  # unwatched since: forget_processes deletes it
@@ -470,11 +491,28 @@ class KernelProbes:
                 )
                 inflight[tid] = InflightWait(tid, tgid, wait)
                 self._built[tid] = (row, inflight[tid])
+        return inflight, tracked
+
+    def _waits(self) -> tuple[dict[int, InflightWait], set[int], list[int]]:
+        """In-flight waits of watched processes, the TIDs with an entry, and dead TIDs."""
+        vector = self._defs["HW_SYSCALL_FUTEX_WAITV"]
+        waiting = self._defs["HW_THREAD_WAITING"]
+        watching = self._watching
+        rows = self._rows("threads")
+        if rows is self._threads_rows and self._threads_watching == watching:
+            # Not a byte of the map changed, nor what is watched: the same answer.
+            inflight, tracked = dict(self._threads_answer[0]), set(self._threads_answer[1])
+        else:
+            inflight, tracked = self._threads_waits(rows, watching, vector, waiting)
+            self._threads_rows, self._threads_watching = rows, set(watching)
+            self._threads_answer = (dict(inflight), frozenset(tracked))
+            self._threads_waiting = ProbeReading(inflight).waiting_by_process()
         # A PI lock entered before the process was watched: its thread has no entry yet.
         # The entry is the thread's last PI operation, which may have ended; the sampler
         # keeps it only where /proc shows the thread still blocked on that word.
         pi_locks = (self._defs["HW_FUTEX_LOCK_PI"], self._defs["HW_FUTEX_LOCK_PI2"])
         dead = []
+        pi_waits: list[InflightWait] = []
         for tid, (start_ns, uaddr, tgid, op) in self._rows("pi_ops"):
             if tgid not in watching or tid in tracked or op not in pi_locks:
                 continue
@@ -483,6 +521,13 @@ class KernelProbes:
                 continue
             wait = FutexWait(uaddr=uaddr, op=op, val=0, since_ns=start_ns, source="bpf")
             inflight[tid] = InflightWait(tid, tgid, wait)
+            pi_waits.append(inflight[tid])
+        self._waiting = self._threads_waiting
+        if pi_waits:  # rare (PI locks entered before the process was watched)
+            extra = ProbeReading({w.tid: w for w in pi_waits}).waiting_by_process()
+            self._waiting = dict(self._waiting)
+            for tgid, pairs in extra.items():
+                self._waiting[tgid] = self._waiting.get(tgid, frozenset()) | pairs
         return inflight, tracked, dead
 
     def drain(self, seconds: float) -> None:
@@ -534,6 +579,7 @@ class KernelProbes:
             writes=writes,
             threads=frozenset(tracked),
             execs=execs,
+            waiting=self._waiting,
         )
 
     def tracepoints(self) -> list[str]:
