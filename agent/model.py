@@ -8,6 +8,7 @@ they can be tested from synthetic snapshots without root or BPF.
 from __future__ import annotations
 
 import builtins
+import functools
 import re
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -272,9 +273,15 @@ class TcpInfo:
 def endpoint(address: str, port: int) -> tuple[str, int]:
     """(address, port) of one end of a connection, IPv4-mapped IPv6 addresses as IPv4: one
     connection, two tables (a socket of tcp6 and its peer's of tcp)."""
+    return _unmapped(address), port
+
+
+@functools.lru_cache(maxsize=4096)
+def _unmapped(address: str) -> str:
+    # A front-end's thousand connections come from a few addresses, asked of every tick.
     if address.startswith("::ffff:") and "." in address:
-        address = address[len("::ffff:") :]
-    return address, port
+        return address[len("::ffff:") :]
+    return address
 
 
 @dataclass(frozen=True)

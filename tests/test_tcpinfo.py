@@ -185,6 +185,10 @@ def test_dump_parser_is_total(data: bytes):
     with contextlib.suppress(OSError):
         tcpinfo.parse_dump(data, out)
     assert all(isinstance(v, TcpInfo) for v in out.values())
+    listed: list[tcpinfo.TcpSocket] = []
+    with contextlib.suppress(OSError):
+        tcpinfo.parse_sockets(data, listed)
+    assert all(0 <= s.port < 1 << 16 and s.inode for s in listed)
 
 
 def test_dump_parser_skips_a_short_tcp_info_and_stops_at_the_end():

@@ -35,7 +35,7 @@ from ..model import (
     is_blocked,
     thread_ids,
 )
-from ..sources.procfs import MemMap, ProcessMemory, ProcFS, TcpSocket
+from ..sources.procfs import MemMap, ProcessMemory, ProcFS
 from ..sources.tcpinfo import TCP_ESTABLISHED, TCP_LISTEN
 from ..syscalls import FUTEX, SYS_FUTEX, SYS_FUTEX_WAIT, futex_private, syscall_wait, wait_kind
 from .sockets import SocketTables
@@ -174,9 +174,8 @@ class Sampler:
             processes[pid], fds[pid], quiet = got
             if not quiet:
                 ran.add(pid)
-        net_cache, net_of = self._read_sockets(processes, fds, ran)
+        self._read_sockets(processes, fds, ran)
         self._pipes = {p: v for p, v in self._pipes.items() if p in processes and p not in ran}
-        self._add_tcp_info(processes, net_cache, net_of)
         self._plumbing = self._next_plumbing
         self._kept = self._next_kept
         known = {tid for p in processes.values() for tid in thread_ids(p.threads)}
@@ -447,100 +446,74 @@ class Sampler:
         processes: dict[int, ProcessSample],
         fds: Mapping[int, Mapping[int, int]],
         ran: Collection[int],
-    ) -> tuple[dict[str, list[TcpSocket]], dict[int, str]]:
+    ) -> None:
         """Give each process its listeners and established connections (with their queues):
         one read of its network namespace's table per tick, for the ports its watched
-        processes hold (agent.observe.sockets). The tables read, and pid -> namespace."""
-        by_ns: dict[str, dict[int, Mapping[int, int]]] = {}
-        net_of: dict[int, str] = {}
-        for pid, held in fds.items():
-            if held:
-                ns = self.proc.net_namespace(pid) or f"pid:{pid}"
-                net_of[pid] = ns
-                by_ns.setdefault(ns, {})[pid] = held
-        tables = {ns: self.sockets.read(ns, held, ran) for ns, held in by_ns.items()}
-        self.sockets.forget(by_ns, {i for held in fds.values() for i in held})
-        for pid, ns in net_of.items():
-            listeners, connections = [], []
-            held = fds[pid]
-            for s in tables[ns]:
-                if s.inode not in held:
-                    continue
-                if s.state == TCP_LISTEN:
-                    listeners.append(Listener(s.family, s.address, s.port, s.rx_queue, s.tx_queue))
-                elif s.state == TCP_ESTABLISHED:
-                    connections.append(
-                        Connection(
-                            s.address,
-                            s.port,
-                            s.remote_address,
-                            s.remote_port,
-                            s.inode,
-                            s.rx_queue,
-                            s.tx_queue,
-                        )
-                    )
-            processes[pid] = replace(
-                processes[pid], listeners=tuple(listeners), connections=tuple(connections)
-            )
-        return tables, net_of
+        processes hold (agent.observe.sockets).
 
-    def _add_tcp_info(
-        self,
-        processes: dict[int, ProcessSample],
-        net_cache: dict[str, list[TcpSocket]],
-        net_of: dict[int, str],
-    ) -> None:
-        """Fill in the kernel's tcp_info (last data received and sent, bytes) of two kinds
-        of connections: those a process accepted on a listening port of the snapshot's
+        Connections get the kernel's tcp_info (last data received and sent, bytes) where it
+        is evidence: those a process accepted on a listening port of the snapshot's
         processes (the candidates for a front door; which are is decided later, per
         service), where a request received and not answered is work waiting; and those whose
         peer is outside the snapshot's processes, where data received is progress (weights
         streamed in) and the last data moved dates a hang. Loopback chatter between the
-        snapshot's own processes is not read. One netlink read per network namespace,
-        filtered by local port, and none where no such connection exists (the daemon ticks
-        every second: cost matters)."""
-        by_ns: dict[str, list[int]] = {}
-        for pid in processes:
-            if pid in net_of:
-                by_ns.setdefault(net_of[pid], []).append(pid)
-        for ns, pids in by_ns.items():
-            listening = {lst.port for pid in pids for lst in processes[pid].listeners}
-            family = {s.inode: s.family for s in net_cache.get(ns, ())}
-            ours = {
-                endpoint(c.local_address, c.local_port)
-                for pid in pids
-                for c in processes[pid].connections
-            }
+        snapshot's own processes is left without. The table's read carries the tcp_info of
+        the ports it asks for; where it did not (a whole table read, /proc/net/tcp), one
+        more netlink read per namespace gets it, filtered by local port."""
+        by_ns: dict[str, dict[int, Mapping[int, int]]] = {}
+        for pid, held in fds.items():
+            if held:
+                ns = self.proc.net_namespace(pid) or f"pid:{pid}"
+                by_ns.setdefault(ns, {})[pid] = held
+        for ns, held_by in by_ns.items():
+            # A socket two processes hold (inherited across a fork) is each one's.
+            owners: dict[int, list[int]] = {}
+            for pid, held in held_by.items():
+                for inode in held:
+                    owners.setdefault(inode, []).append(pid)
+            table = self.sockets.read(ns, held_by, ran)
+            listening = {s.port for s in table if s.state == TCP_LISTEN}
+            conns = [s for s in table if s.state == TCP_ESTABLISHED]
+            ours = {endpoint(s.address, s.port) for s in conns}
             accepted = {
-                c.inode: (family[c.inode], c.local_port)
-                for pid in pids
-                for c in processes[pid].connections
-                if c.inode in family
-                and (
-                    c.local_port in listening
-                    or endpoint(c.remote_address, c.remote_port) not in ours
-                )
+                s.inode: (s.family, s.port)
+                for s in conns
+                if s.port in listening or endpoint(s.remote_address, s.remote_port) not in ours
             }
-            if not accepted:
-                continue
-            # The table's read carried the tcp_info of the ports it asked for; the rest
-            # (a whole table, read for a new socket; /proc/net/tcp) are asked for here.
-            infos = {s.inode: s.info for s in net_cache[ns] if s.info and s.inode in accepted}
+            infos = {s.inode: s.info for s in conns if s.info and s.inode in accepted}
             unread = {where for inode, where in accepted.items() if inode not in infos}
             if unread:
-                got = self.proc.tcp_info(pids[0], sorted(unread))
+                got = self.proc.tcp_info(next(iter(held_by)), sorted(unread))
                 infos.update((i, info) for i, info in got.items() if i in accepted)
-            if not infos:
-                continue
-            for pid in pids:
-                p = processes[pid]
-                if any(c.inode in infos for c in p.connections):
-                    conns = tuple(
-                        c.with_tcp_info(infos[c.inode]) if c.inode in infos else c
-                        for c in p.connections
+            listeners: dict[int, list[Listener]] = {pid: [] for pid in held_by}
+            connections: dict[int, list[Connection]] = {pid: [] for pid in held_by}
+            for s in table:
+                if s.state == TCP_LISTEN:
+                    lst = Listener(s.family, s.address, s.port, s.rx_queue, s.tx_queue)
+                    for pid in owners[s.inode]:
+                        listeners[pid].append(lst)
+                elif s.state == TCP_ESTABLISHED:
+                    conn = Connection(
+                        s.address,
+                        s.port,
+                        s.remote_address,
+                        s.remote_port,
+                        s.inode,
+                        s.rx_queue,
+                        s.tx_queue,
                     )
-                    processes[pid] = replace(p, connections=conns)
+                    info = infos.get(s.inode)
+                    if info is not None:
+                        conn = conn.with_tcp_info(info)
+                    for pid in owners[s.inode]:
+                        connections[pid].append(conn)
+            for pid in held_by:
+                processes[pid] = replace(
+                    processes[pid],
+                    listeners=tuple(listeners[pid]),
+                    connections=tuple(connections[pid]),
+                )
+        self.sockets.forget(by_ns, {i for held in fds.values() for i in held})
 
     # --- reads asked for between snapshots --------------------------------------------------
     # What the Observer needs only sometimes (a pipe written, a quiet service to date, a

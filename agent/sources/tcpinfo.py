@@ -70,6 +70,12 @@ INET_DIAG_BC_JMP = 1
 INET_DIAG_BC_S_EQ = 11  # since 4.16
 DIAG_MSG_LEN = 72  # struct inet_diag_msg: family..retrans, the sockid, expires..inode
 DIAG_INODE_AT = 68
+# inet_diag_msg: family, state, (timer, retrans), the sockid's ports (network order: read
+# native here, turned with ntohs) and addresses, (if, cookie, expires), rqueue, wqueue,
+# (uid), inode
+DIAG_MSG = struct.Struct("=BB2xHH16s16s12x4xII4xI")
+DIAG_ATTR = struct.Struct("=HH")  # struct nlattr: length, type
+_INFO_TAIL = 0  # the length of the last tcp_info attribute seen, when it ended its message
 # struct tcp_info: the offsets of the fields read, and how long it must be to hold them
 TCPI_LAST_DATA_SENT = 44  # then last_ack_sent, last_data_recv
 TCPI_BYTES_ACKED = 120  # then bytes_received
@@ -200,7 +206,21 @@ def parse_dump(data: bytes, out: dict[int, TcpInfo]) -> bool:
 def _tcp_info(data: bytes, msg: int, end: int) -> TcpInfo | None:
     """The tcp_info a message carries, if it does; None too where it is shorter than the
     fields read (kernels before 4.1)."""
-    info = _attr(data, msg + DIAG_MSG_LEN, end, INET_DIAG_INFO)
+    # The kernel puts tcp_info last, and it is as long in every message: where the last
+    # message's was, it is looked for first, before walking the attributes.
+    global _INFO_TAIL
+    at = end - _INFO_TAIL
+    info = None
+    if (
+        _INFO_TAIL
+        and at >= msg + DIAG_MSG_LEN
+        and DIAG_ATTR.unpack_from(data, at) == (_INFO_TAIL, INET_DIAG_INFO)
+    ):
+        info = (at + NLA_HDRLEN, _INFO_TAIL - NLA_HDRLEN)
+    else:
+        info = _attr(data, msg + DIAG_MSG_LEN, end, INET_DIAG_INFO)
+        if info is not None and info[0] + info[1] == end:
+            _INFO_TAIL = info[1] + NLA_HDRLEN
     if info is None or info[1] < TCPI_NEEDED:
         return None
     at = info[0]
@@ -215,21 +235,29 @@ def parse_sockets(data: bytes, out: list[TcpSocket]) -> bool:
     Sockets without an inode (TIME_WAIT: no process holds them) are left out."""
     found, done = _messages(data)
     for msg, end in found:
-        af, state = data[msg], data[msg + 1]
-        sport, dport = struct.unpack_from(">HH", data, msg + 4)
-        rqueue, wqueue, _, inode = struct.unpack_from("=IIII", data, msg + 56)
+        af, state, sport, dport, src, dst, rqueue, wqueue, inode = DIAG_MSG.unpack_from(data, msg)
         if not inode or af not in FAMILY_NAMES:
             continue
         size = 4 if af == socket.AF_INET else 16
-        src = _address(af, data[msg + 8 : msg + 8 + size])
-        dst = _address(af, data[msg + 24 : msg + 24 + size])
         # As /proc/net/tcp: a connection's tx_queue and rx_queue are its bytes not yet
         # acknowledged and not yet read; a listener's rx_queue is its accept queue, and its
         # tx_queue 0 there (sock_diag gives its backlog instead: left out, to read the same).
         tx = 0 if state == TCP_LISTEN else wqueue
         info = _tcp_info(data, msg, end) if state == TCP_ESTABLISHED else None
-        name = FAMILY_NAMES[af]
-        out.append(TcpSocket(name, src, sport, state, tx, rqueue, inode, dst, dport, info))
+        out.append(
+            TcpSocket(
+                FAMILY_NAMES[af],
+                _address(af, src[:size]),
+                socket.ntohs(sport),
+                state,
+                tx,
+                rqueue,
+                inode,
+                _address(af, dst[:size]),
+                socket.ntohs(dport),
+                info,
+            )
+        )
     return done
 
 
