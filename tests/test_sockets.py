@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from agent.observe.sampler import Sampler
 from agent.observe.sockets import SocketTables
 from agent.sources.procfs import ProcFS, TcpSocket
-from agent.sources.tcpinfo import read_sockets, read_tcp_info
+from agent.sources.tcpinfo import lookup_sockets, read_sockets, read_tcp_info
 from tests.test_procfs_sockets import make_job
 
 NS = "net:[1]"
@@ -97,7 +97,7 @@ def test_what_no_process_holds_any_more_is_forgotten():
     tables = SocketTables(proc)
     tables.read(NS, {10: {1: 3, 70: 7}}, ran={10})
     tables.forget([], [])
-    assert not tables._ports and not tables._tcp and not tables._unlisted
+    assert not tables._known and not tables._tcp and not tables._unlisted
 
 
 def test_a_fixture_tree_reads_its_own_tables(tmp_path):
@@ -163,6 +163,8 @@ def test_the_sampler_reads_the_namespace_by_the_ports_it_holds():
             for _ in range(3):
                 again = sampler.snapshot([os.getpid()]).processes[os.getpid()]
             assert sampler.sockets.whole_reads == 1 and len(asked) == 1
+            # Every socket known: looked up one by one, the kernel's table not walked again.
+            assert sampler.sockets.dumps == 1
             served = accepted_conns(again, srv)  # with tcp_info, from the one dump
             assert len(served) == 20 and all(c.bytes_received == 0 for c in served)
             assert {c.inode for c in again.connections} == {inode(s) for s in clients + accepted}
@@ -172,3 +174,20 @@ def test_the_sampler_reads_the_namespace_by_the_ports_it_holds():
                 return [(c.inode, c.local_port, c.remote_port, c.rx_queue) for c in p.connections]
 
             assert ends(again) == ends(first)
+
+
+def test_known_connections_are_looked_up_by_their_4_tuples():
+    with server_with_clients(5) as (srv, clients, accepted):
+        port = srv.getsockname()[1]
+        table = [s for s in read_sockets([("tcp", port)]) or [] if s.state == 1]
+        clients[0].sendall(b"hello")
+        time.sleep(0.05)
+        got = {s.inode: s for s in lookup_sockets(table) or []}
+        assert set(got) == {inode(a) for a in accepted}
+        first = got[inode(accepted[0])]
+        assert first.rx_queue == 5 and first.info is not None and first.info.bytes_received == 5
+        accepted[1].close()  # gone: left out, the others still found
+        clients[1].close()
+        time.sleep(0.05)
+        again = {s.inode for s in lookup_sockets(table) or []}
+        assert inode(accepted[0]) in again and len(again) == 4

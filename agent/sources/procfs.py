@@ -26,9 +26,11 @@ from ..model import (
 from .tcpinfo import (
     ALL_STATES,
     TCP_LISTEN,
+    SocketsLookup,
     SocketsRead,
     TcpInfoRead,
     TcpSocket,
+    lookup_sockets,
     read_sockets,
     read_tcp_info,
 )
@@ -358,6 +360,7 @@ class ProcFS:
         if sockets is None and root == "/proc":
             sockets = read_sockets
         self._sockets = sockets
+        self._lookup: SocketsLookup | None = lookup_sockets if sockets is read_sockets else None
 
     def _path(self, *parts: object) -> str:
         return os.path.join(self.root, *map(str, parts))
@@ -623,6 +626,18 @@ class ProcFS:
             for s in out
             if (wanted is None or s.port in wanted) and (not listening or s.state == TCP_LISTEN)
         ]
+
+    def tcp_lookup(self, pid: int, sockets: Sequence[TcpSocket]) -> list[TcpSocket] | None:
+        """``sockets`` of the process's network namespace as they are now (those gone left
+        out), each looked up by its 4-tuple, with its tcp_info; None where that cannot be
+        done (a tree that is not the real /proc, netlink refused): read the table instead."""
+        if self._lookup is None:
+            return None
+        theirs = self.net_namespace(pid)
+        if theirs is None:
+            return None
+        netns = None if theirs == self.net_namespace("self") else self._path(pid, "ns", "net")
+        return self._lookup(sockets, netns)
 
     def maps(self, pid: int | str) -> list[MemMap]:
         text = self._read(pid, "maps")
