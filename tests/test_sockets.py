@@ -29,7 +29,11 @@ class Table(ProcFS):
         self.asked: list[set[int] | None] = []
 
     def tcp_sockets(
-        self, pid: int, ports: Iterable[int] | None = None, listening: bool = False
+        self,
+        pid: int,
+        ports: Iterable[int] | None = None,
+        listening: bool = False,
+        families: Iterable[str] = ("tcp", "tcp6"),
     ) -> list[TcpSocket]:
         wanted = None if ports is None else set(ports)
         self.asked.append(wanted)

@@ -56,7 +56,8 @@ class SocketTables:
         table = self._looked_up(pid, tcp, known)
         if table is None:
             ports = {known[i].port for i in tcp if i in known}
-            table = self.proc.tcp_sockets(pid, ports) if ports else []
+            families = {known[i].family for i in tcp if i in known}
+            table = self.proc.tcp_sockets(pid, ports, families=families) if ports else []
             self.dumps += bool(ports)
             missing = tcp - {s.inode for s in table}
             unlisted = self._unlisted.get(ns, frozenset())
@@ -89,7 +90,8 @@ class SocketTables:
                 return None
             table += got
         if listening:
-            table += self.proc.tcp_sockets(pid, listening, listening=True)
+            families = {known[i].family for i in tcp if known[i].state == TCP_LISTEN}
+            table += self.proc.tcp_sockets(pid, listening, listening=True, families=families)
         if not tcp <= {s.inode for s in table}:
             return None
         order = {inode: i for i, inode in enumerate(known)}  # as the last read listed them

@@ -12,7 +12,7 @@ import os
 import re
 import socket
 import struct
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from ..model import (
@@ -599,18 +599,23 @@ class ProcFS:
         return parse_epoll_fds(self._read(pid, "fdinfo", epfd) or "")
 
     def tcp_sockets(
-        self, pid: int, ports: Iterable[int] | None = None, listening: bool = False
+        self,
+        pid: int,
+        ports: Iterable[int] | None = None,
+        listening: bool = False,
+        families: Collection[str] = ("tcp", "tcp6"),
     ) -> list[TcpSocket]:
         """TCP sockets of the process's network namespace (containers have their own), those
-        on the local ``ports`` only if given, listeners only if ``listening``: from the
-        kernel's sock_diag (the kernel filters, no text to parse) where this reads the real
-        /proc, else, or where that fails, from /proc/PID/net/tcp{,6}."""
+        on the local ``ports`` only if given, listeners only if ``listening``, of ``families``
+        only where ports are given (each family's dump walks the kernel's whole table):
+        from the kernel's sock_diag (the kernel filters, no text to parse) where this reads
+        the real /proc, else, or where that fails, from /proc/PID/net/tcp{,6}."""
         wanted = None if ports is None else set(ports)
         if self._sockets is not None:
             theirs = self.net_namespace(pid)
             if theirs is None:
                 return []
-            asked = None if wanted is None else [(f, p) for f in ("tcp", "tcp6") for p in wanted]
+            asked = None if wanted is None else [(f, p) for f in families for p in wanted]
             netns = None if theirs == self.net_namespace("self") else self._path(pid, "ns", "net")
             states = 1 << TCP_LISTEN if listening else ALL_STATES
             got = self._sockets(asked, netns, states)
