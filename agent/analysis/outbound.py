@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable
 
-from ..model import Connection, ProcessSample, endpoint
+from ..model import Connection, ProcessSample
 
 FILE = "file"
 TERMINAL = "terminal"
@@ -37,7 +37,7 @@ class ServiceEnds:
         (the caller may leave them out when no write it asks about goes to a pipe)."""
         conns = list(connections)
         self.by_inode = {c.inode: c for c in conns}
-        self.locals = {endpoint(c.local_address, c.local_port) for c in conns}
+        self.locals = {c.local for c in conns}
         self.pipes_read = pipes_read
 
     def destination(self, target: str | None) -> str:
@@ -54,7 +54,7 @@ class ServiceEnds:
             c = self.by_inode.get(inode_of(target))
             if c is None:
                 return SERVICE  # unix, netlink, or a TCP socket already closed
-            peer = endpoint(c.remote_address, c.remote_port)
+            peer = c.remote
             return SERVICE if peer in self.locals else CLIENT
         if target.startswith("pipe:["):
             return SERVICE if inode_of(target) in self.pipes_read else FILE

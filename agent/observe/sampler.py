@@ -493,18 +493,31 @@ class Sampler:
                     for pid in owners[s.inode]:
                         listeners[pid].append(lst)
                 elif s.state == TCP_ESTABLISHED:
-                    conn = Connection(
-                        s.address,
-                        s.port,
-                        s.remote_address,
-                        s.remote_port,
-                        s.inode,
-                        s.rx_queue,
-                        s.tx_queue,
-                    )
                     info = infos.get(s.inode)
-                    if info is not None:
-                        conn = conn.with_tcp_info(info)
+                    if info is None:
+                        conn = Connection(
+                            s.address,
+                            s.port,
+                            s.remote_address,
+                            s.remote_port,
+                            s.inode,
+                            s.rx_queue,
+                            s.tx_queue,
+                        )
+                    else:  # built once, with it (a front-end's thousand, every tick)
+                        conn = Connection(
+                            s.address,
+                            s.port,
+                            s.remote_address,
+                            s.remote_port,
+                            s.inode,
+                            s.rx_queue,
+                            s.tx_queue,
+                            info.last_data_recv_ms,
+                            info.last_data_sent_ms,
+                            info.bytes_received,
+                            info.bytes_acked,
+                        )
                     for pid in owners[s.inode]:
                         connections[pid].append(conn)
             for pid in held_by:
