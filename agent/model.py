@@ -242,15 +242,15 @@ class Connection:
     bytes_received: int | None = None  # data bytes received in its life
     bytes_acked: int | None = None  # data bytes it sent that the peer acknowledged
 
-    # Its two ends as endpoint() gives them: asked for several times a tick per connection
-    # (front doors, work waiting, where writes go), so worked out once.
-    @functools.cached_property
+    @property
     def local(self) -> tuple[str, int]:
-        return endpoint(self.local_address, self.local_port)
+        """This end, as endpoint() gives it."""
+        return _unmapped(self.local_address), self.local_port
 
-    @functools.cached_property
+    @property
     def remote(self) -> tuple[str, int]:
-        return endpoint(self.remote_address, self.remote_port)
+        """The peer's end, as endpoint() gives it."""
+        return _unmapped(self.remote_address), self.remote_port
 
     def with_tcp_info(self, info: TcpInfo) -> Connection:
         # Built, not dataclasses.replace'd: a front-end's thousand connections, every tick.
