@@ -59,6 +59,26 @@ def untimed(tid: int, ago_s: float, uaddr: int | None = None) -> ThreadSample:
     return replace(parked(tid, uaddr=word, since=NOW - int(ago_s * S)), timed=False)
 
 
+def stopped(
+    samples: Sequence[ProcessSample], since_s: float, write: tuple[str, int] | None = None
+) -> tuple[ServiceVerdict, list[ProcessFacts]]:
+    """The verdict on ``samples`` (their waits taken at NOW) and their facts, with no progress
+    for ``since_s``, dated by a write (target, pid) where one is given."""
+    procs = [facts(p, process_waits(p, NOW)) for p in samples]
+    v = verdict(procs)
+    v.seconds_since_progress = since_s
+    if write is not None:
+        v.reasons = [ev.LastProgress("write", write[0], write[1], since_s)]
+    return v, procs
+
+
+UP_S = 75.0  # a cluster up this long: no wait began in its processes' first seconds
+
+
+def up(sample: ProcessSample) -> ProcessSample:
+    return replace(sample, age_s=UP_S)
+
+
 # --- random services -------------------------------------------------------------------------
 
 
@@ -267,9 +287,7 @@ def test_the_process_whose_threads_began_to_wait_when_the_service_stopped() -> N
     api = process(314, *(untimed(3140 + i, 35.8) for i in range(4)), comm="python")
     engine = process(382, *(untimed(3820 + i, 36.8) for i in range(2)), comm="VLLM::EngineCor")
     worker = process(398, *(untimed(3980 + i, 37.7) for i in range(27)), comm="VLLM::Worker")
-    procs = [facts(p, process_waits(p, NOW)) for p in (api, engine, worker)]
-    v = verdict(procs)
-    v.seconds_since_progress = 35.84
+    v, procs = stopped((api, engine, worker), 35.84)
     got = find_culprit(v, procs)
     assert got is not None and (got.pid, got.threads) == (398, 27), got
 
@@ -281,10 +299,7 @@ def test_among_as_many_the_process_whose_work_dates_the_stop() -> None:
 
     actor = process(14532, untimed(14540, 35.7), comm="ray::Selfish.ou")
     log_monitor = process(14402, untimed(14410, 33.6), comm="python")
-    procs = [facts(p, process_waits(p, NOW)) for p in (log_monitor, actor)]
-    v = verdict(procs)
-    v.seconds_since_progress = 36.0
-    v.reasons = [ev.LastProgress("write", "python-core-worker.log", 14532, 36.0)]
+    v, procs = stopped((log_monitor, actor), 36.0, ("python-core-worker.log", 14532))
     got = find_culprit(v, procs)
     assert got is not None and got.pid == 14532, got
     v.reasons = []  # nothing dates it: a tie, no one named
@@ -298,17 +313,9 @@ def test_a_status_write_after_the_hang_does_not_hide_the_one_main_thread_that_st
     stopped 41 s ago, the only main thread in an untimed wait: the actor is named. With a
     second main thread stopped at another time, which one began the hang is unknown."""
 
-    # A cluster up for 75 s: the waits did not begin in the processes' first seconds.
-    gcs = replace(
-        process(7307, *(untimed(7310 + i, 70.0) for i in range(3)), comm="gcs_server"), age_s=75.0
-    )
-    actor = replace(
-        process(7484, untimed(7484, 41.2), untimed(7490, 41.0), comm="ray::Stuck.bloc"), age_s=75.0
-    )
-    procs = [facts(p, process_waits(p, NOW)) for p in (gcs, actor)]
-    v = verdict(procs)
-    v.seconds_since_progress = 10.3
-    v.reasons = [ev.LastProgress("write", "gcs_server.out", 7307, 10.3)]
+    gcs = up(process(7307, *(untimed(7310 + i, 70.0) for i in range(3)), comm="gcs_server"))
+    actor = up(process(7484, untimed(7484, 41.2), untimed(7490, 41.0), comm="ray::Stuck.bloc"))
+    v, procs = stopped((gcs, actor), 10.3, ("gcs_server.out", 7307))
     got = find_culprit(v, procs)
     assert got is not None and got.pid == 7484, got
     assert got.age_s == pytest.approx(41.2, abs=0.01)
@@ -317,7 +324,7 @@ def test_a_status_write_after_the_hang_does_not_hide_the_one_main_thread_that_st
     assert find_culprit(v, procs) is None
     v.oldest_request_s = 0.0
     # Two main threads stopped, 41 s and 25 s ago: none named, as before.
-    helper = replace(process(7500, untimed(7500, 25.0), comm="python"), age_s=75.0)
+    helper = up(process(7500, untimed(7500, 25.0), comm="python"))
     procs.append(facts(helper, process_waits(helper, NOW)))
     assert find_culprit(v, procs) is None
 
@@ -331,25 +338,13 @@ def test_the_process_whose_work_dates_the_stop_before_an_idle_worker_whose_main_
     thread would be the only one stopped in an untimed wait: it dates the hang, then ties with
     the actor's thread, and no one is named."""
 
-    up = 75.0  # both started with the cluster: no wait in their first seconds
-    actor = replace(
-        process(
-            2630,
-            replace(parked(2630, uaddr=0x9000, since=NOW - int(35.9 * S)), timed=True),
-            untimed(2655, 35.6),
-            comm="ray::Selfish",
-        ),
-        age_s=up,
-    )
-    idle = replace(process(2629, untimed(2629, 36.2), comm="ray::IDLE"), age_s=up)
-    procs = [facts(p, process_waits(p, NOW)) for p in (idle, actor)]
-    v = verdict(procs)
-    v.seconds_since_progress = 35.867
-    v.reasons = [ev.LastProgress("write", "python-core-worker_2630.log", 2630, 35.867)]
+    main = replace(parked(2630, uaddr=0x9000, since=NOW - int(35.9 * S)), timed=True)
+    actor = up(process(2630, main, untimed(2655, 35.6), comm="ray::Selfish"))
+    idle = up(process(2629, untimed(2629, 36.2), comm="ray::IDLE"))
+    v, procs = stopped((idle, actor), 35.867, ("python-core-worker_2630.log", 2630))
     got = find_culprit(v, procs)
     assert got is not None and got.pid == 2630, got
-    v.seconds_since_progress = 10.3
-    v.reasons = [ev.LastProgress("write", "gcs_server.out", 2459, 10.3)]
+    v, procs = stopped((idle, actor), 10.3, ("gcs_server.out", 2459))
     assert find_culprit(v, procs) is None
 
 
@@ -360,23 +355,13 @@ def test_the_waits_a_status_write_woke_do_not_hide_the_one_main_thread_that_stop
     with it: four-way tie. The actor's main thread, the only one stopped in an untimed
     wait, stopped 41.2 s ago: that dates the hang, and the actor is named."""
 
-    up = 75.0
-    actor = replace(
-        process(11443, untimed(11443, 41.19), untimed(11450, 10.58), comm="ray::Stuck.bloc"),
-        age_s=up,
-    )
-    idle = replace(
-        process(11442, untimed(11449, 31.35), untimed(11451, 10.77), comm="ray::IDLE"), age_s=up
-    )
+    actor = up(process(11443, untimed(11443, 41.19), untimed(11450, 10.58), comm="ray::Stuck.bloc"))
+    idle = up(process(11442, untimed(11449, 31.35), untimed(11451, 10.77), comm="ray::IDLE"))
     helpers = [
-        replace(process(pid, untimed(pid * 10, ago)), age_s=up)
-        for pid, ago in ((11319, 9.30), (11258, 9.32))
+        up(process(pid, untimed(pid * 10, ago))) for pid, ago in ((11319, 9.3), (11258, 9.32))
     ]
-    gcs = replace(process(11200, untimed(11210, 2.76)), age_s=up)
-    procs = [facts(p, process_waits(p, NOW)) for p in (gcs, idle, actor, *helpers)]
-    v = verdict(procs)
-    v.seconds_since_progress = 11.355
-    v.reasons = [ev.LastProgress("write", "gcs_server.out", 11200, 11.355)]
+    gcs = up(process(11200, untimed(11210, 2.76)))
+    v, procs = stopped((gcs, idle, actor, *helpers), 11.355, ("gcs_server.out", 11200))
     got = find_culprit(v, procs)
     assert got is not None and got.pid == 11443, got
     assert got.age_s == pytest.approx(41.19, abs=0.01)
