@@ -20,7 +20,8 @@ CULPRIT_BAND_MIN_S = 2.0
 CULPRIT_BAND_RATIO = 0.1
 
 # Per process: (its lead, its untimed waits counted, the oldest one's age, its PID).
-Scored = list[tuple[tuple[int, bool, bool], int, float | None, int]]
+Score = tuple[tuple[int, bool, bool], int, float | None, int]
+Scored = list[Score]
 
 
 def find_culprit(v: ServiceVerdict, procs: Sequence[ProcessFacts]) -> ev.Culprit | None:
@@ -44,10 +45,10 @@ def find_culprit(v: ServiceVerdict, procs: Sequence[ProcessFacts]) -> ev.Culprit
        those of each process's first STARTUP_S), no timed wait is taken off, and among as
        many the process whose work dates the stop leads (a Ray actor's last log line, against
        the log monitor that read it and the idle worker whose main thread re-parked as the
-       actor blocked), then the one whose main thread stopped then. Thread pools parked since start-up are
-       background, not evidence (every Ray process carries 6-10 gRPC threads in untimed
-       waits since it started, 10-20 more in timed waits on gRPC timers), and the age quoted
-       is the hang's, not the process's uptime. So vLLM's Worker (its main thread and the
+       actor blocked), then the one whose main thread stopped then. Thread pools parked
+       since start-up are background, not evidence (every Ray process carries 6-10 gRPC
+       threads in untimed waits since it started, 10-20 more in timed waits on gRPC
+       timers), and the age quoted is the hang's, not the process's uptime. So vLLM's Worker (its main thread and the
        26 gloo run-loop threads its step had woken) is named, not the API server with its 4
        request threads; a Serve replica, not Ray's autoscaler monitor. Where that singles
        out no one (another process's status write dated the stop, and no wait or only the
@@ -94,7 +95,7 @@ def find_culprit(v: ServiceVerdict, procs: Sequence[ProcessFacts]) -> ev.Culprit
     return ev.Culprit(pid, comm[pid], "own waits", threads=untimed, age_s=age)
 
 
-def _leader(scored: Scored) -> tuple[tuple[int, bool, bool], int, float | None, int] | None:
+def _leader(scored: Scored) -> Score | None:
     """The process that leads the others by at least one wait, or None."""
     ranked = sorted(scored, key=lambda x: x[0], reverse=True)
     if not ranked or ranked[0][0][0] < 1 or (len(ranked) > 1 and ranked[1][0] >= ranked[0][0]):
