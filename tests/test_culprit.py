@@ -60,13 +60,19 @@ def untimed(tid: int, ago_s: float, uaddr: int | None = None) -> ThreadSample:
 
 
 def stopped(
-    samples: Sequence[ProcessSample], since_s: float, write: tuple[str, int] | None = None
+    samples: Sequence[ProcessSample],
+    since_s: float,
+    write: tuple[str, int] | None = None,
+    request: bool = False,
 ) -> tuple[ServiceVerdict, list[ProcessFacts]]:
     """The verdict on ``samples`` (their waits taken at NOW) and their facts, with no progress
-    for ``since_s``, dated by a write (target, pid) where one is given."""
+    for ``since_s``, dated by a write (target, pid) where one is given, or by an unanswered
+    request that came then (``request``)."""
     procs = [facts(p, process_waits(p, NOW)) for p in samples]
     v = verdict(procs)
     v.seconds_since_progress = since_s
+    if request:
+        v.oldest_request_s = since_s
     if write is not None:
         v.reasons = [ev.LastProgress("write", write[0], write[1], since_s)]
     return v, procs
@@ -268,12 +274,12 @@ def test_thread_pools_parked_since_start_up_are_background() -> None:
     )
     procs = [facts(p, process_waits(p, NOW)) for p in (monitor, replica)]
     v = verdict(procs)
-    v.seconds_since_progress = 41.5  # the pending request's age
+    v.seconds_since_progress = v.oldest_request_s = 41.5  # the pending request's age
     got = find_culprit(v, procs)
     assert got is not None and (got.pid, got.threads) == (20, 1), got
     assert got.age_s == pytest.approx(41.0)
     # Without a time since progress the counts decide, as before: the monitor
-    v.seconds_since_progress = 0.0
+    v.seconds_since_progress = v.oldest_request_s = 0.0
     got = find_culprit(v, procs)
     assert got is not None and got.pid == 10, got
 
@@ -287,23 +293,27 @@ def test_the_process_whose_threads_began_to_wait_when_the_service_stopped() -> N
     api = process(314, *(untimed(3140 + i, 35.8) for i in range(4)), comm="python")
     engine = process(382, *(untimed(3820 + i, 36.8) for i in range(2)), comm="VLLM::EngineCor")
     worker = process(398, *(untimed(3980 + i, 37.7) for i in range(27)), comm="VLLM::Worker")
-    v, procs = stopped((api, engine, worker), 35.84)
+    v, procs = stopped((api, engine, worker), 35.84, request=True)
     got = find_culprit(v, procs)
     assert got is not None and (got.pid, got.threads) == (398, 27), got
 
 
-def test_among_as_many_the_process_whose_work_dates_the_stop() -> None:
+def test_a_write_dates_the_stop_of_the_process_that_made_it_if_its_main_thread_stopped() -> None:
     """Real Ray, an actor whose method ray.get()s another method of itself: its one untimed
     wait began when it logged its last line, 36 s ago; so did the log monitor's, woken by
-    that line. The actor made the last progress: it is named."""
+    that line. A status writer's thread parks again after each line just so (a Ray driver
+    was named, in a local run, by the wait its thread began after its event stats): no one
+    is named. Where the actor's main thread stopped then too, as in a hang of its own, the
+    actor is named, ahead of the log monitor."""
 
     actor = process(14532, untimed(14540, 35.7), comm="ray::Selfish.ou")
     log_monitor = process(14402, untimed(14410, 33.6), comm="python")
     v, procs = stopped((log_monitor, actor), 36.0, ("python-core-worker.log", 14532))
-    got = find_culprit(v, procs)
-    assert got is not None and got.pid == 14532, got
-    v.reasons = []  # nothing dates it: a tie, no one named
     assert find_culprit(v, procs) is None
+    actor = process(14532, untimed(14532, 35.9), untimed(14540, 35.7), comm="ray::Selfish.ou")
+    v, procs = stopped((log_monitor, actor), 36.0, ("python-core-worker.log", 14532))
+    got = find_culprit(v, procs)
+    assert got is not None and (got.pid, got.threads) == (14532, 2), got
 
 
 def test_a_status_write_after_the_hang_does_not_hide_the_one_main_thread_that_stopped() -> None:
@@ -365,3 +375,30 @@ def test_the_waits_a_status_write_woke_do_not_hide_the_one_main_thread_that_stop
     got = find_culprit(v, procs)
     assert got is not None and got.pid == 11443, got
     assert got.age_s == pytest.approx(41.19, abs=0.01)
+
+
+def test_waits_near_a_status_write_count_only_in_a_process_that_stopped_with_it() -> None:
+    """Real Ray, an actor calling itself (a second CI run's numbers): the GCS dumped its event
+    stats 10.4 s ago, just before the observation, so that write dates the stop. An idle
+    worker's two pool threads had parked 11.3 and 10.5 s ago and the actor's one 10.3 s ago:
+    in local runs the two processes' pool threads re-park within 0.2 s of each other, at 1, 5
+    and 15 s ago. By count the idle worker led, and was named. No one is named: neither made
+    that write, nor has a main thread that stopped then (the actor's waits in ray.get with a
+    timeout). Nor where the driver's event stats dated the stop (a local run: 10.9 s before
+    the read) and its own thread parked again after writing them."""
+
+    gcs = up(process(14943, untimed(14950, 0.9), untimed(14951, 1.6), comm="gcs_server"))
+    idle = up(process(15120, untimed(15130, 11.33), untimed(15131, 10.48), comm="ray::IDLE"))
+    main = replace(parked(15121, uaddr=0x9000, since=NOW - int(41.0 * S)), timed=True)
+    actor = up(process(15121, main, untimed(15140, 10.33), comm="ray::Selfish.ou"))
+    v, procs = stopped((gcs, idle, actor), 10.402, ("gcs_server.out", 14943))
+    assert find_culprit(v, procs) is None
+    driver_main = replace(parked(14940, uaddr=0x9100, since=NOW - int(41.5 * S)), timed=True)
+    driver = up(process(14940, driver_main, untimed(14960, 10.9), comm="python"))
+    v, procs = stopped((driver, gcs, idle, actor), 10.93, ("python-core-driver.log", 14940))
+    assert find_culprit(v, procs) is None
+    # A request's arrival dates the stop of its own: the counts decide, and the idle worker
+    # leads (this shape never has one; the rule only ties waits to a write's date).
+    v, procs = stopped((gcs, idle, actor), 10.402, request=True)
+    got = find_culprit(v, procs)
+    assert got is not None and got.pid == 15120, got
