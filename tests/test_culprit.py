@@ -343,10 +343,9 @@ def test_the_process_whose_work_dates_the_stop_before_an_idle_worker_whose_main_
     """Real Ray, an actor calling itself (a CI run's numbers): the actor logged its last line
     35.9 s ago and one of its threads began an untimed wait then (its main thread waits in
     ray.get with a timeout); an idle worker's main thread woke and parked again 36.2 s ago, as
-    the actor blocked and gave its CPU back. The actor made the last progress: it is named,
-    not the idle worker. Had a status write dated the stop instead, the idle worker's main
-    thread would be the only one stopped in an untimed wait: it dates the hang, then ties with
-    the actor's thread, and no one is named."""
+    the actor blocked and gave its CPU back. Neither both wrote and stopped its main thread
+    then; the idle worker's main thread is the only one stopped in an untimed wait, so its
+    stop dates the hang, and at that date the actor, which made the last progress, leads."""
 
     main = replace(parked(2630, uaddr=0x9000, since=NOW - int(35.9 * S)), timed=True)
     actor = up(process(2630, main, untimed(2655, 35.6), comm="ray::Selfish"))
@@ -354,8 +353,23 @@ def test_the_process_whose_work_dates_the_stop_before_an_idle_worker_whose_main_
     v, procs = stopped((idle, actor), 35.867, ("python-core-worker_2630.log", 2630))
     got = find_culprit(v, procs)
     assert got is not None and got.pid == 2630, got
-    v, procs = stopped((idle, actor), 10.3, ("gcs_server.out", 2459))
-    assert find_culprit(v, procs) is None
+
+
+def test_the_one_main_thread_stopped_breaks_a_tie_with_the_pool_threads_that_parked_with_it():
+    """Real Ray, the driver in ray.get on an actor blocked on an Event (a local run's
+    numbers): the GCS's event stats dated the stop 10.7 s ago. The actor's main thread, the
+    only one stopped in an untimed wait, stopped 41.6 s ago; an idle worker's pool thread
+    parked 41.5 s ago and a helper's 39.3 s ago, with it. Three waits at that date, one in
+    each: the main thread's stop breaks the tie, and the actor is named."""
+
+    actor = up(process(1534, untimed(1534, 41.56), untimed(1540, 11.23), comm="ray::Stuck.bloc"))
+    idle = up(process(1535, untimed(1541, 41.50), untimed(1542, 1.56), comm="ray::IDLE"))
+    helper = up(process(1410, untimed(1411, 39.25), untimed(1412, 8.0), comm="python"))
+    gcs = up(process(1338, untimed(1339, 14.16), untimed(1343, 0.84), comm="gcs_server"))
+    v, procs = stopped((gcs, helper, idle, actor), 10.653, ("gcs_server.out", 1338))
+    got = find_culprit(v, procs)
+    assert got is not None and got.pid == 1534, got
+    assert got.age_s == pytest.approx(41.56, abs=0.01)
 
 
 def test_the_waits_a_status_write_woke_do_not_hide_the_one_main_thread_that_stopped() -> None:

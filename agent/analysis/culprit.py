@@ -4,7 +4,7 @@ out: find_culprit, for agent.analysis.classify."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 from ..syscalls import FUTEX, kind_by_name
 from . import evidence as ev
@@ -22,9 +22,6 @@ CULPRIT_BAND_RATIO = 0.1
 # Per process: (its lead, its untimed waits counted, the oldest one's age, its PID).
 Score = tuple[tuple[int, bool, bool], int, float | None, int]
 Scored = list[Score]
-# What dates the stop the waits are read against: an unanswered request's arrival, the last
-# write out of the service, or the one main thread that stopped in an untimed wait.
-DatedBy = Literal["request", "write", "main"]
 
 
 def find_culprit(v: ServiceVerdict, procs: Sequence[ProcessFacts]) -> ev.Culprit | None:
@@ -58,7 +55,9 @@ def find_culprit(v: ServiceVerdict, procs: Sequence[ProcessFacts]) -> ev.Culprit
        woken) is named, not the API server with its 4 request threads; a Serve replica, not
        Ray's autoscaler monitor. Where that singles out no one (another process's status write
        dated the stop) and exactly one main thread stopped in an untimed wait, that stop dates
-       the hang; that main thread then breaks no tie, since it chose the date.
+       the hang and the waits are counted again; among as many, the process that made the last
+       progress leads, then that main thread's (a Ray actor blocked on an Event, against an
+       idle worker whose pool thread parked with it).
     """
     if not procs:
         return None
@@ -78,9 +77,7 @@ def find_culprit(v: ServiceVerdict, procs: Sequence[ProcessFacts]) -> ev.Culprit
         n, neg_pid = max(held)
         return ev.Culprit(-neg_pid, comm[-neg_pid], "cycle") if n else None
     stop = v.oldest_request_s or v.seconds_since_progress
-    scored, dated = _scored_by_own_waits(
-        v, procs, stop, "request" if v.oldest_request_s else "write"
-    )
+    scored, dated = _scored_by_own_waits(v, procs, stop, by_write=not v.oldest_request_s)
     got = _leader(scored)
     if got is None and dated and not v.oldest_request_s:
         # The latest dated progress may be a status write that no thread stopped with (Ray's
@@ -94,7 +91,7 @@ def find_culprit(v: ServiceVerdict, procs: Sequence[ProcessFacts]) -> ev.Culprit
             if f.waits is not None and f.waits.main_untimed_s is not None
         ]
         if len(mains) == 1:
-            got = _leader(_scored_by_own_waits(v, procs, mains[0], "main")[0])
+            got = _leader(_scored_by_own_waits(v, procs, mains[0], by_write=False)[0])
     if got is None:
         return None
     _lead, untimed, age, pid = got
@@ -110,13 +107,13 @@ def _leader(scored: Scored) -> Score | None:
 
 
 def _scored_by_own_waits(
-    v: ServiceVerdict, procs: Sequence[ProcessFacts], stop: float, dated_by: DatedBy
+    v: ServiceVerdict, procs: Sequence[ProcessFacts], stop: float, by_write: bool
 ) -> tuple[Scored, bool]:
     """Rule 2 of find_culprit, per process: (its lead, its untimed waits, the oldest's age,
     its PID), dated against ``stop`` where the waits are (see find_culprit); and whether
-    they were dated. ``dated_by``: what ``stop`` is. Where a write dates it, only the process
-    that wrote, and whose main thread stopped then, counts its waits; where a main thread's
-    stop dates it, that main thread breaks no tie, since it chose the date."""
+    they were dated. ``by_write``: whether the last write out of the service dates ``stop``
+    (else a request's arrival, or a main thread's stop): then only the process that wrote,
+    and whose main thread stopped then, counts its waits."""
     scored: Scored = []
     band = max(CULPRIT_BAND_MIN_S, CULPRIT_BAND_RATIO * stop)
     dated = stop > 0 and any(f.waits is not None and f.waits.untimed_ages_s for f in procs)
@@ -140,8 +137,8 @@ def _scored_by_own_waits(
             # within 0.2 s of a blocked actor's, at 1, 5 and 15 s ago), a status writer's
             # thread parks again after each line (a driver's, after its event stats), and
             # an idle worker's main thread re-parked as an actor blocked.
-            counted = len(began) if dated_by != "write" or (wrote and main_then) else 0
-            lead = (counted, wrote, dated_by != "main" and main_then)
+            counted = len(began) if not by_write or (wrote and main_then) else 0
+            lead = (counted, wrote, main_then)
             scored.append((lead, len(began), max(began, default=None), f.sample.pid))
             continue
         untimed = sum(
