@@ -91,10 +91,13 @@ MIN_WINDOW_S = MIN_WINDOW.default
 # poll loop (Python's serve_forever wakes twice a second) uses ~0.01%; a torch rank polling
 # its own store every 10 ms while it waits for a peer, 1-2.5%.
 CPU_FLOOR_RATIO = Bounded("cpu_floor_ratio", None, 0.05, 0.0, 1.0)
-# ... and never less than this, so that a short tick does not count a wake-up as work: a
-# thread asleep on a 10 ms timer was seen charged 3-14 ms at once now and then. Below the
-# shortest interval, or no thread could ever work.
-CPU_FLOOR_MIN = Seconds("cpu_floor_min_seconds", None, 0.020, 0.0, INTERVAL.lo)
+# ... and never less than this, the floor at the default 1 s interval: a shorter tick
+# (diagnose reads every 0.5 s) must not count as work what a default tick leaves out. Ray's
+# dashboard agent, idle, runs its event loop for 17-28 ms every 10 s: a 0.5 s tick's 25 ms
+# caught it now and then, and an idle Serve app read progressing for that tick. A thread
+# asleep on a 10 ms timer was seen charged 3-14 ms at once. Below the shortest interval, or
+# no thread could ever work.
+CPU_FLOOR_MIN = Seconds("cpu_floor_min_seconds", None, 0.050, 0.0, INTERVAL.lo)
 # The Python stacks of one diagnose report, or of one daemon step's state changes, are read
 # within this in all: a server of 2,000 threads reads in well under a second, and a reader
 # that hangs must hold neither the engineer at the terminal nor the daemon's loop.

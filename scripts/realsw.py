@@ -15,6 +15,8 @@ import contextlib
 import hashlib
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -279,23 +281,35 @@ def main_thread_in(pid: int, nr: int) -> bool:
     return bool(words) and words[0] == str(nr)
 
 
-PTRACE_ATTACH, PTRACE_DETACH, WALL = 16, 17, 0x40000000
-
-
 def ptrace_stop(pid: int, seconds: float) -> None:
     """What a blocking stack dumper (py-spy dump, gdb -p) does to its target: ptrace-attach
-    every thread (each stops, leaving its wait), hold them ``seconds``, detach."""
-    import ctypes
+    every thread (each stops, leaving its wait), hold them ``seconds``, detach. Done from a
+    process of its own, as a dumper is: the target is our child, and a thread of ours waiting
+    to reap it (fixturelib's reaper) would take the attach's stop report from a tracer in
+    this process, leaving the tracer's own wait for it hanging (seen once in a test run)."""
+    subprocess.run(
+        [sys.executable, "-c", _PTRACE_STOP, str(pid), str(seconds)],
+        check=True,
+        timeout=seconds + 30,
+    )
 
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
-    attached = []
-    try:
-        for tid in sorted(int(t) for t in os.listdir(f"/proc/{pid}/task")):
-            if libc.ptrace(PTRACE_ATTACH, tid, None, None) == 0:
-                attached.append(tid)
-                os.waitpid(tid, WALL)  # until it has stopped
-        time.sleep(seconds)
-    finally:
-        for tid in attached:
-            libc.ptrace(PTRACE_DETACH, tid, None, None)
+
+# Run by ptrace_stop, in a process of its own: attach each thread, wait for it to stop,
+# hold, detach.
+_PTRACE_STOP = """
+import ctypes, os, sys, time
+PTRACE_ATTACH, PTRACE_DETACH, WALL = 16, 17, 0x40000000
+pid, seconds = int(sys.argv[1]), float(sys.argv[2])
+libc = ctypes.CDLL(None, use_errno=True)
+libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+attached = []
+try:
+    for tid in sorted(int(t) for t in os.listdir(f"/proc/{pid}/task")):
+        if libc.ptrace(PTRACE_ATTACH, tid, None, None) == 0:
+            attached.append(tid)
+            os.waitpid(tid, WALL)  # until it has stopped
+    time.sleep(seconds)
+finally:
+    for tid in attached:
+        libc.ptrace(PTRACE_DETACH, tid, None, None)
+"""

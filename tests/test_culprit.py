@@ -59,6 +59,32 @@ def untimed(tid: int, ago_s: float, uaddr: int | None = None) -> ThreadSample:
     return replace(parked(tid, uaddr=word, since=NOW - int(ago_s * S)), timed=False)
 
 
+def stopped(
+    samples: Sequence[ProcessSample],
+    since_s: float,
+    write: tuple[str, int] | None = None,
+    request: bool = False,
+) -> tuple[ServiceVerdict, list[ProcessFacts]]:
+    """The verdict on ``samples`` (their waits taken at NOW) and their facts, with no progress
+    for ``since_s``, dated by a write (target, pid) where one is given, or by an unanswered
+    request that came then (``request``)."""
+    procs = [facts(p, process_waits(p, NOW)) for p in samples]
+    v = verdict(procs)
+    v.seconds_since_progress = since_s
+    if request:
+        v.oldest_request_s = since_s
+    if write is not None:
+        v.reasons = [ev.LastProgress("write", write[0], write[1], since_s)]
+    return v, procs
+
+
+UP_S = 75.0  # a cluster up this long: no wait began in its processes' first seconds
+
+
+def up(sample: ProcessSample) -> ProcessSample:
+    return replace(sample, age_s=UP_S)
+
+
 # --- random services -------------------------------------------------------------------------
 
 
@@ -248,12 +274,12 @@ def test_thread_pools_parked_since_start_up_are_background() -> None:
     )
     procs = [facts(p, process_waits(p, NOW)) for p in (monitor, replica)]
     v = verdict(procs)
-    v.seconds_since_progress = 41.5  # the pending request's age
+    v.seconds_since_progress = v.oldest_request_s = 41.5  # the pending request's age
     got = find_culprit(v, procs)
     assert got is not None and (got.pid, got.threads) == (20, 1), got
     assert got.age_s == pytest.approx(41.0)
     # Without a time since progress the counts decide, as before: the monitor
-    v.seconds_since_progress = 0.0
+    v.seconds_since_progress = v.oldest_request_s = 0.0
     got = find_culprit(v, procs)
     assert got is not None and got.pid == 10, got
 
@@ -267,28 +293,27 @@ def test_the_process_whose_threads_began_to_wait_when_the_service_stopped() -> N
     api = process(314, *(untimed(3140 + i, 35.8) for i in range(4)), comm="python")
     engine = process(382, *(untimed(3820 + i, 36.8) for i in range(2)), comm="VLLM::EngineCor")
     worker = process(398, *(untimed(3980 + i, 37.7) for i in range(27)), comm="VLLM::Worker")
-    procs = [facts(p, process_waits(p, NOW)) for p in (api, engine, worker)]
-    v = verdict(procs)
-    v.seconds_since_progress = 35.84
+    v, procs = stopped((api, engine, worker), 35.84, request=True)
     got = find_culprit(v, procs)
     assert got is not None and (got.pid, got.threads) == (398, 27), got
 
 
-def test_among_as_many_the_process_whose_work_dates_the_stop() -> None:
+def test_a_write_dates_the_stop_of_the_process_that_made_it_if_its_main_thread_stopped() -> None:
     """Real Ray, an actor whose method ray.get()s another method of itself: its one untimed
     wait began when it logged its last line, 36 s ago; so did the log monitor's, woken by
-    that line. The actor made the last progress: it is named."""
+    that line. A status writer's thread parks again after each line just so (a Ray driver
+    was named, in a local run, by the wait its thread began after its event stats): no one
+    is named. Where the actor's main thread stopped then too, as in a hang of its own, the
+    actor is named, ahead of the log monitor."""
 
     actor = process(14532, untimed(14540, 35.7), comm="ray::Selfish.ou")
     log_monitor = process(14402, untimed(14410, 33.6), comm="python")
-    procs = [facts(p, process_waits(p, NOW)) for p in (log_monitor, actor)]
-    v = verdict(procs)
-    v.seconds_since_progress = 36.0
-    v.reasons = [ev.LastProgress("write", "python-core-worker.log", 14532, 36.0)]
-    got = find_culprit(v, procs)
-    assert got is not None and got.pid == 14532, got
-    v.reasons = []  # nothing dates it: a tie, no one named
+    v, procs = stopped((log_monitor, actor), 36.0, ("python-core-worker.log", 14532))
     assert find_culprit(v, procs) is None
+    actor = process(14532, untimed(14532, 35.9), untimed(14540, 35.7), comm="ray::Selfish.ou")
+    v, procs = stopped((log_monitor, actor), 36.0, ("python-core-worker.log", 14532))
+    got = find_culprit(v, procs)
+    assert got is not None and (got.pid, got.threads) == (14532, 2), got
 
 
 def test_a_status_write_after_the_hang_does_not_hide_the_one_main_thread_that_stopped() -> None:
@@ -298,17 +323,9 @@ def test_a_status_write_after_the_hang_does_not_hide_the_one_main_thread_that_st
     stopped 41 s ago, the only main thread in an untimed wait: the actor is named. With a
     second main thread stopped at another time, which one began the hang is unknown."""
 
-    # A cluster up for 75 s: the waits did not begin in the processes' first seconds.
-    gcs = replace(
-        process(7307, *(untimed(7310 + i, 70.0) for i in range(3)), comm="gcs_server"), age_s=75.0
-    )
-    actor = replace(
-        process(7484, untimed(7484, 41.2), untimed(7490, 41.0), comm="ray::Stuck.bloc"), age_s=75.0
-    )
-    procs = [facts(p, process_waits(p, NOW)) for p in (gcs, actor)]
-    v = verdict(procs)
-    v.seconds_since_progress = 10.3
-    v.reasons = [ev.LastProgress("write", "gcs_server.out", 7307, 10.3)]
+    gcs = up(process(7307, *(untimed(7310 + i, 70.0) for i in range(3)), comm="gcs_server"))
+    actor = up(process(7484, untimed(7484, 41.2), untimed(7490, 41.0), comm="ray::Stuck.bloc"))
+    v, procs = stopped((gcs, actor), 10.3, ("gcs_server.out", 7307))
     got = find_culprit(v, procs)
     assert got is not None and got.pid == 7484, got
     assert got.age_s == pytest.approx(41.2, abs=0.01)
@@ -317,7 +334,7 @@ def test_a_status_write_after_the_hang_does_not_hide_the_one_main_thread_that_st
     assert find_culprit(v, procs) is None
     v.oldest_request_s = 0.0
     # Two main threads stopped, 41 s and 25 s ago: none named, as before.
-    helper = replace(process(7500, untimed(7500, 25.0), comm="python"), age_s=75.0)
+    helper = up(process(7500, untimed(7500, 25.0), comm="python"))
     procs.append(facts(helper, process_waits(helper, NOW)))
     assert find_culprit(v, procs) is None
 
@@ -326,31 +343,33 @@ def test_the_process_whose_work_dates_the_stop_before_an_idle_worker_whose_main_
     """Real Ray, an actor calling itself (a CI run's numbers): the actor logged its last line
     35.9 s ago and one of its threads began an untimed wait then (its main thread waits in
     ray.get with a timeout); an idle worker's main thread woke and parked again 36.2 s ago, as
-    the actor blocked and gave its CPU back. The actor made the last progress: it is named,
-    not the idle worker. Had a status write dated the stop instead, the idle worker's main
-    thread would be the only one stopped in an untimed wait: it dates the hang, then ties with
-    the actor's thread, and no one is named."""
+    the actor blocked and gave its CPU back. Neither both wrote and stopped its main thread
+    then; the idle worker's main thread is the only one stopped in an untimed wait, so its
+    stop dates the hang, and at that date the actor, which made the last progress, leads."""
 
-    up = 75.0  # both started with the cluster: no wait in their first seconds
-    actor = replace(
-        process(
-            2630,
-            replace(parked(2630, uaddr=0x9000, since=NOW - int(35.9 * S)), timed=True),
-            untimed(2655, 35.6),
-            comm="ray::Selfish",
-        ),
-        age_s=up,
-    )
-    idle = replace(process(2629, untimed(2629, 36.2), comm="ray::IDLE"), age_s=up)
-    procs = [facts(p, process_waits(p, NOW)) for p in (idle, actor)]
-    v = verdict(procs)
-    v.seconds_since_progress = 35.867
-    v.reasons = [ev.LastProgress("write", "python-core-worker_2630.log", 2630, 35.867)]
+    main = replace(parked(2630, uaddr=0x9000, since=NOW - int(35.9 * S)), timed=True)
+    actor = up(process(2630, main, untimed(2655, 35.6), comm="ray::Selfish"))
+    idle = up(process(2629, untimed(2629, 36.2), comm="ray::IDLE"))
+    v, procs = stopped((idle, actor), 35.867, ("python-core-worker_2630.log", 2630))
     got = find_culprit(v, procs)
     assert got is not None and got.pid == 2630, got
-    v.seconds_since_progress = 10.3
-    v.reasons = [ev.LastProgress("write", "gcs_server.out", 2459, 10.3)]
-    assert find_culprit(v, procs) is None
+
+
+def test_the_one_main_thread_stopped_breaks_a_tie_with_the_pool_threads_that_parked_with_it():
+    """Real Ray, the driver in ray.get on an actor blocked on an Event (a local run's
+    numbers): the GCS's event stats dated the stop 10.7 s ago. The actor's main thread, the
+    only one stopped in an untimed wait, stopped 41.6 s ago; an idle worker's pool thread
+    parked 41.5 s ago and a helper's 39.3 s ago, with it. Three waits at that date, one in
+    each: the main thread's stop breaks the tie, and the actor is named."""
+
+    actor = up(process(1534, untimed(1534, 41.56), untimed(1540, 11.23), comm="ray::Stuck.bloc"))
+    idle = up(process(1535, untimed(1541, 41.50), untimed(1542, 1.56), comm="ray::IDLE"))
+    helper = up(process(1410, untimed(1411, 39.25), untimed(1412, 8.0), comm="python"))
+    gcs = up(process(1338, untimed(1339, 14.16), untimed(1343, 0.84), comm="gcs_server"))
+    v, procs = stopped((gcs, helper, idle, actor), 10.653, ("gcs_server.out", 1338))
+    got = find_culprit(v, procs)
+    assert got is not None and got.pid == 1534, got
+    assert got.age_s == pytest.approx(41.56, abs=0.01)
 
 
 def test_the_waits_a_status_write_woke_do_not_hide_the_one_main_thread_that_stopped() -> None:
@@ -360,23 +379,40 @@ def test_the_waits_a_status_write_woke_do_not_hide_the_one_main_thread_that_stop
     with it: four-way tie. The actor's main thread, the only one stopped in an untimed
     wait, stopped 41.2 s ago: that dates the hang, and the actor is named."""
 
-    up = 75.0
-    actor = replace(
-        process(11443, untimed(11443, 41.19), untimed(11450, 10.58), comm="ray::Stuck.bloc"),
-        age_s=up,
-    )
-    idle = replace(
-        process(11442, untimed(11449, 31.35), untimed(11451, 10.77), comm="ray::IDLE"), age_s=up
-    )
+    actor = up(process(11443, untimed(11443, 41.19), untimed(11450, 10.58), comm="ray::Stuck.bloc"))
+    idle = up(process(11442, untimed(11449, 31.35), untimed(11451, 10.77), comm="ray::IDLE"))
     helpers = [
-        replace(process(pid, untimed(pid * 10, ago)), age_s=up)
-        for pid, ago in ((11319, 9.30), (11258, 9.32))
+        up(process(pid, untimed(pid * 10, ago))) for pid, ago in ((11319, 9.3), (11258, 9.32))
     ]
-    gcs = replace(process(11200, untimed(11210, 2.76)), age_s=up)
-    procs = [facts(p, process_waits(p, NOW)) for p in (gcs, idle, actor, *helpers)]
-    v = verdict(procs)
-    v.seconds_since_progress = 11.355
-    v.reasons = [ev.LastProgress("write", "gcs_server.out", 11200, 11.355)]
+    gcs = up(process(11200, untimed(11210, 2.76)))
+    v, procs = stopped((gcs, idle, actor, *helpers), 11.355, ("gcs_server.out", 11200))
     got = find_culprit(v, procs)
     assert got is not None and got.pid == 11443, got
     assert got.age_s == pytest.approx(41.19, abs=0.01)
+
+
+def test_waits_near_a_status_write_count_only_in_a_process_that_stopped_with_it() -> None:
+    """Real Ray, an actor calling itself (a second CI run's numbers): the GCS dumped its event
+    stats 10.4 s ago, just before the observation, so that write dates the stop. An idle
+    worker's two pool threads had parked 11.3 and 10.5 s ago and the actor's one 10.3 s ago:
+    in local runs the two processes' pool threads re-park within 0.2 s of each other, at 1, 5
+    and 15 s ago. By count the idle worker led, and was named. No one is named: neither made
+    that write, nor has a main thread that stopped then (the actor's waits in ray.get with a
+    timeout). Nor where the driver's event stats dated the stop (a local run: 10.9 s before
+    the read) and its own thread parked again after writing them."""
+
+    gcs = up(process(14943, untimed(14950, 0.9), untimed(14951, 1.6), comm="gcs_server"))
+    idle = up(process(15120, untimed(15130, 11.33), untimed(15131, 10.48), comm="ray::IDLE"))
+    main = replace(parked(15121, uaddr=0x9000, since=NOW - int(41.0 * S)), timed=True)
+    actor = up(process(15121, main, untimed(15140, 10.33), comm="ray::Selfish.ou"))
+    v, procs = stopped((gcs, idle, actor), 10.402, ("gcs_server.out", 14943))
+    assert find_culprit(v, procs) is None
+    driver_main = replace(parked(14940, uaddr=0x9100, since=NOW - int(41.5 * S)), timed=True)
+    driver = up(process(14940, driver_main, untimed(14960, 10.9), comm="python"))
+    v, procs = stopped((driver, gcs, idle, actor), 10.93, ("python-core-driver.log", 14940))
+    assert find_culprit(v, procs) is None
+    # A request's arrival dates the stop of its own: the counts decide, and the idle worker
+    # leads (this shape never has one; the rule only ties waits to a write's date).
+    v, procs = stopped((gcs, idle, actor), 10.402, request=True)
+    got = find_culprit(v, procs)
+    assert got is not None and got.pid == 15120, got

@@ -90,6 +90,24 @@ def test_a_short_tick_keeps_its_floor():
     assert abs(tracker.parked_seconds(10, int(101.9 * S)) - 1.9) < 1e-6
 
 
+def test_a_half_second_tick_leaves_out_the_bursts_a_one_second_tick_does():
+    """Real Ray, idle: the dashboard agent's event loop runs 17-28 ms every 10 s. Diagnose
+    reads every 0.5 s: a burst that the default 1 s tick's floor (50 ms) leaves out is no
+    work in a shorter tick either, and a thread at 20% of a CPU still is."""
+    for tick_s in (0.5, 1.0):
+        tracker = ParkTracker()
+        cpu, t = 0, 100.0
+        for i in range(int(20 / tick_s)):
+            t += tick_s
+            cpu += 28 * MS if i % int(10 / tick_s) == 3 else 0
+            loop = ThreadSample(12, "ray::Dashboard", "S", cpu, last_ran_ns=int(t * S), syscall=232)
+            tracker.update(snap_at(t, process(10, parked(11, since=10 * S), loop)), PARK)
+            assert tracker.parks[10][12].parked, f"a {tick_s} s tick, tick {i}"
+        busy = replace(loop, cpu_ns=cpu + int(0.2 * tick_s * S))
+        tracker.update(snap_at(t + tick_s, process(10, parked(11, since=10 * S), busy)), PARK)
+        assert not tracker.parks[10][12].parked
+
+
 def test_a_ptrace_stopped_process_keeps_growing_its_park_time():
     """A debugger or ``py-spy dump`` stops every thread (state t) and lets it go: they run
     for a moment, show R or t, and use next to no CPU. None of that is work."""

@@ -20,7 +20,8 @@ CULPRIT_BAND_MIN_S = 2.0
 CULPRIT_BAND_RATIO = 0.1
 
 # Per process: (its lead, its untimed waits counted, the oldest one's age, its PID).
-Scored = list[tuple[tuple[int, bool, bool], int, float | None, int]]
+Score = tuple[tuple[int, bool, bool], int, float | None, int]
+Scored = list[Score]
 
 
 def find_culprit(v: ServiceVerdict, procs: Sequence[ProcessFacts]) -> ev.Culprit | None:
@@ -39,21 +40,24 @@ def find_culprit(v: ServiceVerdict, procs: Sequence[ProcessFacts]) -> ev.Culprit
        collective (one gloo thread waiting, with the collective's timeout, for its data); a
        child forked with a lock held against the parent joining it 5 s at a time.
        Where the waits are dated and the service's stop is known (when its oldest unanswered
-       request came, else its time without progress), only the untimed waits that began
-       when it stopped count (within CULPRIT_BAND_* of it; classify.process_waits has left out
-       those of each process's first STARTUP_S), no timed wait is taken off, and among as
-       many the process whose work dates the stop leads (a Ray actor's last log line, against
-       the log monitor that read it and the idle worker whose main thread re-parked as the
-       actor blocked), then the one whose main thread stopped then. Thread pools parked since start-up are
-       background, not evidence (every Ray process carries 6-10 gRPC threads in untimed
-       waits since it started, 10-20 more in timed waits on gRPC timers), and the age quoted
-       is the hang's, not the process's uptime. So vLLM's Worker (its main thread and the
-       26 gloo run-loop threads its step had woken) is named, not the API server with its 4
-       request threads; a Serve replica, not Ray's autoscaler monitor. Where that singles
-       out no one (another process's status write dated the stop, and no wait or only the
-       waits it woke began then) and exactly one main thread stopped in an untimed wait,
-       that stop dates the hang; that main thread then breaks no tie, since it chose the
-       date.
+       request came, else its time without progress), only the untimed waits that began when it
+       stopped count (within CULPRIT_BAND_* of it; classify.process_waits has left out those of
+       each process's first STARTUP_S), and no timed wait is taken off. Where a write dates the
+       stop, they count only in the process that made it and whose main thread stopped then, as
+       a hang there would: near a write, a count singles out chance (pool threads re-park on
+       shared timers), and so does a write alone (a status writer's thread parks again after
+       each line) or a main thread alone (a Ray idle worker's re-parked as an actor blocked).
+       Among as many, the process that made the last progress leads, then the one whose main
+       thread stopped then. Thread pools parked since start-up are background, not evidence
+       (every Ray process carries 6-10 gRPC threads in untimed waits since it started, 10-20
+       more in timed waits on gRPC timers), and the age quoted is the hang's, not the process's
+       uptime. So vLLM's Worker (its main thread and the 26 gloo run-loop threads its step had
+       woken) is named, not the API server with its 4 request threads; a Serve replica, not
+       Ray's autoscaler monitor. Where that singles out no one (another process's status write
+       dated the stop) and exactly one main thread stopped in an untimed wait, that stop dates
+       the hang and the waits are counted again; among as many, the process that made the last
+       progress leads, then that main thread's (a Ray actor blocked on an Event, against an
+       idle worker whose pool thread parked with it).
     """
     if not procs:
         return None
@@ -73,7 +77,7 @@ def find_culprit(v: ServiceVerdict, procs: Sequence[ProcessFacts]) -> ev.Culprit
         n, neg_pid = max(held)
         return ev.Culprit(-neg_pid, comm[-neg_pid], "cycle") if n else None
     stop = v.oldest_request_s or v.seconds_since_progress
-    scored, dated = _scored_by_own_waits(v, procs, stop)
+    scored, dated = _scored_by_own_waits(v, procs, stop, by_write=not v.oldest_request_s)
     got = _leader(scored)
     if got is None and dated and not v.oldest_request_s:
         # The latest dated progress may be a status write that no thread stopped with (Ray's
@@ -87,14 +91,14 @@ def find_culprit(v: ServiceVerdict, procs: Sequence[ProcessFacts]) -> ev.Culprit
             if f.waits is not None and f.waits.main_untimed_s is not None
         ]
         if len(mains) == 1:
-            got = _leader(_scored_by_own_waits(v, procs, mains[0], mains_break_ties=False)[0])
+            got = _leader(_scored_by_own_waits(v, procs, mains[0], by_write=False)[0])
     if got is None:
         return None
     _lead, untimed, age, pid = got
     return ev.Culprit(pid, comm[pid], "own waits", threads=untimed, age_s=age)
 
 
-def _leader(scored: Scored) -> tuple[tuple[int, bool, bool], int, float | None, int] | None:
+def _leader(scored: Scored) -> Score | None:
     """The process that leads the others by at least one wait, or None."""
     ranked = sorted(scored, key=lambda x: x[0], reverse=True)
     if not ranked or ranked[0][0][0] < 1 or (len(ranked) > 1 and ranked[1][0] >= ranked[0][0]):
@@ -103,12 +107,13 @@ def _leader(scored: Scored) -> tuple[tuple[int, bool, bool], int, float | None, 
 
 
 def _scored_by_own_waits(
-    v: ServiceVerdict, procs: Sequence[ProcessFacts], stop: float, mains_break_ties: bool = True
+    v: ServiceVerdict, procs: Sequence[ProcessFacts], stop: float, by_write: bool
 ) -> tuple[Scored, bool]:
     """Rule 2 of find_culprit, per process: (its lead, its untimed waits, the oldest's age,
     its PID), dated against ``stop`` where the waits are (see find_culprit); and whether
-    they were dated. ``mains_break_ties``: whether a main thread that stopped at ``stop``
-    breaks a tie (not where that main thread's stop is ``stop``)."""
+    they were dated. ``by_write``: whether the last write out of the service dates ``stop``
+    (else a request's arrival, or a main thread's stop): then only the process that wrote,
+    and whose main thread stopped then, counts its waits."""
     scored: Scored = []
     band = max(CULPRIT_BAND_MIN_S, CULPRIT_BAND_RATIO * stop)
     dated = stop > 0 and any(f.waits is not None and f.waits.untimed_ages_s for f in procs)
@@ -124,8 +129,16 @@ def _scored_by_own_waits(
             # (Ray's log monitor wakes on each line an actor logs; an idle worker's main
             # thread wakes and parks again as the actor blocks and gives its CPU back).
             main = f.waits.main_untimed_s
-            main_stopped = mains_break_ties and main is not None and abs(main - stop) <= band
-            lead = (len(began), f.sample.pid == last, main_stopped)
+            main_then = main is not None and abs(main - stop) <= band
+            wrote = f.sample.pid == last
+            # Against a write, waits count only in the process that wrote and whose main
+            # thread stopped then: what a hang there looks like. Each alone is chance in
+            # Ray: every worker's pool threads re-park on shared timers (an idle worker's
+            # within 0.2 s of a blocked actor's, at 1, 5 and 15 s ago), a status writer's
+            # thread parks again after each line (a driver's, after its event stats), and
+            # an idle worker's main thread re-parked as an actor blocked.
+            counted = len(began) if not by_write or (wrote and main_then) else 0
+            lead = (counted, wrote, main_then)
             scored.append((lead, len(began), max(began, default=None), f.sample.pid))
             continue
         untimed = sum(
