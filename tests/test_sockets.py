@@ -7,9 +7,15 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterable
 
+import pytest
+
+from agent.analysis.classify import waiting_for_answer
+from agent.observe import sockets as sockets_module
 from agent.observe.sampler import Sampler
 from agent.observe.sockets import SocketTables
 from agent.sources.procfs import ProcFS, TcpSocket
@@ -34,6 +40,7 @@ class Table(ProcFS):
         ports: Iterable[int] | None = None,
         listening: bool = False,
         families: Iterable[str] = ("tcp", "tcp6"),
+        info: bool = True,
     ) -> list[TcpSocket]:
         wanted = None if ports is None else set(ports)
         self.asked.append(wanted)
@@ -195,3 +202,84 @@ def test_known_connections_are_looked_up_by_their_4_tuples():
         time.sleep(0.05)
         again = {s.inode for s in lookup_sockets(table) or []}
         assert inode(accepted[0]) in again and len(again) == 4
+
+
+QUIET_SERVER = """
+import socket, sys, time
+srv = socket.socket()
+srv.bind(("127.0.0.1", 0))
+srv.listen(64)
+print(srv.getsockname()[1], flush=True)
+conns = [srv.accept()[0] for _ in range(int(sys.argv[1]))]
+print("ready", flush=True)
+time.sleep(600)  # quiet: no thread of it runs, nothing it holds is read or written
+"""
+
+
+@contextlib.contextmanager
+def quiet_server(n: int):
+    """A server process holding ``n`` accepted connections, asleep; the clients' ends."""
+    p = subprocess.Popen(
+        [sys.executable, "-c", QUIET_SERVER, str(n)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert p.stdout is not None
+        port = int(p.stdout.readline())
+        with contextlib.ExitStack() as stack:
+            clients = [
+                stack.enter_context(socket.create_connection(("127.0.0.1", port))) for _ in range(n)
+            ]
+            assert p.stdout.readline().strip() == "ready"
+            yield p.pid, port, clients
+    finally:
+        p.kill()
+        p.wait()
+
+
+@pytest.mark.parametrize("lookups", [True, False], ids=["looked-up", "dumped"])
+def test_a_quiet_servers_connections_keep_their_tcp_info_until_a_queue_moves(
+    monkeypatch: pytest.MonkeyPatch, lookups: bool
+) -> None:
+    """While no thread of the server runs, its connections' tcp_info is not read again: the
+    kept one, its times moved on, reads as the kernel's would. A request the server has not
+    read grows its receive queue: that connection's tcp_info is read, and it waits for an
+    answer."""
+    if not lookups:
+        monkeypatch.setattr(sockets_module, "MAX_LOOKUPS", 0)  # one dump by port instead
+    with quiet_server(12) as (pid, port, clients):
+        sampler = Sampler(ProcFS())
+        sampler.snapshot([pid])
+        sampler.snapshot([pid])  # the first tick it is known: read, then kept
+        before = sampler.infos_read
+        time.sleep(0.3)
+        conns = {c.inode: c for c in sampler.snapshot([pid]).processes[pid].connections}
+        kernel = read_tcp_info([("tcp", port)])
+        assert sampler.infos_read == before, "a quiet server's tcp_info was read again"
+        assert len(conns) == 12 and set(conns) <= set(kernel)
+        for inode_, c in conns.items():
+            k = kernel[inode_]
+            assert (c.bytes_received, c.bytes_acked) == (k.bytes_received, k.bytes_acked)
+            # jiffy granular (4 ms at HZ=250), read a moment apart: within a few jiffies
+            assert c.last_recv_ms is not None and abs(c.last_recv_ms - k.last_data_recv_ms) <= 12
+            assert c.last_sent_ms is not None and abs(c.last_sent_ms - k.last_data_sent_ms) <= 12
+            assert c.last_recv_ms >= 300 and not waiting_for_answer(c)
+        clients[0].sendall(b"GET / HTTP/1.1\r\n\r\n")
+        time.sleep(0.05)
+        got = sampler.snapshot([pid]).processes[pid].connections
+        asked = [c for c in got if c.rx_queue]
+        assert len(asked) == 1 and asked[0].bytes_received == 18 and waiting_for_answer(asked[0])
+        assert sampler.infos_read == before + 1  # that one connection's, no other
+
+
+def test_without_tcp_info_the_same_sockets_are_read():
+    with server_with_clients(4) as (srv, clients, _accepted):
+        port = srv.getsockname()[1]
+        clients[0].sendall(b"hello")
+        time.sleep(0.05)
+        full = read_sockets([("tcp", port)]) or []
+        bare = read_sockets([("tcp", port)], info=False) or []
+        assert [s._replace(info=None) for s in full] == bare and len(bare) == 5
+        assert all(s.info is not None for s in full if s.state == 1)
+        table = [s for s in full if s.state == 1]
+        looked = lookup_sockets(table, info=False) or []
+        assert sorted(looked) == sorted(s._replace(info=None) for s in table)

@@ -12,6 +12,7 @@ import os
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 from ..model import (
     FUTEX_CMD_MASK,
@@ -27,6 +28,7 @@ from ..model import (
     Refusal,
     Snapshot,
     SyscallLine,
+    TcpInfo,
     Threads,
     ThreadSample,
     WrittenFd,
@@ -94,6 +96,25 @@ class _ThreadRead:
         return is_blocked(self.state)
 
 
+class _KeptInfo(NamedTuple):
+    """A connection's tcp_info as last read from the kernel, to carry while nothing can
+    have moved it."""
+
+    queues: tuple[int, int]  # (rx_queue, tx_queue) at that read
+    read_ns: int  # the snapshot it was read in
+    info: TcpInfo
+
+
+def _aged(k: _KeptInfo, now: int) -> TcpInfo:
+    """The kept tcp_info as a read at ``now`` would give it: its last-data times older by
+    the time since it was read, its byte counts the same."""
+    ms = (now - k.read_ns) // 1_000_000
+    i = k.info
+    return TcpInfo(
+        i.last_data_recv_ms + ms, i.last_data_sent_ms + ms, i.bytes_received, i.bytes_acked
+    )
+
+
 @dataclass(frozen=True)
 class _Kept:
     """A process's last sample and what it was read from: reused whole, but for its sockets
@@ -148,6 +169,8 @@ class Sampler:
         self._next_kept: dict[int, _Kept] = {}
         self.sockets = SocketTables(self.proc)
         self._pipes: dict[int, frozenset[int]] = {}  # pid -> pipes_read, while it is quiet
+        self._infos: dict[int, _KeptInfo] = {}  # socket inode -> its last tcp_info read
+        self.infos_read = 0  # how many tcp_info were read from the kernel (tests, the bench)
 
     def snapshot(self, pids: Iterable[int], probe: ProbeReading | None = None) -> Snapshot:
         probe = probe or ProbeReading()
@@ -174,7 +197,7 @@ class Sampler:
             processes[pid], fds[pid], quiet = got
             if not quiet:
                 ran.add(pid)
-        self._read_sockets(processes, fds, ran)
+        self._read_sockets(processes, fds, ran, now)
         self._pipes = {p: v for p, v in self._pipes.items() if p in processes and p not in ran}
         self._plumbing = self._next_plumbing
         self._kept = self._next_kept
@@ -446,6 +469,7 @@ class Sampler:
         processes: dict[int, ProcessSample],
         fds: Mapping[int, Mapping[int, int]],
         ran: Collection[int],
+        now: int,
     ) -> None:
         """Give each process its listeners and established connections (with their queues):
         one read of its network namespace's table per tick, for the ports its watched
@@ -459,8 +483,18 @@ class Sampler:
         streamed in) and the last data moved dates a hang. Loopback chatter between the
         snapshot's own processes is left without. The table's read carries the tcp_info of
         the ports it asks for; where it did not (a whole table read, /proc/net/tcp), one
-        more netlink read per namespace gets it, filtered by local port."""
+        more netlink read per namespace gets it, filtered by local port.
+
+        Where none of a namespace's processes ran since the last tick, the table is read
+        without tcp_info, and a connection whose queues are as they were keeps the one last
+        read, its times moved on by the time since: with no thread of its holders running,
+        nothing was written to it or read from it, so no data left it and none arrived (an
+        arrival would sit in its receive queue), and its byte counts and last-data times
+        stand. A client's request to a hung server shows as a receive queue that grew, and
+        that connection's tcp_info is read. A holder that runs between the tick's reads of
+        its threads and of its sockets is seen running the next tick, and read then."""
         by_ns: dict[str, dict[int, Mapping[int, int]]] = {}
+        kept_infos: dict[int, _KeptInfo] = {}
         for pid, held in fds.items():
             if held:
                 ns = self.proc.net_namespace(pid) or f"pid:{pid}"
@@ -471,7 +505,8 @@ class Sampler:
             for pid, held in held_by.items():
                 for inode in held:
                     owners.setdefault(inode, []).append(pid)
-            table = self.sockets.read(ns, held_by, ran)
+            quiet = not any(pid in ran for pid in held_by)
+            table = self.sockets.read(ns, held_by, ran, info=not quiet)
             listening = {s.port for s in table if s.state == TCP_LISTEN}
             conns = [s for s in table if s.state == TCP_ESTABLISHED]
             ours = {endpoint(s.address, s.port) for s in conns}
@@ -481,10 +516,27 @@ class Sampler:
                 if s.port in listening or endpoint(s.remote_address, s.remote_port) not in ours
             }
             infos = {s.inode: s.info for s in conns if s.info and s.inode in accepted}
+            self.infos_read += len(infos)
+            if quiet:
+                for s in conns:
+                    k = self._infos.get(s.inode)
+                    if (
+                        k is not None
+                        and s.inode in accepted
+                        and k.queues == (s.rx_queue, s.tx_queue)
+                    ):
+                        infos[s.inode] = _aged(k, now)
+                        kept_infos[s.inode] = k
             unread = {where for inode, where in accepted.items() if inode not in infos}
             if unread:
                 got = self.proc.tcp_info(next(iter(held_by)), sorted(unread))
-                infos.update((i, info) for i, info in got.items() if i in accepted)
+                got = {i: info for i, info in got.items() if i in accepted and i not in infos}
+                infos.update(got)
+                self.infos_read += len(got)
+            for s in conns:
+                info = infos.get(s.inode)
+                if info is not None and s.inode not in kept_infos:
+                    kept_infos[s.inode] = _KeptInfo((s.rx_queue, s.tx_queue), now, info)
             listeners: dict[int, list[Listener]] = {pid: [] for pid in held_by}
             connections: dict[int, list[Connection]] = {pid: [] for pid in held_by}
             for s in table:
@@ -526,6 +578,7 @@ class Sampler:
                     listeners=tuple(listeners[pid]),
                     connections=tuple(connections[pid]),
                 )
+        self._infos = kept_infos
         self.sockets.forget(by_ns, {i for held in fds.values() for i in held})
 
     # --- reads asked for between snapshots --------------------------------------------------

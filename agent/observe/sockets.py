@@ -44,20 +44,25 @@ class SocketTables:
         self.dumps = 0  # how many reads walked the kernel's established table
 
     def read(
-        self, ns: str, fds: Mapping[int, Mapping[int, int]], ran: Collection[int]
+        self,
+        ns: str,
+        fds: Mapping[int, Mapping[int, int]],
+        ran: Collection[int],
+        info: bool = True,
     ) -> list[TcpSocket]:
         """The TCP sockets of namespace ``ns`` that the processes of ``fds`` (pid -> socket
         inode -> fd) hold; ``ran``: those of them that ran since the last tick (only they
-        can have bound, listened or connected a socket)."""
+        can have bound, listened or connected a socket). Their connections carry their
+        tcp_info unless ``info`` is False (a whole table read never does)."""
         owner = {inode: (pid, fd) for pid, held in fds.items() for inode, fd in held.items()}
         tcp = {inode for inode, (pid, fd) in owner.items() if self._is_tcp(inode, pid, fd)}
         pid = next(iter(fds))
         known = self._known.get(ns, {})
-        table = self._looked_up(pid, tcp, known)
+        table = self._looked_up(pid, tcp, known, info)
         if table is None:
             ports = {known[i].port for i in tcp if i in known}
             families = {known[i].family for i in tcp if i in known}
-            table = self.proc.tcp_sockets(pid, ports, families=families) if ports else []
+            table = self.proc.tcp_sockets(pid, ports, families=families, info=info) if ports else []
             self.dumps += bool(ports)
             missing = tcp - {s.inode for s in table}
             unlisted = self._unlisted.get(ns, frozenset())
@@ -71,7 +76,7 @@ class SocketTables:
         return mine
 
     def _looked_up(
-        self, pid: int, tcp: set[int], known: Mapping[int, TcpSocket]
+        self, pid: int, tcp: set[int], known: Mapping[int, TcpSocket], info: bool
     ) -> list[TcpSocket] | None:
         """Our sockets read again without walking the kernel's table of established
         sockets, where every one is known and few enough: each connection looked up by
@@ -85,7 +90,7 @@ class SocketTables:
         listening = {known[i].port for i in tcp if known[i].state == TCP_LISTEN}
         table = []
         if conns:
-            got = self.proc.tcp_lookup(pid, conns)
+            got = self.proc.tcp_lookup(pid, conns, info)
             if got is None:
                 return None
             table += got

@@ -604,12 +604,14 @@ class ProcFS:
         ports: Iterable[int] | None = None,
         listening: bool = False,
         families: Collection[str] = ("tcp", "tcp6"),
+        info: bool = True,
     ) -> list[TcpSocket]:
         """TCP sockets of the process's network namespace (containers have their own), those
         on the local ``ports`` only if given, listeners only if ``listening``, of ``families``
         only where ports are given (each family's dump walks the kernel's whole table):
         from the kernel's sock_diag (the kernel filters, no text to parse) where this reads
-        the real /proc, else, or where that fails, from /proc/PID/net/tcp{,6}."""
+        the real /proc, else, or where that fails, from /proc/PID/net/tcp{,6}. Those on
+        ``ports`` carry their tcp_info from sock_diag unless ``info`` is False."""
         wanted = None if ports is None else set(ports)
         if self._sockets is not None:
             theirs = self.net_namespace(pid)
@@ -618,7 +620,7 @@ class ProcFS:
             asked = None if wanted is None else [(f, p) for f in families for p in wanted]
             netns = None if theirs == self.net_namespace("self") else self._path(pid, "ns", "net")
             states = 1 << TCP_LISTEN if listening else ALL_STATES
-            got = self._sockets(asked, netns, states)
+            got = self._sockets(asked, netns, states, info)
             if got is not None:
                 return got
         out: list[TcpSocket] = []
@@ -632,17 +634,20 @@ class ProcFS:
             if (wanted is None or s.port in wanted) and (not listening or s.state == TCP_LISTEN)
         ]
 
-    def tcp_lookup(self, pid: int, sockets: Sequence[TcpSocket]) -> list[TcpSocket] | None:
+    def tcp_lookup(
+        self, pid: int, sockets: Sequence[TcpSocket], info: bool = True
+    ) -> list[TcpSocket] | None:
         """``sockets`` of the process's network namespace as they are now (those gone left
-        out), each looked up by its 4-tuple, with its tcp_info; None where that cannot be
-        done (a tree that is not the real /proc, netlink refused): read the table instead."""
+        out), each looked up by its 4-tuple, with its tcp_info unless ``info`` is False; None
+        where that cannot be done (a tree that is not the real /proc, netlink refused): read
+        the table instead."""
         if self._lookup is None:
             return None
         theirs = self.net_namespace(pid)
         if theirs is None:
             return None
         netns = None if theirs == self.net_namespace("self") else self._path(pid, "ns", "net")
-        return self._lookup(sockets, netns)
+        return self._lookup(sockets, netns, info)
 
     def maps(self, pid: int | str) -> list[MemMap]:
         text = self._read(pid, "maps")

@@ -110,10 +110,10 @@ class TcpSocket(NamedTuple):
 TcpInfoRead = Callable[[Iterable[tuple[str, int]] | None, str | None], dict[int, TcpInfo]]
 # How a namespace's sockets are listed (read_sockets): None when it cannot be.
 SocketsRead = Callable[
-    [Iterable[tuple[str, int]] | None, str | None, int], "list[TcpSocket] | None"
+    [Iterable[tuple[str, int]] | None, str | None, int, bool], "list[TcpSocket] | None"
 ]
 # How known sockets are looked up again (lookup_sockets): None when they cannot be.
-SocketsLookup = Callable[[Sequence[TcpSocket], str | None], "list[TcpSocket] | None"]
+SocketsLookup = Callable[[Sequence[TcpSocket], str | None, bool], "list[TcpSocket] | None"]
 
 
 def read_tcp_info(
@@ -296,15 +296,17 @@ def read_sockets(
     ports: Iterable[tuple[str, int]] | None = None,
     netns: str | None = None,
     states: int = ALL_STATES,
+    info: bool = True,
 ) -> list[TcpSocket] | None:
     """The TCP sockets of a network namespace (IPv4 and IPv6, every state but those no
     process holds), as /proc/net/tcp{,6} lists them, from one sock_diag dump per family.
     ``ports`` ((family, local port) pairs) are filtered by the kernel, and the established
-    ones then carry their tcp_info (one dump for both: a caller asks for its own ports);
-    None: the whole table, without tcp_info. ``netns``: as read_tcp_info. ``states``: a
-    bit per TCP state to list. None on any failure (the caller reads /proc/net/tcp)."""
+    ones then carry their tcp_info (one dump for both: a caller asks for its own ports)
+    unless ``info`` is False; None: the whole table, without tcp_info. ``netns``: as
+    read_tcp_info. ``states``: a bit per TCP state to list. None on any failure (the caller
+    reads /proc/net/tcp)."""
     out: list[TcpSocket] = []
-    ext = 0 if ports is None else 1 << (INET_DIAG_INFO - 1)
+    ext = 0 if ports is None or not info else 1 << (INET_DIAG_INFO - 1)
     try:
         requests = _requests(ports)
         if netns is None:
@@ -336,33 +338,35 @@ def _dump(
 
 
 def lookup_sockets(
-    sockets: Sequence[TcpSocket], netns: str | None = None
+    sockets: Sequence[TcpSocket], netns: str | None = None, info: bool = True
 ) -> list[TcpSocket] | None:
     """``sockets`` (established ones, from an earlier read) as they are now, with their
-    tcp_info, by an exact lookup of each 4-tuple: the kernel finds each in its hash table,
-    where a dump walks every bucket of it (262,144 here: about 1 ms per family, however few
-    sockets match). Those no longer there are left out. None on any failure."""
+    tcp_info unless ``info`` is False, by an exact lookup of each 4-tuple: the kernel finds
+    each in its hash table, where a dump walks every bucket of it (262,144 here: about 1 ms
+    per family, however few sockets match). Those no longer there are left out. None on any
+    failure."""
     out: list[TcpSocket] = []
     try:
         if netns is None:
-            _lookups(sockets, out)
+            _lookups(sockets, out, info)
         else:
-            _in_netns(netns, lambda: _lookups(sockets, out))
+            _in_netns(netns, lambda: _lookups(sockets, out, info))
     except (OSError, TimeoutError, ValueError) as e:
         log.debug("sockets not looked up (netns %s): %r", netns, e)
         return None
     return out
 
 
-def _lookup_request(s: TcpSocket, seq: int) -> bytes:
-    """The exact SOCK_DIAG_BY_FAMILY request for one socket (no dump), tcp_info asked."""
+def _lookup_request(s: TcpSocket, seq: int, info: bool = True) -> bytes:
+    """The exact SOCK_DIAG_BY_FAMILY request for one socket (no dump), tcp_info asked if
+    ``info``."""
     af = FAMILIES[s.family]
     size = 16
     src = socket.inet_pton(af, s.address).ljust(size, b"\0")
     dst = socket.inet_pton(af, s.remote_address).ljust(size, b"\0")
     sockid = struct.pack("!HH", s.port, s.remote_port) + src + dst
     sockid += struct.pack("=III", 0, 0xFFFFFFFF, 0xFFFFFFFF)  # any interface, no cookie
-    ext = 1 << (INET_DIAG_INFO - 1)
+    ext = 1 << (INET_DIAG_INFO - 1) if info else 0
     body = struct.pack("=BBBxI", af, socket.IPPROTO_TCP, ext, ALL_STATES) + sockid
     return (
         struct.pack("=IHHII", NLMSG_HDRLEN + len(body), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST, seq, 0)
@@ -370,14 +374,14 @@ def _lookup_request(s: TcpSocket, seq: int) -> bytes:
     )
 
 
-def _lookups(sockets: Sequence[TcpSocket], out: list[TcpSocket]) -> None:
+def _lookups(sockets: Sequence[TcpSocket], out: list[TcpSocket], info: bool) -> None:
     """Each lookup is answered by one message, the socket or an error (ENOENT: gone):
     asked LOOKUPS_PER_SEND at a time, so that the answers fit the receive buffer."""
     with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_SOCK_DIAG) as nl:
         nl.settimeout(NETNS_TIMEOUT_S)
         for at in range(0, len(sockets), LOOKUPS_PER_SEND):
             batch = sockets[at : at + LOOKUPS_PER_SEND]
-            nl.send(b"".join(_lookup_request(s, at + i + 1) for i, s in enumerate(batch)))
+            nl.send(b"".join(_lookup_request(s, at + i + 1, info) for i, s in enumerate(batch)))
             answered = 0
             while answered < len(batch):
                 data = nl.recv(RECV_BYTES)
