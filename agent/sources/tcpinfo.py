@@ -235,10 +235,11 @@ def _tcp_info(data: bytes, msg: int, end: int) -> TcpInfo | None:
     return TcpInfo(recv, sent, received, acked)
 
 
-def parse_sockets(data: bytes, out: list[TcpSocket]) -> bool:
+def parse_sockets(data: bytes, out: list[TcpSocket], info: bool = True) -> bool:
     """Add each socket of one netlink read of a dump to ``out``, as /proc/net/tcp would list
-    it, with its tcp_info where the dump carries it; True once the dump's end is read.
-    Sockets without an inode (TIME_WAIT: no process holds them) are left out."""
+    it, with its tcp_info where the dump carries it (``info``: whether it was asked for,
+    else not looked for); True once the dump's end is read. Sockets without an inode
+    (TIME_WAIT: no process holds them) are left out."""
     found, done = _messages(data)
     for msg, end in found:
         af, state, sport, dport, src, dst, rqueue, wqueue, inode = DIAG_MSG.unpack_from(data, msg)
@@ -249,7 +250,7 @@ def parse_sockets(data: bytes, out: list[TcpSocket]) -> bool:
         # acknowledged and not yet read; a listener's rx_queue is its accept queue, and its
         # tx_queue 0 there (sock_diag gives its backlog instead: left out, to read the same).
         tx = 0 if state == TCP_LISTEN else wqueue
-        info = _tcp_info(data, msg, end) if state == TCP_ESTABLISHED else None
+        tcpi = _tcp_info(data, msg, end) if info and state == TCP_ESTABLISHED else None
         out.append(
             TcpSocket(
                 FAMILY_NAMES[af],
@@ -261,10 +262,14 @@ def parse_sockets(data: bytes, out: list[TcpSocket]) -> bool:
                 inode,
                 _address(af, dst[:size]),
                 socket.ntohs(dport),
-                info,
+                tcpi,
             )
         )
     return done
+
+
+def _parse_sockets_bare(data: bytes, out: list[TcpSocket]) -> bool:
+    return parse_sockets(data, out, info=False)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -307,12 +312,14 @@ def read_sockets(
     reads /proc/net/tcp)."""
     out: list[TcpSocket] = []
     ext = 0 if ports is None or not info else 1 << (INET_DIAG_INFO - 1)
+    # Without tcp_info asked, it is not looked for in each message (the attribute walk).
+    parse = parse_sockets if ext else _parse_sockets_bare
     try:
         requests = _requests(ports)
         if netns is None:
-            _dump(requests, states, ext, parse_sockets, out)
+            _dump(requests, states, ext, parse, out)
         else:
-            _in_netns(netns, lambda: _dump(requests, states, ext, parse_sockets, out))
+            _in_netns(netns, lambda: _dump(requests, states, ext, parse, out))
     except (OSError, TimeoutError) as e:
         log.debug("sockets not read over netlink (netns %s): %r", netns, e)
         return None
@@ -385,10 +392,10 @@ def _lookups(sockets: Sequence[TcpSocket], out: list[TcpSocket], info: bool) -> 
             answered = 0
             while answered < len(batch):
                 data = nl.recv(RECV_BYTES)
-                answered += _answers(data, out)
+                answered += _answers(data, out, info)
 
 
-def _answers(data: bytes, out: list[TcpSocket]) -> int:
+def _answers(data: bytes, out: list[TcpSocket], info: bool) -> int:
     """Add the sockets one read of lookups' answers holds to ``out``; how many answers
     (sockets and errors) it held."""
     n, pos, end = 0, 0, len(data)
@@ -400,7 +407,7 @@ def _answers(data: bytes, out: list[TcpSocket]) -> int:
             n += 1  # this one socket is gone (or never was): left out
         elif kind == SOCK_DIAG_BY_FAMILY:
             n += 1
-            parse_sockets(data[pos : pos + length], out)
+            parse_sockets(data[pos : pos + length], out, info)
         pos += (length + 3) & ~3
     return n
 
