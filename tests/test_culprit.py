@@ -59,6 +59,11 @@ def untimed(tid: int, ago_s: float, uaddr: int | None = None) -> ThreadSample:
     return replace(parked(tid, uaddr=word, since=NOW - int(ago_s * S)), timed=False)
 
 
+def timed(tid: int, ago_s: float, uaddr: int) -> ThreadSample:
+    """A thread in a futex wait with a timeout (ray.get's) that began ``ago_s`` before NOW."""
+    return replace(parked(tid, uaddr=uaddr, since=NOW - int(ago_s * S)), timed=True)
+
+
 def stopped(
     samples: Sequence[ProcessSample],
     since_s: float,
@@ -347,7 +352,7 @@ def test_the_process_whose_work_dates_the_stop_before_an_idle_worker_whose_main_
     then; the idle worker's main thread is the only one stopped in an untimed wait, so its
     stop dates the hang, and at that date the actor, which made the last progress, leads."""
 
-    main = replace(parked(2630, uaddr=0x9000, since=NOW - int(35.9 * S)), timed=True)
+    main = timed(2630, 35.9, 0x9000)
     actor = up(process(2630, main, untimed(2655, 35.6), comm="ray::Selfish"))
     idle = up(process(2629, untimed(2629, 36.2), comm="ray::IDLE"))
     v, procs = stopped((idle, actor), 35.867, ("python-core-worker_2630.log", 2630))
@@ -403,11 +408,11 @@ def test_waits_near_a_status_write_count_only_in_a_process_that_stopped_with_it(
 
     gcs = up(process(14943, untimed(14950, 0.9), untimed(14951, 1.6), comm="gcs_server"))
     idle = up(process(15120, untimed(15130, 11.33), untimed(15131, 10.48), comm="ray::IDLE"))
-    main = replace(parked(15121, uaddr=0x9000, since=NOW - int(41.0 * S)), timed=True)
+    main = timed(15121, 41.0, 0x9000)
     actor = up(process(15121, main, untimed(15140, 10.33), comm="ray::Selfish.ou"))
     v, procs = stopped((gcs, idle, actor), 10.402, ("gcs_server.out", 14943))
     assert find_culprit(v, procs) is None
-    driver_main = replace(parked(14940, uaddr=0x9100, since=NOW - int(41.5 * S)), timed=True)
+    driver_main = timed(14940, 41.5, 0x9100)
     driver = up(process(14940, driver_main, untimed(14960, 10.9), comm="python"))
     v, procs = stopped((driver, gcs, idle, actor), 10.93, ("python-core-driver.log", 14940))
     assert find_culprit(v, procs) is None

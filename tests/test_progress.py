@@ -100,7 +100,7 @@ def test_a_half_second_tick_leaves_out_the_bursts_a_one_second_tick_does():
         for i in range(int(20 / tick_s)):
             t += tick_s
             cpu += 28 * MS if i % int(10 / tick_s) == 3 else 0
-            loop = ThreadSample(12, "ray::Dashboard", "S", cpu, last_ran_ns=int(t * S), syscall=232)
+            loop = timer_thread(12, cpu, caught_running=False, last_ran=int(t * S))
             tracker.update(snap_at(t, process(10, parked(11, since=10 * S), loop)), PARK)
             assert tracker.parks[10][12].parked, f"a {tick_s} s tick, tick {i}"
         busy = replace(loop, cpu_ns=cpu + int(0.2 * tick_s * S))
