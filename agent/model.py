@@ -252,6 +252,15 @@ class Connection:
         """The peer's end, as endpoint() gives it."""
         return _unmapped(self.remote_address), self.remote_port
 
+    def with_times(self, last_recv_ms: int, last_sent_ms: int) -> Connection:
+        """The same connection with its last-data times moved on. Copied, not built (a
+        front-end's thousand idle connections, every tick): a third of the cost."""
+        new = object.__new__(Connection)
+        fields = new.__dict__
+        fields.update(self.__dict__)
+        fields["last_recv_ms"], fields["last_sent_ms"] = last_recv_ms, last_sent_ms
+        return new
+
     def with_tcp_info(self, info: TcpInfo) -> Connection:
         # Built, not dataclasses.replace'd: a front-end's thousand connections, every tick.
         return Connection(
@@ -504,6 +513,7 @@ class ProbeReading:
     # TIDs the kernel keeps an entry for (watched processes): forget them once gone
     threads: frozenset[int] = frozenset()
     execs: tuple[ExecEvent, ...] = ()  # drained since the last read
+    renamed: tuple[int, ...] = ()  # TIDs of tasks renamed since the last read (not exec'd)
     # tgid -> (TID, start) of each in-flight wait with a start (from ``inflight``); None:
     # not given, derived from ``inflight`` (see waiting_by_process)
     waiting: Mapping[int, frozenset[tuple[int, int]]] | None = None

@@ -271,6 +271,31 @@ def test_a_quiet_servers_connections_keep_their_tcp_info_until_a_queue_moves(
         assert sampler.infos_read == before + 1  # that one connection's, no other
 
 
+def test_a_quiet_namespace_handed_out_again_reads_as_built_afresh() -> None:
+    """While nothing in the namespace moved, the last tick's sockets are handed out again,
+    their kept tcp_info aged: the same as building them from the table again would give."""
+    now = [10**12]
+    with quiet_server(6) as (pid, _port, clients):
+        clients[0].sendall(b"GET / HTTP/1.1\r\n\r\n")  # one request waits, unread
+        time.sleep(0.05)
+        sampler = Sampler(ProcFS(), clock_ns=lambda: now[0])
+        for _ in range(3):
+            now[0] += 1_000_000_000
+            sampler.snapshot([pid])
+        reused = sampler.tables_reused
+        now[0] += 2_500_000_000
+        again = sampler.snapshot([pid]).processes[pid]
+        assert sampler.tables_reused == reused + 1
+        sampler._ns_reads.clear()  # as if never read: built from the table
+        built = sampler.snapshot([pid]).processes[pid]
+        assert sampler.tables_reused == reused + 1
+    assert again.connections == built.connections and again.listeners == built.listeners
+    assert (
+        len(again.connections) == 6 and sum(waiting_for_answer(c) for c in again.connections) == 1
+    )
+    assert min(c.last_recv_ms or 0 for c in again.connections) >= 4_500  # aged by the clock
+
+
 def test_without_tcp_info_the_same_sockets_are_read():
     with server_with_clients(4) as (srv, clients, _accepted):
         port = srv.getsockname()[1]

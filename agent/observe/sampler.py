@@ -37,7 +37,7 @@ from ..model import (
     is_blocked,
     thread_ids,
 )
-from ..sources.procfs import MemMap, ProcessMemory, ProcFS
+from ..sources.procfs import MemMap, ProcessMemory, ProcFS, TcpSocket
 from ..sources.tcpinfo import TCP_ESTABLISHED, TCP_LISTEN
 from ..syscalls import FUTEX, SYS_FUTEX, SYS_FUTEX_WAIT, futex_private, syscall_wait, wait_kind
 from .sockets import SocketTables
@@ -115,6 +115,24 @@ def _aged(k: _KeptInfo, now: int) -> TcpInfo:
     )
 
 
+def _aged_connection(c: Connection, k: _KeptInfo, now: int) -> Connection:
+    """``c``, whose tcp_info is ``k``, as a read at ``now`` would give it (as _aged)."""
+    ms = (now - k.read_ns) // 1_000_000
+    return c.with_times(k.info.last_data_recv_ms + ms, k.info.last_data_sent_ms + ms)
+
+
+class _NsRead(NamedTuple):
+    """A network namespace's sockets as the last tick read them and handed them out."""
+
+    held_by: dict[int, Mapping[int, int]]  # pid -> socket inode -> fd
+    table: list[TcpSocket]
+    listeners: dict[int, tuple[Listener, ...]]  # pid -> its listeners
+    # pid -> its connections, each with the tcp_info kept for it (None: it has none)
+    connections: dict[int, list[tuple[_KeptInfo | None, Connection]]]
+    infos: dict[int, _KeptInfo]  # inode -> the tcp_info kept for it
+    complete: bool  # every connection that should carry tcp_info does
+
+
 @dataclass(frozen=True)
 class _Kept:
     """A process's last sample and what it was read from: reused whole, but for its sockets
@@ -170,7 +188,9 @@ class Sampler:
         self.sockets = SocketTables(self.proc)
         self._pipes: dict[int, frozenset[int]] = {}  # pid -> pipes_read, while it is quiet
         self._infos: dict[int, _KeptInfo] = {}  # socket inode -> its last tcp_info read
+        self._ns_reads: dict[str, _NsRead] = {}  # network namespace -> its last read
         self.infos_read = 0  # how many tcp_info were read from the kernel (tests, the bench)
+        self.tables_reused = 0  # namespaces handed out as the last tick read them (tests)
 
     def snapshot(self, pids: Iterable[int], probe: ProbeReading | None = None) -> Snapshot:
         probe = probe or ProbeReading()
@@ -495,6 +515,7 @@ class Sampler:
         its threads and of its sockets is seen running the next tick, and read then."""
         by_ns: dict[str, dict[int, Mapping[int, int]]] = {}
         kept_infos: dict[int, _KeptInfo] = {}
+        ns_reads: dict[str, _NsRead] = {}
         for pid, held in fds.items():
             if held:
                 ns = self.proc.net_namespace(pid) or f"pid:{pid}"
@@ -507,6 +528,29 @@ class Sampler:
                     owners.setdefault(inode, []).append(pid)
             quiet = not any(pid in ran for pid in held_by)
             table = self.sockets.read(ns, held_by, ran, info=not quiet)
+            last = self._ns_reads.get(ns)
+            if (
+                quiet
+                and last is not None
+                and last.complete
+                and last.table == table
+                and last.held_by == held_by
+            ):
+                # The same sockets in the same states with the same queues, held by the same
+                # quiet processes: what the code below would give, its kept tcp_info aged,
+                # without building it again (a front-end's thousand idle connections).
+                for pid in held_by:
+                    aged = tuple(
+                        c if k is None else _aged_connection(c, k, now)
+                        for k, c in last.connections[pid]
+                    )
+                    processes[pid] = replace(
+                        processes[pid], listeners=last.listeners[pid], connections=aged
+                    )
+                kept_infos.update(last.infos)
+                ns_reads[ns] = last
+                self.tables_reused += 1
+                continue
             listening = {s.port for s in table if s.state == TCP_LISTEN}
             conns = [s for s in table if s.state == TCP_ESTABLISHED]
             ours = {endpoint(s.address, s.port) for s in conns}
@@ -538,7 +582,9 @@ class Sampler:
                 if info is not None and s.inode not in kept_infos:
                     kept_infos[s.inode] = _KeptInfo((s.rx_queue, s.tx_queue), now, info)
             listeners: dict[int, list[Listener]] = {pid: [] for pid in held_by}
-            connections: dict[int, list[Connection]] = {pid: [] for pid in held_by}
+            connections: dict[int, list[tuple[_KeptInfo | None, Connection]]] = {
+                pid: [] for pid in held_by
+            }
             for s in table:
                 if s.state == TCP_LISTEN:
                     lst = Listener(s.family, s.address, s.port, s.rx_queue, s.tx_queue)
@@ -570,15 +616,26 @@ class Sampler:
                             info.bytes_received,
                             info.bytes_acked,
                         )
+                    entry = (kept_infos.get(s.inode), conn)
                     for pid in owners[s.inode]:
-                        connections[pid].append(conn)
+                        connections[pid].append(entry)
+            theirs = {pid: tuple(listeners[pid]) for pid in held_by}
             for pid in held_by:
                 processes[pid] = replace(
                     processes[pid],
-                    listeners=tuple(listeners[pid]),
-                    connections=tuple(connections[pid]),
+                    listeners=theirs[pid],
+                    connections=tuple(c for _, c in connections[pid]),
                 )
+            ns_reads[ns] = _NsRead(
+                held_by,
+                table,
+                theirs,
+                connections,
+                {i: kept_infos[i] for i in accepted if i in kept_infos},
+                all(i in infos for i in accepted),
+            )
         self._infos = kept_infos
+        self._ns_reads = ns_reads
         self.sockets.forget(by_ns, {i for held in fds.values() for i in held})
 
     # --- reads asked for between snapshots --------------------------------------------------

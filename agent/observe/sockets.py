@@ -40,6 +40,10 @@ class SocketTables:
         # ns -> our TCP inodes that even the whole table did not list (not yet bound, or
         # connecting): asked for again once their process has run
         self._unlisted: dict[str, frozenset[int]] = {}
+        # ns -> the fds last asked for, who holds each socket inode, and which are TCP
+        self._held: dict[
+            str, tuple[dict[int, Mapping[int, int]], dict[int, tuple[int, int]], set[int]]
+        ] = {}
         self.whole_reads = 0  # how many times a whole table was read (tests, the bench)
         self.dumps = 0  # how many reads walked the kernel's established table
 
@@ -54,8 +58,14 @@ class SocketTables:
         inode -> fd) hold; ``ran``: those of them that ran since the last tick (only they
         can have bound, listened or connected a socket). Their connections carry their
         tcp_info unless ``info`` is False (a whole table read never does)."""
-        owner = {inode: (pid, fd) for pid, held in fds.items() for inode, fd in held.items()}
-        tcp = {inode for inode, (pid, fd) in owner.items() if self._is_tcp(inode, pid, fd)}
+        held = self._held.get(ns)
+        if held is not None and held[0] == fds:
+            # The same processes hold the same sockets (quiet ones always do): no walk.
+            owner, tcp = held[1], held[2]
+        else:
+            owner = {inode: (pid, fd) for pid, got in fds.items() for inode, fd in got.items()}
+            tcp = {inode for inode, (pid, fd) in owner.items() if self._is_tcp(inode, pid, fd)}
+            self._held[ns] = (dict(fds), owner, tcp)
         pid = next(iter(fds))
         known = self._known.get(ns, {})
         table = self._looked_up(pid, tcp, known, info)
@@ -71,7 +81,8 @@ class SocketTables:
                 self.whole_reads += 1
                 self.dumps += 1
         mine = [s for s in table if s.inode in owner]
-        self._known[ns] = {s.inode: s for s in mine}
+        if ns not in self._known or mine != list(known.values()):
+            self._known[ns] = {s.inode: s for s in mine}
         self._unlisted[ns] = frozenset(tcp - self._known[ns].keys())
         return mine
 
@@ -108,6 +119,7 @@ class SocketTables:
         self._tcp = {i: v for i, v in self._tcp.items() if i in live_inodes}
         self._known = {ns: v for ns, v in self._known.items() if ns in live_namespaces}
         self._unlisted = {ns: v for ns, v in self._unlisted.items() if ns in live_namespaces}
+        self._held = {ns: v for ns, v in self._held.items() if ns in live_namespaces}
 
     def _is_tcp(self, inode: int, pid: int, fd: int) -> bool:
         known = self._tcp.get(inode)
