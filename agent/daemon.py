@@ -245,6 +245,9 @@ class Daemon:
         session = self.session
         assert session is not None, "step() before a session was attached"
         gpu = self._read_gpu(session)
+        renewed = session.probe.take_execs() if session.probe is not None else None
+        self.discovery.changes_reported = renewed is not None
+        self.discovery.exec_seen(renewed or ())
         services = self._timed(DISCOVERY, self.discovery.scan)
         if services is not None:
             self.services = services
@@ -254,7 +257,7 @@ class Daemon:
         if tick is None:
             return
         # A process that exec'd is matched again by its new command line.
-        self.discovery.exec_seen(e.tgid for e in tick.reading.execs)
+        self.discovery.exec_seen([*(e.tgid for e in tick.reading.execs), *tick.reading.renamed])
         self._forget_gone(session, tick)
         verdicts = session.verdicts()
         self._log_changes(verdicts, tick)

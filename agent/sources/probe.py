@@ -59,7 +59,10 @@ OPTIONAL_SYSCALLS = {
     "splice": "HAVE_SPLICE",
 }
 # Other tracepoints compiled in only where the kernel has them: (category, name) -> -D flag.
-OPTIONAL_TRACEPOINTS = {("sched", "sched_process_exec"): "HAVE_SCHED_PROCESS_EXEC"}
+OPTIONAL_TRACEPOINTS = {
+    ("sched", "sched_process_exec"): "HAVE_SCHED_PROCESS_EXEC",
+    ("task", "task_rename"): "HAVE_TASK_RENAME",
+}
 
 STATS_SYSCTL = Path("/proc/sys/kernel/bpf_stats_enabled")
 # Ring-buffer records held in memory between two reads; beyond, they count as dropped.
@@ -334,7 +337,10 @@ class KernelProbes:
             f"-DWATCHED_WORDS={watched_words(self._proc.pid_max())}",
             *(f"-D{name}={size}" for name, size in (map_sizes or {}).items()),
         ]
-        self._bpf = self._load(bpf_class, bpf_dir, [*settings, *optional_flags(bpf_class)])
+        optional = optional_flags(bpf_class)
+        # Every exec and rename is an event only with both tracepoints: see take_execs.
+        self._all_renames = {"-DHAVE_SCHED_PROCESS_EXEC", "-DHAVE_TASK_RENAME"} <= set(optional)
+        self._bpf = self._load(bpf_class, bpf_dir, [*settings, *optional])
         release_compiler_memory(self._proc)
         self.programs = self._bpf.num_open_tracepoints()
         self._open_maps()
@@ -383,19 +389,23 @@ class KernelProbes:
         self._events: list[ProbeEvent] = []
         self._socket_events: list[SocketEvent] = []
         self._execs: list[ExecEvent] = []
+        self._renamed: list[int] = []
         self._event_kinds = {
             self._defs["HW_EVENT_LONG_WAIT"]: "long-wait",
             self._defs["HW_EVENT_EDEADLK"]: "edeadlk",
             self._defs["HW_EVENT_BIND"]: "bind",
             self._defs["HW_EVENT_LISTEN"]: "listen",
             self._defs["HW_EVENT_EXEC"]: "exec",
+            self._defs["HW_EVENT_RENAME"]: "rename",
         }
         self._overflow = 0  # records dropped here because nobody read them: see drain()
+        self._dropped_seen = 0  # records dropped (here and in the kernel) at take_execs
         self._ring = self._bpf[b"events"]
         self._ring.open_ring_buffer(self._on_event)
 
     def _on_event(self, _ctx: object, data: int, _size: int) -> None:
-        if len(self._events) + len(self._socket_events) + len(self._execs) >= MAX_PENDING_EVENTS:
+        pending = len(self._events) + len(self._socket_events) + len(self._execs)
+        if pending + len(self._renamed) >= MAX_PENDING_EVENTS:
             self._overflow += 1
             return
         e = self._ring.event(data)
@@ -406,6 +416,8 @@ class KernelProbes:
             )
         elif kind == "exec":
             self._execs.append(ExecEvent(e.ts_ns, e.tgid))
+        elif kind == "rename":
+            self._renamed.append(e.tid)
         else:
             self._events.append(
                 ProbeEvent(kind, e.ts_ns, e.tgid, e.tid, e.uaddr, e.op, e.duration_ns, e.ret)
@@ -537,11 +549,26 @@ class KernelProbes:
         self._bpf.ring_buffer_poll(max(0, int(seconds * 1000)))
         self._bpf.ring_buffer_consume()  # records submitted without a wakeup (execs) too
 
+    def take_execs(self) -> list[int] | None:
+        """The PIDs that exec'd or were renamed since the last call (or read()), taken out
+        of the next reading; None where some may be missing: a tracepoint this kernel lacks,
+        or records dropped since the last call. Cheap: the ring buffer and one counter."""
+        self._bpf.ring_buffer_consume()
+        execs, self._execs = self._execs, []
+        renamed, self._renamed = self._renamed, []
+        dropped = self._overflow + sum(
+            c.events_dropped for per_cpu in self._counters.values() for c in per_cpu
+        )
+        complete = self._all_renames and dropped == self._dropped_seen
+        self._dropped_seen = dropped
+        return [e.tgid for e in execs] + renamed if complete else None
+
     def read(self) -> ProbeReading:
         self._bpf.ring_buffer_consume()  # every record, woken for or not
         events, self._events = tuple(self._events), []
         sockets, self._socket_events = tuple(self._socket_events), []
         execs, self._execs = tuple(self._execs), []
+        renamed, self._renamed = tuple(self._renamed), []
         inflight, tracked, dead = self._waits()
         # Refusals of unwatched processes are not the caller's business until the process is
         # watched; they are dropped here once their thread is gone, since no caller would
@@ -579,6 +606,7 @@ class KernelProbes:
             writes=writes,
             threads=frozenset(tracked),
             execs=execs,
+            renamed=renamed,
             waiting=self._waiting,
         )
 

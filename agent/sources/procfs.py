@@ -378,6 +378,14 @@ class ProcFS:
     def pids(self) -> list[int]:
         return [int(n) for n in os.listdir(self.root) if n.isascii() and n.isdigit()]
 
+    def pid_inodes(self) -> dict[int, int]:
+        """PID -> the inode of its /proc entry, from one directory read: a process keeps its
+        entry's inode for its life, and a new process on a reused PID gets another."""
+        with os.scandir(self.root) as entries:
+            return {
+                int(e.name): e.inode() for e in entries if e.name.isascii() and e.name.isdigit()
+            }
+
     def stat(self, pid: int) -> ProcStat | None:
         text = self._read(pid, "stat")
         return parse_stat(text) if text else None

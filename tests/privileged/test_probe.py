@@ -146,6 +146,34 @@ def test_exec_reported_for_every_process(open_probes: OpenProbes) -> None:
     assert_nothing_lost(seen.last)
 
 
+@pytest.mark.parametrize("how", ["prctl", "comm-file"])
+def test_renames_and_execs_are_taken_before_the_read(open_probes: OpenProbes, how: str) -> None:
+    """A process that renames itself (no exec) is reported by its PID, as an exec is, so that
+    discovery knows it changed; what take_execs took is not in the next reading."""
+    probes = open_probes()
+    assert probes.take_execs() is not None, "a tracepoint missing: sched_process_exec, task_rename"
+    args = ["hw-renamed"] + (["--from-thread"] if how == "comm-file" else [])
+    with Fixture.py("renamer", *args, ready="STARTED") as fx:
+        taken: list[int] = []
+        deadline = time.monotonic() + 5
+        while fx.pid not in taken:  # its own exec, at start
+            assert time.monotonic() < deadline, f"no exec of {fx.pid} taken: {taken}"
+            taken += probes.take_execs() or []
+            time.sleep(0.02)
+        fx.send("go")
+        fx.wait_for("RENAMED")
+        assert Path(f"/proc/{fx.pid}/comm").read_text().strip() == "hw-renamed"
+        deadline = time.monotonic() + 5
+        renamed: list[int] = []
+        while fx.pid not in renamed:
+            assert time.monotonic() < deadline, f"no rename of {fx.pid} taken: {renamed}"
+            renamed += probes.take_execs() or []
+            time.sleep(0.02)
+        r = probes.read()
+    assert fx.pid not in [e.tgid for e in r.execs], r.execs
+    assert_nothing_lost(r)
+
+
 # --- accepts and writes: watched processes only --------------------------------------------
 
 
