@@ -131,7 +131,10 @@ def _process_status(
     )
 
 
-DRAIN_SLICE_S = 0.1  # the loop's wait is cut into drains this short, so a stop is seen soon
+# The loop's wait is cut into drains this short, so that a stop set by another thread is
+# seen soon; a signal's ends the drain at once (it interrupts the poll, the main thread's).
+# Each drain wakes the daemon: at 0.1 s, ten wakeups a second cost 0.3% of a core here.
+DRAIN_SLICE_S = 0.5
 
 
 def _as_reported(reading: GpuReading) -> CollectorStatus:
