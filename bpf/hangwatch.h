@@ -38,6 +38,7 @@
 #define HW_EVENT_RENAME 6    /* a task renamed (its TID), any process: the same */
 
 #define HW_EDEADLK 35
+#define HW_EAGAIN 11 /* a futex wait whose word had changed: it returned without sleeping */
 #define HW_AF_INET 2
 #define HW_AF_INET6 10
 

@@ -298,6 +298,24 @@ def test_edeadlk_reported_for_unwatched_process(open_probes: OpenProbes) -> None
     assert_nothing_lost(r)
 
 
+def test_a_wait_refused_at_once_is_counted_in_the_first_slot(open_probes: OpenProbes) -> None:
+    """A futex wait the kernel refuses at once (EAGAIN) never slept: the first histogram slot,
+    with no clock read; one that slept for its 50 ms timeout goes to its log2 slot."""
+    probes = open_probes()
+    with Fixture.py("futex_calls", "500", ready="STARTED") as fx:
+        probes.watch([fx.pid])
+        fx.send("go")
+        fx.wait_for("DONE")
+        r = probes.read()
+    slots = r.wait_histogram.get(fx.pid, {})
+    assert slots.get(0, 0) >= 500, slots
+    # 50 ms or a little more (a late timer): [2^25, 2^26) ns, or the next slot
+    assert sum(n for slot, n in slots.items() if slot >= 10) == 1, slots
+    assert slots.get(25, 0) + slots.get(26, 0) == 1, slots
+    assert not any(n for slot, n in slots.items() if 0 < slot < 10), slots  # none under 1 us
+    assert_nothing_lost(r)
+
+
 # --- bookkeeping ---------------------------------------------------------------------------
 
 
