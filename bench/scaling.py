@@ -1,8 +1,8 @@
 """The scaling part of the benchmark suite: what the daemon costs as the host grows.
 
 One daemon at interval 1 s watches the bench workloads; each row adds a host shape (parked
-threads in rank-like processes of 200, a front-end holding idle keep-alive connections, or
-both) and measures the daemon's CPU over a period with nothing scraping it, then its tick
+threads in rank-like processes of 200, a front-end holding idle keep-alive connections, both,
+or processes the daemon does not watch, as a node's agents, runtimes and shells) and measures the daemon's CPU over a period with nothing scraping it, then its tick
 time from a few scrapes. The first row is the same daemon watching nothing, in the same run:
 every other row's cost is read against it, and divided by the threads or connections added,
 is the growth per unit (what a tick spends on a thread or a connection that did nothing).
@@ -11,7 +11,9 @@ is the growth per unit (what a tick spends on a thread or a connection that did 
 from __future__ import annotations
 
 import contextlib
+import os
 import resource
+import signal
 import statistics
 import subprocess
 import sys
@@ -27,6 +29,7 @@ INTERVAL = 1.0
 THREADS_PER_RANK = 200
 THREAD_ROWS = (200, 1_600, 6_400)
 CONN_ROWS = (100, 1_000, 10_000)
+OTHERS_ROW = 500  # processes that are not watched: what a node runs besides the engine
 TARGET = (1_600, 1_000)  # the shape of a loaded 8-GPU node the target is set on
 TARGET_CPU_PCT = 2.0  # of one core, for TARGET at interval 1 s
 RSS_TARGET_MB = 150.0
@@ -43,11 +46,24 @@ print("CONNECTED", len(conns), flush=True)
 time.sleep(1e9)
 """
 
+# The other processes: one that forks them, each asleep in pause(); its own process group,
+# so that one kill ends them all.
+OTHERS = """
+import os, signal, sys
+for _ in range(int(sys.argv[1])):
+    if os.fork() == 0:
+        signal.pause()
+        os._exit(0)
+print("FORKED", flush=True)
+signal.pause()
+"""
+
 
 @dataclass(frozen=True)
 class Row:
     threads: int
     conns: int
+    others: int = 0  # processes not watched
 
     @property
     def label(self) -> str:
@@ -57,6 +73,8 @@ class Row:
             parts.append(f"{self.threads:,} parked threads ({ranks} x {THREADS_PER_RANK})")
         if self.conns:
             parts.append(f"{self.conns:,} idle connections")
+        if self.others:
+            parts.append(f"{self.others:,} other processes (not watched)")
         return " + ".join(parts) or "watching nothing"
 
 
@@ -75,6 +93,7 @@ def rows(quick: bool) -> list[Row]:
         Row(0, 0),
         *(Row(n, 0) for n in threads),
         *(Row(0, n) for n in conns),
+        Row(0, 0, OTHERS_ROW if not quick else 50),
         Row(*TARGET),
     ]
 
@@ -104,7 +123,17 @@ def shape(exe: Path, d: Daemon, row: Row, burst: list[float]) -> Iterator[None]:
     tick times seen while they came up (all threads parking, all clients connecting)."""
     procs: list[Workload] = []
     clients: subprocess.Popen[str] | None = None
+    others: subprocess.Popen[str] | None = None
     try:
+        if row.others:
+            others = subprocess.Popen(
+                [sys.executable, "-c", OTHERS, str(row.others)],
+                stdout=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+            )
+            assert others.stdout is not None
+            assert others.stdout.readline().startswith("FORKED")
         remaining = row.threads
         while remaining > 0:
             n = min(THREADS_PER_RANK, remaining)
@@ -147,6 +176,9 @@ def shape(exe: Path, d: Daemon, row: Row, burst: list[float]) -> Iterator[None]:
             time.sleep(INTERVAL / 4)
         yield
     finally:
+        if others is not None:
+            os.killpg(others.pid, signal.SIGKILL)
+            others.wait()
         if clients is not None:
             clients.kill()
             clients.wait()
@@ -195,7 +227,7 @@ def run(
 
 def per_unit_us(row: Row, m: Measured, base: Measured) -> str:
     """CPU per tick per thread or connection added, in microseconds, over the idle row."""
-    units = row.threads + row.conns
+    units = row.threads + row.conns + row.others
     if not units:
         return ""
     extra_s = (m.cpu_pct - base.cpu_pct) / 100 * INTERVAL

@@ -154,6 +154,23 @@ def test_the_kernels_sockets_read_as_proc_net_tcp_lists_them():
         assert diag[inode(accepted[0])].rx_queue == 5
 
 
+def test_a_socket_dumped_as_it_was_is_not_decoded_again():
+    """Without tcp_info, a socket whose message reads as at the last such dump is the same
+    TcpSocket; one whose queue moved is decoded afresh, as a full read lists it."""
+    with server_with_clients(4) as (srv, clients, accepted):
+        port = srv.getsockname()[1]
+        first = {s.inode: s for s in read_sockets([("tcp", port)], info=False) or []}
+        again = {s.inode: s for s in read_sockets([("tcp", port)], info=False) or []}
+        assert len(first) == 5 and all(again[i] is s for i, s in first.items())
+        clients[0].sendall(b"hello")
+        time.sleep(0.05)
+        moved = {s.inode: s for s in read_sockets([("tcp", port)], info=False) or []}
+        full = {s.inode: s._replace(info=None) for s in read_sockets([("tcp", port)]) or []}
+        assert moved == full
+        assert moved[inode(accepted[0])].rx_queue == 5
+        assert [i for i, s in moved.items() if s is not again[i]] == [inode(accepted[0])]
+
+
 def accepted_conns(p, srv: socket.socket) -> list:
     return [c for c in p.connections if c.local_port == srv.getsockname()[1]]
 

@@ -2,11 +2,12 @@
 
 A process matching a target is the root of a service named after the target; its
 descendants (TP ranks, scheduler and detokenizer workers) belong to it, and a matched
-process whose ancestor also matched folds into the ancestor's service. One pass over
+process whose ancestor also matched folds into the ancestor's service. One listing of
 /proc per interval; a process's cmdline and environment are read once (cached by PID and
 start time, so a reused PID is read afresh) and again after it execs: its comm changed, or
 the probe saw the exec (``exec_seen``; a launcher that execs the same interpreter keeps its
-comm).
+comm). Told of every exec and rename (``changes_reported``), a process outside the services
+is not read again while its /proc entry is the one seen (see scan).
 """
 
 from __future__ import annotations

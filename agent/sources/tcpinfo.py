@@ -34,7 +34,7 @@ import os
 import socket
 import struct
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import NamedTuple, TypeVar
 
 from ..model import TcpInfo
@@ -242,34 +242,68 @@ def parse_sockets(data: bytes, out: list[TcpSocket], info: bool = True) -> bool:
     (TIME_WAIT: no process holds them) are left out."""
     found, done = _messages(data)
     for msg, end in found:
-        af, state, sport, dport, src, dst, rqueue, wqueue, inode = DIAG_MSG.unpack_from(data, msg)
-        if not inode or af not in FAMILY_NAMES:
-            continue
-        size = 4 if af == socket.AF_INET else 16
-        # As /proc/net/tcp: a connection's tx_queue and rx_queue are its bytes not yet
-        # acknowledged and not yet read; a listener's rx_queue is its accept queue, and its
-        # tx_queue 0 there (sock_diag gives its backlog instead: left out, to read the same).
-        tx = 0 if state == TCP_LISTEN else wqueue
-        tcpi = _tcp_info(data, msg, end) if info and state == TCP_ESTABLISHED else None
-        out.append(
-            TcpSocket(
-                FAMILY_NAMES[af],
-                _address(af, src[:size]),
-                socket.ntohs(sport),
-                state,
-                tx,
-                rqueue,
-                inode,
-                _address(af, dst[:size]),
-                socket.ntohs(dport),
-                tcpi,
-            )
-        )
+        s = _socket_at(data, msg, end, info)
+        if s is not None:
+            out.append(s)
     return done
 
 
-def _parse_sockets_bare(data: bytes, out: list[TcpSocket]) -> bool:
-    return parse_sockets(data, out, info=False)
+def _socket_at(data: bytes, msg: int, end: int, info: bool) -> TcpSocket | None:
+    """The socket of the message at data[msg:end]; None for one without an inode."""
+    af, state, sport, dport, src, dst, rqueue, wqueue, inode = DIAG_MSG.unpack_from(data, msg)
+    if not inode or af not in FAMILY_NAMES:
+        return None
+    size = 4 if af == socket.AF_INET else 16
+    # As /proc/net/tcp: a connection's tx_queue and rx_queue are its bytes not yet
+    # acknowledged and not yet read; a listener's rx_queue is its accept queue, and its
+    # tx_queue 0 there (sock_diag gives its backlog instead: left out, to read the same).
+    tx = 0 if state == TCP_LISTEN else wqueue
+    tcpi = _tcp_info(data, msg, end) if info and state == TCP_ESTABLISHED else None
+    return TcpSocket(
+        FAMILY_NAMES[af],
+        _address(af, src[:size]),
+        socket.ntohs(sport),
+        state,
+        tx,
+        rqueue,
+        inode,
+        _address(af, dst[:size]),
+        socket.ntohs(dport),
+        tcpi,
+    )
+
+
+# A dump without tcp_info, by (netns, states, whether by port) -> the last one's sockets by
+# their sockid (ports, addresses, interface, cookie: one socket) -> (the message's state
+# byte, its queues, uid and inode, the socket): a socket whose message reads as it did is
+# the same TcpSocket, not decoded again. Only the timer's countdown is left out of the
+# comparison (a keep-alive timer moves it on every dump). A few namespaces' worth.
+_BARE_LAST: dict[tuple[str | None, int, bool], dict[bytes, tuple[int, bytes, TcpSocket]]] = {}
+_BARE_KEPT = 64  # dumps kept, the oldest dropped first
+SOCKID_AT, QUEUES_AT = 4, 56  # offsets in struct inet_diag_msg
+
+
+def _bare_parser(
+    last: Mapping[bytes, tuple[int, bytes, TcpSocket]],
+    seen: dict[bytes, tuple[int, bytes, TcpSocket]],
+) -> Callable[[bytes, list[TcpSocket]], bool]:
+    def parse(data: bytes, out: list[TcpSocket]) -> bool:
+        found, done = _messages(data)
+        for msg, end in found:
+            ident = data[msg + SOCKID_AT : msg + SOCKID_AT + SOCKID_LEN]
+            rest = data[msg + QUEUES_AT : msg + DIAG_MSG_LEN]
+            kept = last.get(ident)
+            if kept is not None and kept[0] == data[msg + 1] and kept[1] == rest:
+                seen[ident] = kept
+                out.append(kept[2])
+                continue
+            s = _socket_at(data, msg, end, False)
+            if s is not None:
+                seen[ident] = (data[msg + 1], rest, s)
+                out.append(s)
+        return done
+
+    return parse
 
 
 @functools.lru_cache(maxsize=4096)
@@ -312,8 +346,11 @@ def read_sockets(
     reads /proc/net/tcp)."""
     out: list[TcpSocket] = []
     ext = 0 if ports is None or not info else 1 << (INET_DIAG_INFO - 1)
-    # Without tcp_info asked, it is not looked for in each message (the attribute walk).
-    parse = parse_sockets if ext else _parse_sockets_bare
+    # Without tcp_info asked, it is not looked for in each message (the attribute walk), and
+    # a socket as it was at the last such dump is not decoded again (_BARE_LAST).
+    memo = (netns, states, ports is None)
+    seen: dict[bytes, tuple[int, bytes, TcpSocket]] = {}
+    parse = parse_sockets if ext else _bare_parser(_BARE_LAST.get(memo, {}), seen)
     try:
         requests = _requests(ports)
         if netns is None:
@@ -323,6 +360,11 @@ def read_sockets(
     except (OSError, TimeoutError) as e:
         log.debug("sockets not read over netlink (netns %s): %r", netns, e)
         return None
+    if not ext:
+        _BARE_LAST.pop(memo, None)
+        _BARE_LAST[memo] = seen
+        while len(_BARE_LAST) > _BARE_KEPT:
+            del _BARE_LAST[next(iter(_BARE_LAST))]
     return out
 
 
