@@ -187,6 +187,8 @@ class Sampler:
         self._next_kept: dict[int, _Kept] = {}
         self.sockets = SocketTables(self.proc)
         self._pipes: dict[int, frozenset[int]] = {}  # pid -> pipes_read, while it is quiet
+        # pid -> its writable_fds, while it is quiet
+        self._writable: dict[int, tuple[tuple[int, str], ...]] = {}
         self._infos: dict[int, _KeptInfo] = {}  # socket inode -> its last tcp_info read
         self._ns_reads: dict[str, _NsRead] = {}  # network namespace -> its last read
         self.infos_read = 0  # how many tcp_info were read from the kernel (tests, the bench)
@@ -219,6 +221,9 @@ class Sampler:
                 ran.add(pid)
         self._read_sockets(processes, fds, ran, now)
         self._pipes = {p: v for p, v in self._pipes.items() if p in processes and p not in ran}
+        self._writable = {
+            p: v for p, v in self._writable.items() if p in processes and p not in ran
+        }
         self._plumbing = self._next_plumbing
         self._kept = self._next_kept
         known = {tid for p in processes.values() for tid in thread_ids(p.threads)}
@@ -659,8 +664,14 @@ class Sampler:
 
     def written_files(self, pids: Iterable[int]) -> dict[int, tuple[WrittenFd, ...]]:
         """pid -> the fds it holds open for writing to a file, a pipe or a terminal, with
-        their mtimes (an fd walk per process)."""
-        return {pid: tuple(self.proc.written_fds(pid)) for pid in pids}
+        their mtimes: an fd walk per process, kept while it stays quiet (as pipes_read's),
+        and a stat per fd (other writers move the mtimes)."""
+        out = {}
+        for pid in pids:
+            if pid not in self._writable:
+                self._writable[pid] = tuple(self.proc.writable_fds(pid))
+            out[pid] = tuple(self.proc.modified(pid, self._writable[pid]))
+        return out
 
     def with_posix_timers(self, pids: Iterable[int]) -> frozenset[int]:
         """Those of ``pids`` that hold a POSIX timer (agent.analysis.nowaker)."""

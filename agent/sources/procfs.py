@@ -532,6 +532,11 @@ class ProcFS:
         terminal, with when each was last modified: a file's or a terminal's mtime moves on
         every write, and a pipe's too (pipe_write updates it). Sockets, eventfds and the
         like are left out: connections are dated by tcp_info."""
+        return self.modified(pid, self.writable_fds(pid))
+
+    def writable_fds(self, pid: int) -> list[tuple[int, str]]:
+        """(fd, its target) of the fds written_fds reports: the fd walk, which only the
+        process itself can change."""
         fd_dir = os.path.join(self.root, str(pid), "fd")
         try:
             names = os.listdir(fd_dir)
@@ -539,9 +544,8 @@ class ProcFS:
             return []
         out = []
         for name in names:
-            path = os.path.join(fd_dir, name)
             try:
-                link = os.readlink(path)
+                link = os.readlink(os.path.join(fd_dir, name))
             except OSError:
                 continue
             if not (link.startswith("/") or link.startswith("pipe:[")):
@@ -551,11 +555,20 @@ class ProcFS:
             mode = _uint(flags, 8)
             if mode is None or mode & 3 not in (os.O_WRONLY, os.O_RDWR):
                 continue
+            out.append((int(name), link))
+        return out
+
+    def modified(self, pid: int, fds: Iterable[tuple[int, str]]) -> list[WrittenFd]:
+        """``fds`` (from writable_fds) with their files' mtimes now, those still open; others
+        (another writer of the same file or pipe) move them."""
+        out = []
+        for fd, link in fds:
             try:
-                mtime = os.stat(path).st_mtime  # follows the link to the open file itself
+                # follows the link to the open file itself
+                mtime = os.stat(os.path.join(self.root, str(pid), "fd", str(fd))).st_mtime
             except OSError:
                 continue
-            out.append(WrittenFd(int(name), printable(link), mtime))
+            out.append(WrittenFd(fd, printable(link), mtime))
         return out
 
     def has_posix_timers(self, pid: int) -> bool:
