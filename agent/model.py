@@ -10,7 +10,7 @@ from __future__ import annotations
 import builtins
 import functools
 import re
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -355,6 +355,7 @@ class Plumbing:
 
 
 D = TypeVar("D")
+T = TypeVar("T")
 
 
 class Threads(tuple):
@@ -364,18 +365,24 @@ class Threads(tuple):
     once, however many ticks the process stays parked (see ``derived``)."""
 
 
-def derived(
-    threads: Sequence[ThreadSample], key: str, fn: Callable[[Sequence[ThreadSample]], D]
-) -> D:
-    """``fn(threads)``, kept on ``threads`` under ``key`` where they are a Threads (else
-    computed): ``fn`` must depend on the threads alone, and ``key`` name ``fn``."""
-    memo = getattr(threads, "__dict__", None)
+class Connections(tuple):
+    """A process's connections as a sample holds them: a tuple that keeps what is derived
+    from it (see ``derived``). A new one each tick (their tcp_info ages), asked the same
+    questions by several judges in it: a front-end's thousand are walked once per question."""
+
+
+def derived(items: Sequence[T], key: Hashable, fn: Callable[[Sequence[T]], D]) -> D:
+    """``fn(items)``, kept on ``items`` under ``key`` where they are a Threads or a
+    Connections (else computed): ``fn`` must depend on the items alone and on what ``key``
+    holds, and ``key`` name ``fn``."""
+    memo = getattr(items, "__dict__", None)
     if memo is None:
-        return fn(threads)
+        return fn(items)
     try:
-        return memo[key]
+        value: D = memo[key]
+        return value
     except KeyError:
-        value = memo[key] = fn(threads)
+        value = memo[key] = fn(items)
         return value
 
 

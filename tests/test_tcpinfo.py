@@ -23,6 +23,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from agent.analysis import classify as classify_module
 from agent.analysis.classify import (
     IDLE,
     PROGRESSING,
@@ -31,10 +32,11 @@ from agent.analysis.classify import (
     classify_process,
     classify_service,
     unanswered_requests,
+    unread_requests,
     waiting_for_answer,
 )
 from agent.analysis.progress import ProcessProgress
-from agent.model import Connection, Listener, TcpInfo
+from agent.model import Connection, Connections, Listener, TcpInfo
 from agent.observe.sampler import Sampler
 from agent.report.sentences import reasons
 from agent.sources import tcpinfo
@@ -97,9 +99,36 @@ def test_only_connections_on_front_doors_count_oldest_first():
     assert unanswered_requests(sample, None) == [old, young]  # None: its own listeners
 
 
-def _sample(listeners=(), connections=(), pid=10, n=2):
+def _sample(listeners=(), connections=(), pid=10, n=2, kind=tuple):
     p = process(pid, *(parked(pid * 100 + i) for i in range(n)), listeners=listeners)
-    return p.__class__(**{**p.__dict__, "connections": tuple(connections)})
+    return p.__class__(**{**p.__dict__, "connections": kind(connections)})
+
+
+def test_a_samples_connections_are_judged_once_per_question(monkeypatch):
+    """A sample's Connections keep each answer: the observer and two judges ask the same of
+    a front-end's thousand each tick. The answers are those a plain tuple gets."""
+    plumbing, young, old = conn(port=29500, inode=1), conn(recv=2000, inode=2), conn(inode=3)
+    answered, streaming = conn(recv=300_000, sent=1000, inode=4), conn(recv=9, sent=5, inode=5)
+    held = (plumbing, young, answered, old, streaming)
+    kept = _sample(listeners=(LISTEN,), connections=held, kind=Connections)
+    plain = _sample(listeners=(LISTEN,), connections=held)
+    asked = []
+    judge = classify_module.waiting_for_answer
+    monkeypatch.setattr(
+        classify_module, "waiting_for_answer", lambda c: asked.append(c) or judge(c)
+    )
+    questions = [
+        (frozenset({8000}), frozenset()),
+        (None, frozenset({5})),
+        (frozenset(), frozenset()),
+    ]
+    for ports, streams in questions:
+        want = unanswered_requests(plain, ports, streams)
+        assert unanswered_requests(kept, ports, streams) == want
+        n = len(asked)
+        assert unanswered_requests(kept, ports, streams) == want and len(asked) == n
+        assert unread_requests(kept, ports) == unread_requests(plain, ports)
+    assert unanswered_requests(kept, None, frozenset({5})) == [old, young, streaming]
 
 
 def _facts(sample, parked_s=5.0, doors=frozenset({8000})) -> ProcessFacts:

@@ -157,7 +157,11 @@ def unread_requests(sample: ProcessSample, ports: frozenset[int] | None) -> int:
     left 218 bytes queued on some connection of an idle Serve app now and then."""
     if ports is None:
         ports = frozenset(lst.port for lst in sample.listeners)
-    return sum(c.rx_queue for c in sample.connections if c.local_port in ports)
+    return derived(
+        sample.connections,
+        ("unread", ports),
+        lambda cs: sum(c.rx_queue for c in cs if c.local_port in ports),
+    )
 
 
 def unanswered_requests(
@@ -168,12 +172,22 @@ def unanswered_requests(
     at all, or (``streams``: their inodes) a streamed answer still being sent."""
     if ports is None:
         ports = frozenset(lst.port for lst in sample.listeners)
-    waiting = [
-        c
-        for c in sample.connections
-        if c.local_port in ports and (waiting_for_answer(c) or c.inode in streams)
-    ]
-    return sorted(waiting, key=lambda c: -(c.last_recv_ms or 0))
+    return list(
+        derived(
+            sample.connections,
+            ("unanswered", ports, streams),
+            lambda cs: tuple(
+                sorted(
+                    (
+                        c
+                        for c in cs
+                        if c.local_port in ports and (waiting_for_answer(c) or c.inode in streams)
+                    ),
+                    key=lambda c: -(c.last_recv_ms or 0),
+                )
+            ),
+        )
+    )
 
 
 def oldest_request_s(unanswered: Iterable[Connection]) -> float:

@@ -19,6 +19,7 @@ from ..model import (
     FUTEX_WAIT_BITSET,
     WAIT_OPS,
     Connection,
+    Connections,
     FutexWait,
     Listener,
     LockRead,
@@ -545,7 +546,7 @@ class Sampler:
                 # quiet processes: what the code below would give, its kept tcp_info aged,
                 # without building it again (a front-end's thousand idle connections).
                 for pid in held_by:
-                    aged = tuple(
+                    aged = Connections(
                         c if k is None else _aged_connection(c, k, now)
                         for k, c in last.connections[pid]
                     )
@@ -629,7 +630,7 @@ class Sampler:
                 processes[pid] = replace(
                     processes[pid],
                     listeners=theirs[pid],
-                    connections=tuple(c for _, c in connections[pid]),
+                    connections=Connections(c for _, c in connections[pid]),
                 )
             ns_reads[ns] = _NsRead(
                 held_by,
