@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import struct
+import threading
 from pathlib import Path
 
 from hypothesis import given
@@ -479,3 +480,21 @@ def test_a_wait_that_ended_means_the_threads_are_listed_again(tmp_path):
     (root / "10/task/11").rmdir()
     snap = sampler.snapshot([10], in_wait(10, 4_500_000_000))
     assert proc.listed == 3 and [t.tid for t in snap.processes[10].threads] == [10]
+
+
+def test_the_main_threads_stat_reads_as_the_process_stat():
+    """On the real /proc: the fields a ProcStat keeps are the process's, from its main
+    thread's stat (which skips the sums over every thread)."""
+    stop = threading.Event()
+    pool = [threading.Thread(target=stop.wait) for _ in range(20)]
+    for t in pool:
+        t.start()
+    try:
+        proc = ProcFS()
+        assert proc.main_stat(os.getpid()) == proc.stat(os.getpid())
+        assert proc.stat(os.getpid()).num_threads >= 21
+    finally:
+        stop.set()
+        for t in pool:
+            t.join()
+    assert ProcFS().main_stat(2**22 + 1) is None  # beyond pid_max: no such process

@@ -168,7 +168,7 @@ class Discovery:
                 # of its old one, and was in no service either.
                 seen[pid] = k
                 continue
-            st = self.proc.stat(pid)
+            st = self.proc.main_stat(pid)
             self.stats_read += 1
             if st is None or st.state in ("Z", "X"):
                 continue

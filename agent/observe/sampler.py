@@ -527,11 +527,6 @@ class Sampler:
                 ns = self.proc.net_namespace(pid) or f"pid:{pid}"
                 by_ns.setdefault(ns, {})[pid] = held
         for ns, held_by in by_ns.items():
-            # A socket two processes hold (inherited across a fork) is each one's.
-            owners: dict[int, list[int]] = {}
-            for pid, held in held_by.items():
-                for inode in held:
-                    owners.setdefault(inode, []).append(pid)
             quiet = not any(pid in ran for pid in held_by)
             table = self.sockets.read(ns, held_by, ran, info=not quiet)
             last = self._ns_reads.get(ns)
@@ -557,6 +552,11 @@ class Sampler:
                 ns_reads[ns] = last
                 self.tables_reused += 1
                 continue
+            # A socket two processes hold (inherited across a fork) is each one's.
+            owners: dict[int, list[int]] = {}
+            for pid, held in held_by.items():
+                for inode in held:
+                    owners.setdefault(inode, []).append(pid)
             listening = {s.port for s in table if s.state == TCP_LISTEN}
             conns = [s for s in table if s.state == TCP_ESTABLISHED]
             ours = {endpoint(s.address, s.port) for s in conns}

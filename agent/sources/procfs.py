@@ -390,6 +390,14 @@ class ProcFS:
         text = self._read(pid, "stat")
         return parse_stat(text) if text else None
 
+    def main_stat(self, pid: int) -> ProcStat | None:
+        """The process's stat as its main thread's (``task/PID/stat``) gives it: the same
+        state, comm, parent, start and thread count, without the process-wide sums the
+        kernel walks every thread for (page faults, CPU time: 11.5 against 7.2 us at 200
+        threads here). ``PID/stat`` where there is no task directory (a fixture tree)."""
+        text = self._read(pid, "task", pid, "stat") or self._read(pid, "stat")
+        return parse_stat(text) if text else None
+
     def cmdline(self, pid: int) -> str | None:
         """The command line, arguments joined by spaces (the NULs that separate them)."""
         raw = self._read_bytes(pid, "cmdline")
