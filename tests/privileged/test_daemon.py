@@ -27,6 +27,7 @@ from tests.privileged.daemonlib import (
     pids_in,
     running_daemon,
     value,
+    wait_for_log,
     wait_until,
 )
 from tests.privileged.harness import line_of
@@ -281,18 +282,20 @@ def test_daemon_proves_a_python_hang_without_an_owner(daemon: Daemon, name: str)
     was held: deadlocked by the proof without an owner (two reads), far under the threshold's
     wait, with the process with no waker as the culprit in the state-change log."""
     fixture = name.replace("-", "_")
+    taking = ".acquire()" if name == "pylocks" else "with lock:  # a copy"
+    at = f"({fixture}.py:{line_of(f'tests/fixtures/{fixture}.py', taking)})"
     with Fixture.py(fixture) as fx:
         formed = time.monotonic()
         wait_until(daemon, state_is(name, "deadlocked"), f"{name} to be deadlocked", 10)
         took = time.monotonic() - formed
         culprit = fx.info.get_int("child") if name == "fork-locked" else fx.pid
+        # The change's line and its flight record (the Python stacks at the change, with the
+        # line that takes the lock) are written beside the loop, once the stacks are read:
+        # a moment after /metrics says deadlocked, and while the fixture lives.
+        wait_for_log(daemon, re.escape(at), f"the flight record's stack line at {at}")
     print(f"{name}: deadlocked {took:.2f} s after READY (interval {INTERVAL} s)")  # -rA
     log = daemon.output()
     assert f"held up by process {culprit}" in log, log
-    # The flight record: the Python stacks at the change, with the line that takes the lock.
-    taking = ".acquire()" if name == "pylocks" else "with lock:  # a copy"
-    lineno = line_of(f"tests/fixtures/{fixture}.py", taking)
-    at = f"({fixture}.py:{lineno})"
     stack_lines = [ln for ln in log.splitlines() if at in ln and "thread" in ln]
     assert stack_lines, f"no stack line at {at} in the daemon's log:\n{log}"
     if name == "pylocks":
