@@ -15,7 +15,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from types import FrameType
 from typing import Any, TypeVar
 
@@ -38,6 +38,7 @@ from .export.exposition import (
     ProcessStatus,
     ServiceStatus,
 )
+from .flight import MAX_PENDING, FlightRecorder
 from .model import (
     Enrichment,
     GpuDevice,
@@ -130,12 +131,25 @@ def _process_status(
     )
 
 
-DRAIN_SLICE_S = 0.1  # the loop's wait is cut into drains this short, so a stop is seen soon
+# The loop's wait is cut into drains this short, so that a stop set by another thread is
+# seen soon; a signal's ends the drain at once (it interrupts the poll, the main thread's).
+# Each drain wakes the daemon: at 0.1 s, ten wakeups a second cost 0.3% of a core here.
+DRAIN_SLICE_S = 0.5
 
 
 def _as_reported(reading: GpuReading) -> CollectorStatus:
     # NVML's source never raises and times its own reads (a cached one keeps its read's time).
     return CollectorStatus(reading.ok, reading.duration_s)
+
+
+@dataclass(frozen=True)
+class Change:
+    """A service's change of state, as the loop saw it, for the flight recorder."""
+
+    service: str  # the target's name
+    old: str | None  # None: the service is new
+    verdict: ServiceVerdict
+    tick: Tick
 
 
 class Daemon:
@@ -166,6 +180,8 @@ class Daemon:
         self.reload_requested = threading.Event()
         self.config_path: str | None = None
         self.source_lines = SourceLines(proc)  # the lines stacks point at, kept between changes
+        # Change lines and stacks, beside the loop; only its thread uses source_lines.
+        self.flight: FlightRecorder[Change] = FlightRecorder(self._record, self._record_at_once)
 
     @classmethod
     def with_sources(
@@ -232,6 +248,9 @@ class Daemon:
         session = self.session
         assert session is not None, "step() before a session was attached"
         gpu = self._read_gpu(session)
+        renewed = session.probe.take_execs() if session.probe is not None else None
+        self.discovery.changes_reported = renewed is not None
+        self.discovery.exec_seen(renewed or ())
         services = self._timed(DISCOVERY, self.discovery.scan)
         if services is not None:
             self.services = services
@@ -241,7 +260,7 @@ class Daemon:
         if tick is None:
             return
         # A process that exec'd is matched again by its new command line.
-        self.discovery.exec_seen(e.tgid for e in tick.reading.execs)
+        self.discovery.exec_seen([*(e.tgid for e in tick.reading.execs), *tick.reading.renamed])
         self._forget_gone(session, tick)
         verdicts = session.verdicts()
         self._log_changes(verdicts, tick)
@@ -281,8 +300,8 @@ class Daemon:
     def _log_changes(self, verdicts: list[ServiceVerdict], tick: Tick) -> None:
         """A log line for every state change of a service, whether or not anyone scraped it;
         on a change to stalled or deadlocked, the Python stacks of its processes at that
-        moment (a flight record: by the time someone looks, the process may be gone)."""
-        budget = STACKS_BUDGET_S  # per tick, across services: the loop must go on
+        moment (a flight record: by the time someone looks, the process may be gone). Both
+        are written beside the loop (agent.flight): the tick does not wait for them."""
         for v in verdicts:
             svc = self.services.get(v.pid)
             key = (svc.name if svc else "unknown", v.pid)
@@ -290,23 +309,41 @@ class Daemon:
             if old == v.state:
                 continue
             self.states[key] = v.state
-            start = time.monotonic()
-            flight = v.state in (STALLED, DEADLOCKED) and self.cfg.stacks and budget > 0
-            # Lock words named from memory at the change only: it reads /proc/PID/maps
-            # and symbol tables, too much to do every tick for every service.
-            inputs = self._enrich(v, tick, budget if flight else 0.0)
-            (v,) = named_verdicts([v], tick.snapshot, inputs.words)
-            log.info(
-                "service %s pid %d: %s -> %s: %s",
-                key[0],
-                v.pid,
-                old or "new",
-                v.state,
-                "; ".join(map(render, v.reasons)),
-            )
-            if flight:
-                self._log_stacks(key[0], v, tick, inputs)
-                budget -= time.monotonic() - start
+            self.flight.submit(Change(key[0], old, v, tick))
+
+    def _record(self, change: Change) -> None:
+        """A change's log lines, with its lock words named and, at a change to stalled or
+        deadlocked, its stacks (in the flight recorder's thread)."""
+        v, tick = change.verdict, change.tick
+        flight = v.state in (STALLED, DEADLOCKED) and self.cfg.stacks
+        # Lock words named from memory at the change only: it reads /proc/PID/maps
+        # and symbol tables, too much to do every tick for every service.
+        inputs = self._enrich(v, tick, STACKS_BUDGET_S if flight else 0.0)
+        (v,) = named_verdicts([v], tick.snapshot, inputs.words)
+        self._log_change(change.service, change.old, v)
+        if flight:
+            self._log_stacks(change.service, v, tick, inputs)
+
+    def _record_at_once(self, change: Change) -> None:
+        """A change's line with what the verdict alone says: the recorder is full."""
+        self._log_change(change.service, change.old, change.verdict)
+        log.warning(
+            "service %s pid %d: no flight record (%d changes already waiting for theirs)",
+            change.service,
+            change.verdict.pid,
+            MAX_PENDING,
+        )
+
+    @staticmethod
+    def _log_change(service: str, old: str | None, v: ServiceVerdict) -> None:
+        log.info(
+            "service %s pid %d: %s -> %s: %s",
+            service,
+            v.pid,
+            old or "new",
+            v.state,
+            "; ".join(map(render, v.reasons)),
+        )
 
     def _enrich(self, v: ServiceVerdict, tick: Tick, budget: float) -> Enrichment:
         """What the change's lines show beyond the snapshot: the names of its lock words, and
@@ -368,13 +405,16 @@ class Daemon:
         log.info("reloaded %s: %d targets", new.source, len(new.targets))
 
     def loop(self) -> None:
-        while not self.stop.is_set():
-            started = self.clock()
-            if self.reload_requested.is_set():
-                self.reload_requested.clear()
-                self.reload()
-            self.step()
-            self._wait_until(started + self.cfg.interval_seconds)
+        try:
+            while not self.stop.is_set():
+                started = self.clock()
+                if self.reload_requested.is_set():
+                    self.reload_requested.clear()
+                    self.reload()
+                self.step()
+                self._wait_until(started + self.cfg.interval_seconds)
+        finally:
+            self.flight.close(STACKS_BUDGET_S)  # the changes seen before the stop, logged
 
     def _wait_until(self, deadline: float) -> None:
         """Sleep until the next step, draining the ring buffer meanwhile: drained once per

@@ -8,9 +8,11 @@ they can be tested from synthetic snapshots without root or BPF.
 from __future__ import annotations
 
 import builtins
+import functools
 import re
-from collections.abc import Collection, Mapping
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
 
 from .abi import HW
 
@@ -202,6 +204,15 @@ def owner_candidate(thread: ThreadSample) -> Candidate | None:
     return None
 
 
+def candidates(threads: Sequence[ThreadSample]) -> tuple[tuple[int, Candidate], ...]:
+    """(TID, the owner its lock words name) of each thread whose words name one."""
+    return derived(
+        threads,
+        "candidates",
+        lambda ts: tuple((t.tid, c) for t in ts if (c := owner_candidate(t)) is not None),
+    )
+
+
 @dataclass(frozen=True)
 class Listener:
     """A listening TCP socket held by a process."""
@@ -231,13 +242,39 @@ class Connection:
     bytes_received: int | None = None  # data bytes received in its life
     bytes_acked: int | None = None  # data bytes it sent that the peer acknowledged
 
+    @property
+    def local(self) -> tuple[str, int]:
+        """This end, as endpoint() gives it."""
+        return _unmapped(self.local_address), self.local_port
+
+    @property
+    def remote(self) -> tuple[str, int]:
+        """The peer's end, as endpoint() gives it."""
+        return _unmapped(self.remote_address), self.remote_port
+
+    def with_times(self, last_recv_ms: int, last_sent_ms: int) -> Connection:
+        """The same connection with its last-data times moved on. Copied, not built (a
+        front-end's thousand idle connections, every tick): a third of the cost."""
+        new = object.__new__(Connection)
+        fields = new.__dict__
+        fields.update(self.__dict__)
+        fields["last_recv_ms"], fields["last_sent_ms"] = last_recv_ms, last_sent_ms
+        return new
+
     def with_tcp_info(self, info: TcpInfo) -> Connection:
-        return replace(
-            self,
-            last_recv_ms=info.last_data_recv_ms,
-            last_sent_ms=info.last_data_sent_ms,
-            bytes_received=info.bytes_received,
-            bytes_acked=info.bytes_acked,
+        # Built, not dataclasses.replace'd: a front-end's thousand connections, every tick.
+        return Connection(
+            self.local_address,
+            self.local_port,
+            self.remote_address,
+            self.remote_port,
+            self.inode,
+            self.rx_queue,
+            self.tx_queue,
+            info.last_data_recv_ms,
+            info.last_data_sent_ms,
+            info.bytes_received,
+            info.bytes_acked,
         )
 
 
@@ -255,9 +292,15 @@ class TcpInfo:
 def endpoint(address: str, port: int) -> tuple[str, int]:
     """(address, port) of one end of a connection, IPv4-mapped IPv6 addresses as IPv4: one
     connection, two tables (a socket of tcp6 and its peer's of tcp)."""
+    return _unmapped(address), port
+
+
+@functools.lru_cache(maxsize=4096)
+def _unmapped(address: str) -> str:
+    # A front-end's thousand connections come from a few addresses, asked of every tick.
     if address.startswith("::ffff:") and "." in address:
-        address = address[len("::ffff:") :]
-    return address, port
+        return address[len("::ffff:") :]
+    return address
 
 
 @dataclass(frozen=True)
@@ -311,6 +354,42 @@ class Plumbing:
         return next((flag for flag, p in self.flag_ports if p == port), None)
 
 
+D = TypeVar("D")
+T = TypeVar("T")
+
+
+class Threads(tuple):
+    """A process's threads as a sample holds them: a tuple that keeps what is derived from
+    it. A process none of whose threads ran is sampled again as the same Threads object
+    (agent.observe.sampler), so what the analysis derives from its threads alone is derived
+    once, however many ticks the process stays parked (see ``derived``)."""
+
+
+class Connections(tuple):
+    """A process's connections as a sample holds them: a tuple that keeps what is derived
+    from it (see ``derived``). A new one each tick (their tcp_info ages), asked the same
+    questions by several judges in it: a front-end's thousand are walked once per question."""
+
+
+def derived(items: Sequence[T], key: Hashable, fn: Callable[[Sequence[T]], D]) -> D:
+    """``fn(items)``, kept on ``items`` under ``key`` where they are a Threads or a
+    Connections (else computed): ``fn`` must depend on the items alone and on what ``key``
+    holds, and ``key`` name ``fn``."""
+    memo = getattr(items, "__dict__", None)
+    if memo is None:
+        return fn(items)
+    try:
+        value: D = memo[key]
+        return value
+    except KeyError:
+        value = memo[key] = fn(items)
+        return value
+
+
+def thread_ids(threads: Sequence[ThreadSample]) -> tuple[int, ...]:
+    return derived(threads, "tids", lambda ts: tuple(t.tid for t in ts))
+
+
 @dataclass(frozen=True)
 class ProcessSample:
     pid: int
@@ -352,8 +431,7 @@ class Snapshot:
     def tid_to_pid(self) -> dict[int, int]:
         out = dict(self.foreign_owners)
         for p in self.processes.values():
-            for t in p.threads:
-                out[t.tid] = p.pid
+            out.update(dict.fromkeys(thread_ids(p.threads), p.pid))
         return out
 
 
@@ -442,6 +520,19 @@ class ProbeReading:
     # TIDs the kernel keeps an entry for (watched processes): forget them once gone
     threads: frozenset[int] = frozenset()
     execs: tuple[ExecEvent, ...] = ()  # drained since the last read
+    renamed: tuple[int, ...] = ()  # TIDs of tasks renamed since the last read (not exec'd)
+    # tgid -> (TID, start) of each in-flight wait with a start (from ``inflight``); None:
+    # not given, derived from ``inflight`` (see waiting_by_process)
+    waiting: Mapping[int, frozenset[tuple[int, int]]] | None = None
+
+    def waiting_by_process(self) -> Mapping[int, frozenset[tuple[int, int]]]:
+        if self.waiting is not None:
+            return self.waiting
+        out: dict[int, set[tuple[int, int]]] = {}
+        for w in self.inflight.values():
+            if w.wait.since_ns:
+                out.setdefault(w.tgid, set()).add((w.tid, w.wait.since_ns))
+        return {tgid: frozenset(v) for tgid, v in out.items()}
 
 
 @dataclass(frozen=True)

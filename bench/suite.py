@@ -11,6 +11,9 @@ Parts (``--only PART``, or ``--only WORKLOAD`` for one row group of the overhead
   detection  a two-mutex lock cycle forming to /metrics saying deadlocked
   stacks     reading the Python stacks of a pool of 100 and 2,000 parked threads (py-spy
              --nonblocking), against one /proc sample of the same process (a tick's read)
+  scaling    the daemon's CPU and tick time as the host grows: 200 / 1,600 / 6,400 parked
+             threads, 100 / 1,000 / 10,000 idle connections, 1,600 threads + 1,000
+             connections, each against the same daemon watching nothing in the same run
 
 Needs root. Usage: python -m bench [--quick] [--markdown] [--only NAME] [--rounds N]
 """
@@ -28,6 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench import scaling
 from bench.lib import (
     DAEMON_CONFIG,
     WORKLOAD_REGEX,
@@ -48,7 +52,7 @@ INTERVAL = 1.0
 NOTHING = [{"name": "nothing", "cmdline": "^hangwatch-bench-matches-nothing$"}]
 WATCH_WORKLOADS = [{"name": "bench", "cmdline": WORKLOAD_REGEX}]
 
-PARTS = ("overhead", "resources", "ringbuf", "startup", "detection", "stacks")
+PARTS = ("overhead", "resources", "ringbuf", "startup", "detection", "stacks", "scaling")
 # Programs that return at once on the same tracepoints, no daemon: what the tracepoints
 # themselves cost, the floor under any program attached there.
 EMPTY = "empty programs"
@@ -503,6 +507,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "startup": lambda: startup(rep, args.quick),
         "detection": lambda: detection(rep, args.quick),
         "stacks": lambda: stacks(rep, args.quick),
+        "scaling": lambda: rep.table(
+            *scaling.table(*scaling.run(exe, args.quick, WATCH_WORKLOADS))
+        ),
     }
     for part in parts:
         steps[part]()

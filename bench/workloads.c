@@ -13,6 +13,11 @@
  *   workloads futex-rate R S   about R EAGAIN futex calls per second for S seconds
  *   workloads park N           N threads parked on a condvar nobody signals, until killed
  *   workloads bind-listen R S  about R socket+bind+listen+close per second for S seconds
+ *   workloads serve N          a front-end: listens on a port the kernel chooses (it prints
+ *                              "PORT p" before reading its go line), accepts N connections,
+ *                              prints "SERVING n", then waits in epoll_wait on all of them
+ *                              with no timeout, as an event loop holding idle keep-alive
+ *                              connections does; it drains whatever a client sends
  *
  * Each prints nothing and does nothing until it reads a line on stdin, so the harness can
  * make sure the daemon watches it first. The timed modes then print "ns/op"; the rate modes
@@ -28,6 +33,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/epoll.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
 #include <time.h>
@@ -185,6 +192,53 @@ static void park(long n)
 		pause();
 }
 
+/* --- serve ----------------------------------------------------------------------------- */
+
+static int serve_listen(void)
+{
+	struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+	socklen_t len = sizeof a;
+	int fd = socket(AF_INET, SOCK_STREAM, 0);
+	if (fd < 0 || bind(fd, (struct sockaddr *)&a, sizeof a) != 0 || listen(fd, 4096) != 0)
+		die("listen");
+	if (getsockname(fd, (struct sockaddr *)&a, &len) != 0)
+		die("getsockname");
+	printf("PORT %d\n", ntohs(a.sin_port));
+	fflush(stdout);
+	return fd;
+}
+
+static void serve(int lfd, long n)
+{
+	/* Each connection is an fd: as many as the hard limit allows (the harness raises it). */
+	struct rlimit rl;
+	if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < rl.rlim_max) {
+		rl.rlim_cur = rl.rlim_max;
+		setrlimit(RLIMIT_NOFILE, &rl);
+	}
+	int ep = epoll_create1(0);
+	if (ep < 0)
+		die("epoll_create1");
+	for (long i = 0; i < n; i++) {
+		int c = accept(lfd, NULL, NULL);
+		if (c < 0)
+			die("accept");
+		struct epoll_event ev = {.events = EPOLLIN, .data.fd = c};
+		if (epoll_ctl(ep, EPOLL_CTL_ADD, c, &ev) != 0)
+			die("epoll_ctl");
+	}
+	printf("SERVING %ld\n", n);
+	fflush(stdout);
+	struct epoll_event evs[64];
+	char buf[4096];
+	for (;;) {
+		int k = epoll_wait(ep, evs, 64, -1);
+		for (int i = 0; i < k; i++)
+			if (read(evs[i].data.fd, buf, sizeof buf) <= 0)
+				close(evs[i].data.fd); /* closing removes it from the epoll set */
+	}
+}
+
 int main(int argc, char **argv)
 {
 	if (argc < 3) {
@@ -202,6 +256,7 @@ int main(int argc, char **argv)
 	int pair[2] = {-1, -1};
 	if (strcmp(mode, "send") == 0 && socketpair(AF_UNIX, SOCK_DGRAM, 0, pair) != 0)
 		die("socketpair");
+	int lfd = strcmp(mode, "serve") == 0 ? serve_listen() : -1;
 	char go[16];
 	if (!fgets(go, sizeof go, stdin))
 		return 1;
@@ -244,6 +299,8 @@ int main(int argc, char **argv)
 		return 0;
 	} else if (strcmp(mode, "park") == 0) {
 		park(n);
+	} else if (strcmp(mode, "serve") == 0) {
+		serve(lfd, n);
 	} else {
 		fprintf(stderr, "unknown mode %s\n", mode);
 		return 2;

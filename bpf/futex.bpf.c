@@ -11,7 +11,7 @@
  * Cost is what this file is shaped by (docs/performance.md): unwatched
  * processes pay one inlined bitmap test per call; wake ops return before any
  * map access; a watched wait costs one hash lookup at each end, plus the
- * histogram's.
+ * histogram's, and a clock read at each end but for a wait refused at once.
  *
  * PI operations (rare: PI mutexes only) of every process record their word in
  * the LRU map pi_ops, so that a cycle the kernel refuses with EDEADLK is known
@@ -116,11 +116,17 @@ static __always_inline int wait_exit(long ret)
 		return 0; /* a wake op, or a wait that began before the process was watched */
 	}
 
-	u64 now = bpf_ktime_get_ns();
-	u64 dur = now - t->start_ns;
 	t->flags &= ~HW_THREAD_WAITING;
+	/* A wait refused at once (the word had changed: a contended lock's usual case) never
+	 * slept: it goes to the first slot without a clock read, a third of what a watched
+	 * wait that returns at once costs here (docs/performance.md). */
+	u64 now = 0, dur = 0;
+	if (ret != -HW_EAGAIN) {
+		now = bpf_ktime_get_ns();
+		dur = now - t->start_ns;
+	}
 
-	struct hw_hist_key key = {.tgid = tgid, .slot = bpf_log2l(dur)};
+	struct hw_hist_key key = {.tgid = tgid, .slot = dur ? bpf_log2l(dur) : 0};
 	u64 zero = 0;
 	add_or_count_full(wait_hist.lookup_or_try_init(&key, &zero), 1, COUNTER(hist_full));
 

@@ -35,8 +35,10 @@
 #define HW_EVENT_BIND 3      /* a successful bind(2) of an AF_INET/AF_INET6 socket, any process */
 #define HW_EVENT_LISTEN 4    /* a successful listen(2), any process */
 #define HW_EVENT_EXEC 5      /* an exec, any process: discovery reads it again */
+#define HW_EVENT_RENAME 6    /* a task renamed (its TID), any process: the same */
 
 #define HW_EDEADLK 35
+#define HW_EAGAIN 11 /* a futex wait whose word had changed: it returned without sleeping */
 #define HW_AF_INET 2
 #define HW_AF_INET6 10
 

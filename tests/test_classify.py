@@ -5,6 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
+from agent.analysis import evidence as ev
 from agent.analysis.classify import (
     DEADLOCKED,
     IDLE,
@@ -14,6 +15,7 @@ from agent.analysis.classify import (
     ServiceFacts,
     classify_process,
     classify_service,
+    process_waits,
 )
 from agent.analysis.progress import ProcessProgress
 from agent.model import Connection, Listener
@@ -228,3 +230,66 @@ def test_service_state_follows_the_precedence(procs, threshold):
     for p in v.processes:  # a process either works, is in a cycle, or takes the service's state
         assert p.worked or p.state in (v.state, DEADLOCKED)
     assert reasons(v.reasons)
+
+
+def _process_waits_by_definition(s, now_ns):
+    """process_waits as its docstring defines it, thread by thread: the reference."""
+    from collections import Counter
+
+    from agent.analysis.classify import STARTUP_S
+    from agent.syscalls import FUTEX, syscall_name, wait_kind
+
+    counts: Counter = Counter()
+    running, oldest, main, ages = 0, None, None, []
+    for t in s.threads:
+        if not t.blocked:
+            running += 1
+            continue
+        name = syscall_name(t.syscall) if t.syscall is not None and t.syscall >= 0 else "no syscall"
+        counts[(name, t.timed)] += 1
+        if wait_kind(t.syscall) == FUTEX and t.timed is False and t.quiet_since_ns is not None:
+            age = max(0.0, (now_ns - t.quiet_since_ns) / 1e9)
+            oldest = age if oldest is None else max(oldest, age)
+            if s.age_s is None or age <= s.age_s - STARTUP_S:
+                ages.append(age)
+                if t.tid == s.pid:
+                    main = age
+    waits = tuple((n, tm, k) for (n, tm), k in sorted(counts.items(), key=lambda x: -x[1]))
+    return ev.ProcessWaits(waits, running, oldest, tuple(sorted(ages, reverse=True)), main)
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["S", "R", "D"]),
+            st.sampled_from([202, 232, 7, 230, None]),
+            st.sampled_from([True, False, None]),
+            st.one_of(st.none(), st.integers(1, 900)),
+        ),
+        max_size=12,
+    ),
+    st.one_of(st.none(), st.floats(0, 1000)),
+)
+def test_process_waits_counts_as_its_definition(threads, age_s):
+    from dataclasses import replace
+
+    from agent.model import Threads, ThreadSample
+
+    now = 1000 * 10**9
+    ts = [
+        ThreadSample(
+            100 + i,
+            "t",
+            state,
+            0,
+            last_ran_ns=None if ago is None else now - ago * 10**9,
+            syscall=nr,
+            timed=timed,
+        )
+        for i, (state, nr, timed, ago) in enumerate(threads)
+    ]
+    for threads_ in (tuple(ts), Threads(ts)):  # computed, and kept on a Threads
+        p = replace(process(100, *threads_), age_s=age_s)
+        p = replace(p, threads=threads_)
+        assert process_waits(p, now) == _process_waits_by_definition(p, now)
+        assert process_waits(p, now) == _process_waits_by_definition(p, now)  # kept: the same

@@ -5,6 +5,7 @@ probe's ring buffer."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import replace
@@ -109,6 +110,7 @@ def test_stacks_are_read_only_when_a_service_turns_stalled_or_deadlocked(
 
     for state in ("progressing", "progressing", "idle", "stalled", "stalled", "deadlocked"):
         d._log_changes([verdict(state)], tick)  # type: ignore[arg-type]
+    assert d.flight.flush(10)
     assert reads == [[10], [10]]  # at -> stalled and at -> deadlocked, not while it stayed
 
     reads.clear()
@@ -116,4 +118,31 @@ def test_stacks_are_read_only_when_a_service_turns_stalled_or_deadlocked(
     d.states.clear()
     for state in ("progressing", "stalled", "deadlocked"):
         d._log_changes([verdict(state)], tick)  # type: ignore[arg-type]
+    assert d.flight.flush(10)
     assert reads == []
+
+
+def test_the_tick_does_not_wait_for_the_stacks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stacks are read beside the loop: _log_changes returns while they are still being
+    read, and the change's line comes once they are."""
+    reading = threading.Event()
+    release = threading.Event()
+
+    def read_many(
+        pids: Iterable[int], budget_s: float, proc: object, source: object = None
+    ) -> dict:
+        reading.set()
+        assert release.wait(10)
+        return {}
+
+    monkeypatch.setattr(enrich, "read_many", read_many)
+    d = make(tmp_path, None)
+    tick = SimpleNamespace(snapshot=synth.snapshot(synth.process(10, synth.parked(10, 0xA0))))
+    p = ProcessVerdict(10, "python", 1, 1, 5.0, "stalled", [])
+    d._log_changes([ServiceVerdict(10, "stalled", [], [], [p])], tick)  # type: ignore[arg-type]
+    assert reading.wait(10)  # still reading: the loop is back already
+    assert d.states[("unknown", 10)] == "stalled"
+    release.set()
+    assert d.flight.flush(10)

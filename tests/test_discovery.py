@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from agent.config import Target
-from agent.observe.discovery import Discovery, env_labels
+from agent.observe.discovery import Discovery, Service, env_labels
 from agent.sources.procfs import ProcFS
 from tests.test_procfs import stat_line, write
 
@@ -153,3 +157,156 @@ def test_labels_are_allow_listed_environment_values_only(tmp_path):
     assert d.labels(301) == {"local_rank": "0"}
     assert d.labels(100) == {}
     assert env_labels(b"RANK=0; rm -rf /\0LOCAL_RANK=1\0") == {"local_rank": "1"}
+
+
+# --- told of every exec and rename: a process seen before is not read again -------------
+
+
+def replaced(root: Path, pid: int, ppid: int, comm: str, cmdline: str, start: int) -> None:
+    """Process ``pid`` exits and another gets its PID: a new /proc entry (made before the
+    old one goes, so that the filesystem cannot hand the old inode number back)."""
+    fresh = root / f".new-{pid}"
+    write(fresh / "stat", stat_line(pid, comm, ppid=ppid, start=start))
+    write(fresh / "cmdline", cmdline.replace(" ", "\0").encode() + b"\0")
+    write(fresh / "environ", b"\0")
+    shutil.rmtree(root / str(pid))
+    fresh.rename(root / str(pid))
+
+
+def told(root: Path) -> Discovery:
+    d = Discovery(ProcFS(str(root)), TARGETS)
+    d.changes_reported = True
+    return d
+
+
+def test_told_of_changes_only_the_services_and_new_processes_are_read_again(tmp_path):
+    root = tree(tmp_path)
+    d = told(root)
+    first = d.scan()
+    assert d.stats_read == 8
+    assert d.scan() == first
+    assert d.stats_read == 8 + 6  # 100-103 and 300-301; init and the shell are not read
+    add(root, 500, 200, "sleep", "sleep 1")
+    assert d.scan() == first
+    assert d.stats_read == 14 + 7  # and the new one, once
+    d.scan()
+    assert d.stats_read == 21 + 6
+
+
+def test_not_told_of_changes_every_process_is_read(tmp_path):
+    root = tree(tmp_path)
+    d = Discovery(ProcFS(str(root)), TARGETS)
+    d.scan()
+    d.scan()
+    assert d.stats_read == 16
+
+
+def test_a_reused_pid_is_read_again_by_its_new_entry(tmp_path):
+    root = tree(tmp_path)
+    d = told(root)
+    assert 200 not in d.scan()
+    replaced(root, 200, 1, "python3", "python3 -m sglang.launch_server", start=900)
+    services = d.scan()
+    assert services[200] == Service("sglang", 200, (200,))
+
+
+def test_a_rename_or_exec_reported_is_read_again(tmp_path):
+    root = tree(tmp_path)
+    d = Discovery(ProcFS(str(root)), (Target("eng", comm=re.compile("engine")),))
+    d.changes_reported = True
+    assert d.scan() == {}
+    write(root / "200/stat", stat_line(200, "engine", ppid=1, start=100))  # prctl: same entry
+    assert d.scan() == {}  # not reported: not read (the probe reports every one)
+    d.exec_seen([200])
+    assert d.scan() == {200: Service("eng", 200, (200,))}
+
+
+def test_a_service_process_re_parented_by_an_exit_leaves_the_service(tmp_path):
+    """Re-parenting happens when a parent exits: a child kept unread would keep its old
+    parent, and stay in the service."""
+    root = tree(tmp_path)
+    add(root, 400, 200, "bash", "bash")
+    add(root, 401, 400, "python3", "python3 helper.py")
+    d = Discovery(ProcFS(str(root)), (*TARGETS, Target("shell", comm=re.compile("bash"))))
+    d.changes_reported = True
+    assert d.scan()[200].pids == (200, 400, 401)
+    shutil.rmtree(root / "400")
+    write(root / "401/stat", stat_line(401, "python3", ppid=1, start=100))
+    services = d.scan()
+    assert services[200].pids == (200,)
+    assert 401 not in {p for s in services.values() for p in s.pids}
+
+
+def test_a_service_process_turning_zombie_leaves_it(tmp_path):
+    root = tree(tmp_path)
+    d = told(root)
+    assert d.scan()[100].pids == (100, 101, 103, 102)
+    write(root / "103/stat", stat_line(103, "detok", state="Z", ppid=101, start=100))
+    assert d.scan()[100].pids == (100, 101, 102)
+
+
+OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["spawn", "exit", "zombie", "exec", "rename", "reuse"]),
+        st.integers(0, 1000),
+        st.booleans(),
+    ),
+    max_size=25,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=OPS)
+def test_told_of_changes_scans_as_a_full_read_would(tmp_path_factory, ops):
+    """Whatever processes do between scans (fork, exit and re-parent, turn zombie, exec,
+    rename, a PID reused), a discovery told of every exec and rename finds the services
+    that one reading every process afresh finds."""
+    root = tree(tmp_path_factory.mktemp("ops"))
+    targets = (*TARGETS, Target("eng", comm=re.compile("engine")))
+    d = Discovery(ProcFS(str(root)), targets)
+    d.changes_reported = True
+    live = {1: 0, 100: 1, 101: 100, 102: 100, 103: 101, 200: 1, 300: 1, 301: 300}  # pid: ppid
+    comms = {1: "init", 100: "python3", 101: "python3", 102: "python3", 103: "detok"}
+    comms |= {200: "bash", 300: "torchrun", 301: "python3"}
+    zombies: set[int] = set()
+    next_pid, start = 600, 200
+
+    def put(pid: int, cmdline: str | None = None, state: str = "S") -> None:
+        write(root / f"{pid}/stat", stat_line(pid, comms[pid], state, live[pid], start))
+        if cmdline is not None:
+            write(root / f"{pid}/cmdline", cmdline.replace(" ", "\0").encode() + b"\0")
+
+    def orphan(pid: int) -> None:
+        for child in [c for c, p in live.items() if p == pid]:
+            live[child] = 1
+            put(child, state="Z" if child in zombies else "S")
+
+    for op, pick, flag in ops:
+        d.scan()
+        start += 1
+        alive = sorted(p for p in live if p != 1 and p not in zombies)
+        cmdline = "python3 -m sglang.launch_server" if flag else "python3 worker.py"
+        if op == "spawn" or not alive:
+            parent = sorted(p for p in live if p not in zombies)[pick % (len(live) - len(zombies))]
+            live[next_pid], comms[next_pid] = parent, "python3"
+            put(next_pid, cmdline)
+            next_pid += 1
+            continue
+        pid = alive[pick % len(alive)]
+        if op == "exit":
+            shutil.rmtree(root / str(pid))
+            del live[pid]
+            orphan(pid)
+        elif op == "zombie":
+            zombies.add(pid)
+            put(pid, state="Z")
+            orphan(pid)
+        elif op in ("exec", "rename"):
+            comms[pid] = "engine" if flag and op == "rename" else comms[pid]
+            put(pid, cmdline if op == "exec" else None)
+            d.exec_seen([pid])
+        else:  # reuse: the process exits, another comes on its PID under init
+            orphan(pid)
+            live[pid], comms[pid] = 1, "python3"
+            replaced(root, pid, 1, "python3", cmdline, start)
+    assert d.scan() == Discovery(ProcFS(str(root)), targets).scan()

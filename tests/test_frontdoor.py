@@ -2,15 +2,28 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterable
+from dataclasses import replace
 
 from hypothesis import given
 from hypothesis import strategies as st
 
 from agent.analysis import evidence as ev
 from agent.analysis.frontdoor import Door, FrontDoorConfig, FrontDoors, front_doors
-from agent.model import Connection, Listener, Plumbing, ProcessSample, ThreadSample
+from agent.model import (
+    Connection,
+    Listener,
+    Plumbing,
+    ProbeReading,
+    ProcessSample,
+    Snapshot,
+    ThreadSample,
+)
+from agent.observe.observer import Observer, Scope
+from agent.observe.sampler import Sampler
 from agent.report.sentences import door_why, render
+from agent.sources.procfs import ProcFS
 
 RANK = Plumbing(master_port=29500)
 NONE = Plumbing()
@@ -334,3 +347,41 @@ def test_every_listening_port_gets_one_door_with_a_reason(procs, declared, ephem
     if declared is not None:
         assert fd.ports == declared.ports & set(ports)
     assert isinstance(render(fd.evidence()), str)
+
+
+class _Scripted(Sampler):
+    """The snapshots given, one per tick, of a service of processes 1 and 2."""
+
+    def __init__(self, snaps: list[dict[int, ProcessSample]]) -> None:
+        super().__init__(ProcFS("/nonexistent", tcp_info=None, sockets=lambda *_: None))
+        self.snaps = snaps
+
+    def snapshot(self, pids: Iterable[int], probe: ProbeReading | None = None) -> Snapshot:
+        procs = self.snaps.pop(0)
+        return Snapshot(10**9, 1e9, procs, ephemeral_from=40000)
+
+
+def test_the_observer_keeps_a_services_doors_only_while_what_they_are_read_from_stands():
+    """The observer reads a service's doors again only when a process, a listener, a
+    connection or a hint changed (a socket's ends never change): the doors it gives are
+    front_doors' own, tick after tick, over random changes of each of those."""
+    rng = random.Random(21)
+    listen = [8000, 41234]
+    conns = [
+        ("127.0.0.1", 8000, "10.0.0.9", 50000),
+        ("127.0.0.1", 8000, "127.0.0.1", 51000),
+        ("127.0.0.1", 51000, "127.0.0.1", 8000),
+        ("127.0.0.1", 41234, "127.0.0.1", 52000),
+    ]
+    snaps = []
+    for _ in range(200):
+        a = proc(1, rng.sample(listen, rng.randint(0, 2)), rng.sample(conns, rng.randint(0, 3)))
+        b = proc(2, [], rng.sample(conns, rng.randint(0, 2)), comm=rng.choice(["python3", "x"]))
+        # Queues move while the rules' inputs stand: the doors must not be read again
+        a = replace(a, listeners=tuple(replace(x, queued=rng.randint(0, 3)) for x in a.listeners))
+        snaps += [{1: a, 2: b}] * rng.randint(1, 3)
+    want = [front_doors([s[1], s[2]], None, 40000) for s in snaps]
+    obs = Observer(_Scripted(list(snaps)), None, Scope(lambda: {1: [1, 2]}, False))
+    obs.discover()
+    for i, w in enumerate(want):
+        assert obs.observe().doors[1] == w, i

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import struct
+import threading
 from pathlib import Path
 
 from hypothesis import given
@@ -26,8 +27,11 @@ from agent.sources.procfs import (
 TCP_HEADER = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
 
 
-def stat_line(pid: int, comm: str, state: str = "S", ppid: int = 1, start: int = 4242) -> str:
+def stat_line(
+    pid: int, comm: str, state: str = "S", ppid: int = 1, start: int = 4242, threads: int = 0
+) -> str:
     rest = [state, str(ppid)] + ["0"] * 17 + [str(start)] + ["0"] * 30
+    rest[17] = str(threads)  # field 20, num_threads
     return f"{pid} ({comm}) {' '.join(rest)}\n"
 
 
@@ -222,6 +226,114 @@ def test_a_thread_that_did_not_run_is_not_read_again(tmp_path):
     assert moved.wait is not None and moved.wait.uaddr == 0x2100 and moved.cpu_ns == 2000
 
 
+def in_wait(tid: int, since_ns: int, uaddr: int = 0x2000, pid: int = 10) -> ProbeReading:
+    """A probe reading: ``tid`` in a futex wait on ``uaddr`` that it saw begin at ``since_ns``."""
+    from agent.model import FutexWait, InflightWait
+
+    wait = FutexWait(uaddr, FUTEX_WAIT, 2, since_ns=since_ns, source="bpf")
+    return ProbeReading(inflight={tid: InflightWait(tid, pid, wait)})
+
+
+def test_a_thread_still_in_the_wait_the_probe_saw_begin_is_not_read_at_all(tmp_path):
+    root = make_proc(tmp_path)
+    proc = CountingProcFS(str(root))
+    sampler = Sampler(proc, clock_ns=lambda: 6_000_000_000)
+    first = sampler.snapshot([10], in_wait(10, 4_000_000_000)).processes[10].thread(10)
+    assert first.wait is not None and first.wait.since_ns == 4_000_000_000
+    proc.reads.clear()
+    # The same wait, by its start time: it never left the syscall. Even its schedstat is
+    # not read (thread 11, running, is: one read of it).
+    again = sampler.snapshot([10], in_wait(10, 4_000_000_000)).processes[10].thread(10)
+    assert again == first
+    assert proc.reads["schedstat"] == 1
+    # Another wait (it woke and waited again, its run time unchanged to the ns it is not):
+    # its schedstat says whether it ran.
+    write(root / "10/task/10/schedstat", "1500 0 4\n")
+    write(root / "10/task/10/syscall", "202 0x2100 0x80 0x2 0x0 0x0 0x0 0x7000 0x401000\n")
+    proc.reads.clear()
+    moved = sampler.snapshot([10], in_wait(10, 5_000_000_000, 0x2100)).processes[10].thread(10)
+    assert proc.reads["schedstat"] == 2 and proc.reads["syscall"] == 1
+    assert moved.wait is not None and moved.wait.uaddr == 0x2100 and moved.cpu_ns == 1500
+
+
+def parked_only(root: Path) -> None:
+    """make_proc's process 10 with thread 11 parked too, in a timed futex wait of its own."""
+    write(root / "10/task/11/stat", stat_line(11, "loader", ppid=1))
+    write(root / "10/task/11/sched", "loader\nse.exec_start : 4000.0\n")
+    write(root / "10/task/11/syscall", "202 0x2800 0x80 0x0 0x7fff0000 0x0 0x0 0x7100 0x401000\n")
+
+
+class WalkCountingProcFS(CountingProcFS):
+    """Counts fd walks and memory opens too (the reads of a process, not of a thread)."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        self.walks = 0
+        self.opens = 0
+
+    def socket_fds(self, pid: int) -> dict[int, int]:
+        self.walks += 1
+        return super().socket_fds(pid)
+
+    def open_memory(self, pid: int):  # type: ignore[no-untyped-def]
+        self.opens += 1
+        return super().open_memory(pid)
+
+
+def test_a_quiet_process_is_reused_but_for_its_sockets(tmp_path):
+    """No thread of process 10 ran: its maps, lock words, fds and write counter are not read
+    again; its listener's queue is (clients connect to a server that does not run)."""
+    root = make_proc(tmp_path)
+    parked_only(root)
+    proc = WalkCountingProcFS(str(root))
+    sampler = Sampler(proc, clock_ns=lambda: 6_000_000_000)
+    first = sampler.snapshot([10]).processes[10]
+    assert first.listeners[0].queued == 2
+    proc.reads.clear()
+    proc.walks = proc.opens = 0
+    write(root / "10/io", "rchar: 1\nwchar: 99999\n")  # cannot move unless it runs: not read
+    write(root / "10/net/tcp", TCP_HEADER + _tcp_line(0, "0.0.0.0", 8000, 0x0A, 128, 5, 777, False))
+    again = sampler.snapshot([10]).processes[10]
+    assert (again.threads, again.word_ids, again.write_bytes) == (
+        first.threads,
+        first.word_ids,
+        first.write_bytes,
+    )
+    assert again.listeners[0].queued == 5
+    assert "maps" not in proc.reads and "io" not in proc.reads and "syscall" not in proc.reads
+    assert proc.walks == 0 and proc.opens == 0
+    # One thread ran: the process is read again, all of it.
+    write(root / "10/task/11/schedstat", "1000000 0 4\n")
+    proc.reads.clear()
+    moved = sampler.snapshot([10]).processes[10]
+    assert proc.reads["maps"] == 1 and proc.reads["io"] == 1 and proc.walks == 1
+    assert moved.write_bytes == 99999
+
+
+def test_a_quiet_process_reads_its_words_in_shared_memory_again(tmp_path):
+    """Another process may take a lock in shared memory: the word is read again, the rest
+    of the quiet process is not."""
+    root = make_proc(tmp_path)
+    parked_only(root)
+    write(
+        root / "10/maps",
+        "00001000-00003000 rw-s 00000000 00:05 4242 /dev/shm/ring\n"
+        "00006000-00008000 rw-p 00000000 00:00 0    [stack]\n",
+    )
+    proc = WalkCountingProcFS(str(root))
+    sampler = Sampler(proc, clock_ns=lambda: 6_000_000_000)
+    first = sampler.snapshot([10]).processes[10].thread(10)
+    assert first.lock is not None and first.lock.owner_field == 11
+    mem = bytearray((root / "10/mem").read_bytes())
+    mem[0x2000:0x2014] = struct.pack("<5I", 2, 0, 77, 1, 0)  # now held by thread 77
+    write(root / "10/mem", bytes(mem))
+    proc.reads.clear()
+    proc.opens = 0
+    again = sampler.snapshot([10]).processes[10].thread(10)
+    assert again.lock is not None and again.lock.owner_field == 77
+    assert "maps" not in proc.reads and proc.opens == 1
+
+
 def test_a_tid_reused_by_another_process_is_read_afresh(tmp_path):
     root = make_proc(tmp_path)
     sampler = Sampler(ProcFS(str(root)), clock_ns=lambda: 6_000_000_000)
@@ -295,3 +407,94 @@ def test_parse_epoll_fds_reads_each_tfd_line():
     )
     assert parse_epoll_fds(fdinfo) == [11, 9]
     assert parse_epoll_fds("") == []
+
+
+def test_the_pipes_a_process_reads_are_listed_again_only_once_it_has_run(tmp_path):
+    root = make_proc(tmp_path)
+    parked_only(root)
+    walks = []
+
+    class PipeWalks(ProcFS):
+        def pipes_read(self, pid: int) -> set[int]:
+            walks.append(pid)
+            return super().pipes_read(pid)
+
+    sampler = Sampler(PipeWalks(str(root)), clock_ns=lambda: 6_000_000_000)
+    sampler.snapshot([10])
+    sampler.pipes_read([10])
+    sampler.snapshot([10])  # quiet: its fds are what they were
+    sampler.pipes_read([10])
+    assert walks == [10]
+    write(root / "10/task/11/schedstat", "1000000 0 4\n")  # it ran
+    sampler.snapshot([10])
+    sampler.pipes_read([10])
+    assert walks == [10, 10]
+
+
+class TaskListings(CountingProcFS):
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        self.listed = 0
+
+    def tids(self, pid: int) -> list[int]:
+        self.listed += 1
+        return super().tids(pid)
+
+
+def test_threads_still_in_their_waits_and_as_many_are_not_listed_again(tmp_path):
+    """Thread 10 is in the futex wait the probe saw begin, thread 11 parked and not running,
+    and the process counts two threads: the task directory is not listed again (no thread
+    can have come or gone); thread 11's schedstat is read."""
+    root = make_proc(tmp_path)
+    parked_only(root)
+    write(root / "10/stat", stat_line(10, "server", ppid=1, threads=2))
+    proc = TaskListings(str(root))
+    sampler = Sampler(proc, clock_ns=lambda: 6_000_000_000)
+    first = sampler.snapshot([10], in_wait(10, 4_000_000_000)).processes[10]
+    assert proc.listed == 1
+    proc.reads.clear()
+    again = sampler.snapshot([10], in_wait(10, 4_000_000_000)).processes[10]
+    assert proc.listed == 1 and proc.reads["schedstat"] == 1
+    assert again.threads is first.threads
+    # A third thread: the count moved, so the threads are listed, and it is seen.
+    t12 = root / "10/task/12"
+    write(t12 / "stat", stat_line(12, "new", state="R", ppid=1))
+    write(t12 / "schedstat", "5 0 1\n")
+    write(root / "10/stat", stat_line(10, "server", ppid=1, threads=3))
+    moved = sampler.snapshot([10], in_wait(10, 4_000_000_000)).processes[10]
+    assert proc.listed == 2 and [t.tid for t in moved.threads] == [10, 11, 12]
+
+
+def test_a_wait_that_ended_means_the_threads_are_listed_again(tmp_path):
+    root = make_proc(tmp_path)
+    parked_only(root)
+    write(root / "10/stat", stat_line(10, "server", ppid=1, threads=2))
+    proc = TaskListings(str(root))
+    sampler = Sampler(proc, clock_ns=lambda: 6_000_000_000)
+    sampler.snapshot([10], in_wait(10, 4_000_000_000))
+    sampler.snapshot([10], in_wait(10, 4_500_000_000))  # another wait of thread 10
+    assert proc.listed == 2
+    # Thread 11 is gone though the count says two (another came): listed again.
+    for name in ("stat", "schedstat", "sched", "syscall"):
+        (root / f"10/task/11/{name}").unlink()
+    (root / "10/task/11").rmdir()
+    snap = sampler.snapshot([10], in_wait(10, 4_500_000_000))
+    assert proc.listed == 3 and [t.tid for t in snap.processes[10].threads] == [10]
+
+
+def test_the_main_threads_stat_reads_as_the_process_stat():
+    """On the real /proc: the fields a ProcStat keeps are the process's, from its main
+    thread's stat (which skips the sums over every thread)."""
+    stop = threading.Event()
+    pool = [threading.Thread(target=stop.wait) for _ in range(20)]
+    for t in pool:
+        t.start()
+    try:
+        proc = ProcFS()
+        assert proc.main_stat(os.getpid()) == proc.stat(os.getpid())
+        assert proc.stat(os.getpid()).num_threads >= 21
+    finally:
+        stop.set()
+        for t in pool:
+            t.join()
+    assert ProcFS().main_stat(2**22 + 1) is None  # beyond pid_max: no such process

@@ -248,9 +248,9 @@ class CountingProcFS(ProcFS):
         self.net_reads = 0
         self.plumbing_reads: list[int] = []
 
-    def tcp_sockets(self, pid):
+    def tcp_sockets(self, pid, ports=None, listening=False, families=("tcp", "tcp6"), info=True):
         self.net_reads += 1
-        return super().tcp_sockets(pid)
+        return super().tcp_sockets(pid, ports, listening, families, info)
 
     def plumbing(self, pid):
         self.plumbing_reads.append(pid)

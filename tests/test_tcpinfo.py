@@ -13,13 +13,17 @@ import contextlib
 import os
 import shutil
 import socket
+import struct
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from agent.analysis import classify as classify_module
 from agent.analysis.classify import (
     IDLE,
     PROGRESSING,
@@ -28,10 +32,11 @@ from agent.analysis.classify import (
     classify_process,
     classify_service,
     unanswered_requests,
+    unread_requests,
     waiting_for_answer,
 )
 from agent.analysis.progress import ProcessProgress
-from agent.model import Connection, Listener, TcpInfo
+from agent.model import Connection, Connections, Listener, TcpInfo
 from agent.observe.sampler import Sampler
 from agent.report.sentences import reasons
 from agent.sources import tcpinfo
@@ -94,9 +99,36 @@ def test_only_connections_on_front_doors_count_oldest_first():
     assert unanswered_requests(sample, None) == [old, young]  # None: its own listeners
 
 
-def _sample(listeners=(), connections=(), pid=10, n=2):
+def _sample(listeners=(), connections=(), pid=10, n=2, kind=tuple):
     p = process(pid, *(parked(pid * 100 + i) for i in range(n)), listeners=listeners)
-    return p.__class__(**{**p.__dict__, "connections": tuple(connections)})
+    return p.__class__(**{**p.__dict__, "connections": kind(connections)})
+
+
+def test_a_samples_connections_are_judged_once_per_question(monkeypatch):
+    """A sample's Connections keep each answer: the observer and two judges ask the same of
+    a front-end's thousand each tick. The answers are those a plain tuple gets."""
+    plumbing, young, old = conn(port=29500, inode=1), conn(recv=2000, inode=2), conn(inode=3)
+    answered, streaming = conn(recv=300_000, sent=1000, inode=4), conn(recv=9, sent=5, inode=5)
+    held = (plumbing, young, answered, old, streaming)
+    kept = _sample(listeners=(LISTEN,), connections=held, kind=Connections)
+    plain = _sample(listeners=(LISTEN,), connections=held)
+    asked = []
+    judge = classify_module.waiting_for_answer
+    monkeypatch.setattr(
+        classify_module, "waiting_for_answer", lambda c: asked.append(c) or judge(c)
+    )
+    questions = [
+        (frozenset({8000}), frozenset()),
+        (None, frozenset({5})),
+        (frozenset(), frozenset()),
+    ]
+    for ports, streams in questions:
+        want = unanswered_requests(plain, ports, streams)
+        assert unanswered_requests(kept, ports, streams) == want
+        n = len(asked)
+        assert unanswered_requests(kept, ports, streams) == want and len(asked) == n
+        assert unread_requests(kept, ports) == unread_requests(plain, ports)
+    assert unanswered_requests(kept, None, frozenset({5})) == [old, young, streaming]
 
 
 def _facts(sample, parked_s=5.0, doors=frozenset({8000})) -> ProcessFacts:
@@ -155,13 +187,50 @@ def test_the_service_sees_requests_held_by_a_process_without_the_listener():
     assert "connections accepted on port 8000: 1 request unanswered for 70 s" in reasons(w.reasons)
 
 
-def test_dumps_asked_for_per_family_and_port():
-    assert tcpinfo._requests(None) == [(socket.AF_INET, 0), (socket.AF_INET6, 0)]
+def test_dumps_asked_for_per_family_with_their_ports():
+    assert tcpinfo._requests(None) == [(socket.AF_INET, ()), (socket.AF_INET6, ())]
     got = tcpinfo._requests([("tcp6", 8000), ("tcp", 9000), ("tcp", 8000), ("udp", 53)])
-    assert got == [(socket.AF_INET, 8000), (socket.AF_INET, 9000), (socket.AF_INET6, 8000)]
+    assert got == [(socket.AF_INET, (8000, 9000)), (socket.AF_INET6, (8000,))]
     many = [("tcp", p) for p in range(1000, 1000 + tcpinfo.MAX_FILTERED_PORTS + 1)]
-    assert tcpinfo._requests(many) == [(socket.AF_INET, 0)]
+    assert tcpinfo._requests(many) == [(socket.AF_INET, ())]
     assert tcpinfo._requests([("tcp", 0), ("tcp", 70000)]) == []
+
+
+def test_port_filter_is_the_kernels_bytecode():
+    """Two ports, as ss(8) writes an OR: S_EQ 8000 (yes on to the JMP, no over it to the next
+    S_EQ), its port in the second op's ``no``; the JMP to the end (20 - 8 = 12); S_EQ 9000,
+    yes to the end, no 4 past it."""
+    assert tcpinfo.port_filter([8000, 9000]) == struct.pack(
+        "=BBHBBHBBHBBHBBH", 11, 8, 12, 0, 0, 8000, 1, 4, 12, 11, 8, 12, 0, 0, 9000
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=400))
+def test_dump_parser_is_total(data: bytes):
+    """Whatever a read holds, the parser adds what it can and never raises but for the
+    kernel's error message (an OSError, as the reader's callers expect)."""
+    out: dict[int, TcpInfo] = {}
+    with contextlib.suppress(OSError):
+        tcpinfo.parse_dump(data, out)
+    assert all(isinstance(v, TcpInfo) for v in out.values())
+    listed: list[tcpinfo.TcpSocket] = []
+    with contextlib.suppress(OSError):
+        tcpinfo.parse_sockets(data, listed)
+    assert all(0 <= s.port < 1 << 16 and s.inode for s in listed)
+
+
+def test_dump_parser_skips_a_short_tcp_info_and_stops_at_the_end():
+    info = bytes(tcpinfo.TCPI_NEEDED - 8)  # a kernel before bytes_received
+    msg = bytearray(tcpinfo.DIAG_MSG_LEN)
+    struct.pack_into("=I", msg, tcpinfo.DIAG_INODE_AT, 77)
+    attr = struct.pack("=HH", 4 + len(info), tcpinfo.INET_DIAG_INFO) + info
+    body = bytes(msg) + attr
+    one = struct.pack("=IHHII", 16 + len(body), tcpinfo.SOCK_DIAG_BY_FAMILY, 2, 1, 0) + body
+    done = struct.pack("=IHHII", 20, tcpinfo.NLMSG_DONE, 2, 1, 0) + bytes(4)
+    out: dict[int, TcpInfo] = {}
+    assert tcpinfo.parse_dump(one + done, out) and out == {}
+    assert not tcpinfo.parse_dump(one, out)  # more to read
 
 
 # --- the reader, against the kernel -------------------------------------------------------
@@ -219,11 +288,27 @@ def test_reader_sees_a_request_wait_and_its_answer_end_the_wait(family):
         assert inode(client) in read_tcp_info(None)
 
 
+def test_the_kernel_keeps_the_ports_asked_for_and_no_other():
+    with contextlib.ExitStack() as stack:
+        pairs = [stack.enter_context(pair()) for _ in range(4)]
+        asked = [port for _, _, port in pairs[:3]]
+        got = read_tcp_info([("tcp", port) for port in asked])
+        assert all(inode(server) in got for server, _, _ in pairs[:3])
+        assert all(inode(client) not in got for _, client, _ in pairs)
+        server, _, port = pairs[3]
+        assert inode(server) not in got
+        assert inode(server) in read_tcp_info([("tcp", port)])
+
+
 def test_reader_failures_give_nothing(monkeypatch):
     assert read_tcp_info(None, netns="/proc/does-not-exist/ns/net") == {}
     assert read_tcp_info([("sctp", 80)]) == {}
-    monkeypatch.setitem(sys.modules, "pyroute2.netlink.diag", None)  # import fails
+
+    def refused(*_args: object) -> socket.socket:
+        raise PermissionError(1, "netlink refused")
+
     with pair() as (_, _, port):
+        monkeypatch.setattr(tcpinfo.socket, "socket", refused)
         assert read_tcp_info([("tcp", port)]) == {}
 
 

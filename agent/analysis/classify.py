@@ -8,11 +8,12 @@ threshold), and stalled otherwise.
 
 from __future__ import annotations
 
+import bisect
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ..model import Connection, Listener, ProcessSample
+from ..model import Connection, Listener, ProcessSample, ThreadSample, derived
 from ..syscalls import FUTEX, syscall_name, wait_kind
 from . import evidence as ev
 from .culprit import find_culprit
@@ -156,7 +157,11 @@ def unread_requests(sample: ProcessSample, ports: frozenset[int] | None) -> int:
     left 218 bytes queued on some connection of an idle Serve app now and then."""
     if ports is None:
         ports = frozenset(lst.port for lst in sample.listeners)
-    return sum(c.rx_queue for c in sample.connections if c.local_port in ports)
+    return derived(
+        sample.connections,
+        ("unread", ports),
+        lambda cs: sum(c.rx_queue for c in cs if c.local_port in ports),
+    )
 
 
 def unanswered_requests(
@@ -167,12 +172,22 @@ def unanswered_requests(
     at all, or (``streams``: their inodes) a streamed answer still being sent."""
     if ports is None:
         ports = frozenset(lst.port for lst in sample.listeners)
-    waiting = [
-        c
-        for c in sample.connections
-        if c.local_port in ports and (waiting_for_answer(c) or c.inode in streams)
-    ]
-    return sorted(waiting, key=lambda c: -(c.last_recv_ms or 0))
+    return list(
+        derived(
+            sample.connections,
+            ("unanswered", ports, streams),
+            lambda cs: tuple(
+                sorted(
+                    (
+                        c
+                        for c in cs
+                        if c.local_port in ports and (waiting_for_answer(c) or c.inode in streams)
+                    ),
+                    key=lambda c: -(c.last_recv_ms or 0),
+                )
+            ),
+        )
+    )
 
 
 def oldest_request_s(unanswered: Iterable[Connection]) -> float:
@@ -254,28 +269,44 @@ def process_waits(s: ProcessSample, now_ns: int) -> ev.ProcessWaits:
     """What the threads of a process wait in, counted by syscall and timeout; with the age
     of its oldest untimed futex wait (from ThreadSample.quiet_since_ns), and of each untimed
     futex wait but those of pools parked since start-up (ProcessWaits)."""
+    waits, running, began, by_tid = derived(s.threads, "waits", _waits_of)
+    main_ns = by_tid.get(s.pid)
+    if not began:
+        return ev.ProcessWaits(waits, running, None, (), None)
+    oldest = max(0.0, (now_ns - began[0]) / 1e9)
+    # Those of the first STARTUP_S of the process are left out: they begin at the cut.
+    cut = 0
+    if s.age_s is not None:
+        cut = bisect.bisect_left(began, now_ns - (s.age_s - STARTUP_S) * 1e9)
+    ages = tuple(max(0.0, (now_ns - ns) / 1e9) for ns in began[cut:])  # oldest first
+    main = None
+    if main_ns is not None and (s.age_s is None or main_ns >= now_ns - (s.age_s - STARTUP_S) * 1e9):
+        main = max(0.0, (now_ns - main_ns) / 1e9)
+    return ev.ProcessWaits(waits, running, oldest, ages, main)
+
+
+def _waits_of(
+    threads: Sequence[ThreadSample],
+) -> tuple[tuple[tuple[str, bool | None, int], ...], int, list[int], dict[int, int]]:
+    """Of process_waits, what the threads alone say: the waits counted, the threads not
+    blocked, when each untimed futex wait began (in order), and the same by TID."""
     counts: Counter[tuple[str, bool | None]] = Counter()
-    running, oldest, main = 0, None, None
-    ages: list[float] = []
-    for t in s.threads:
+    running = 0
+    by_tid: dict[int, int] = {}
+    for t in threads:
         if not t.blocked:
             running += 1
             continue
         name = syscall_name(t.syscall) if t.syscall is not None and t.syscall >= 0 else "no syscall"
         counts[(name, t.timed)] += 1
         if wait_kind(t.syscall) == FUTEX and t.timed is False:
-            began = t.quiet_since_ns
-            if began is not None:
-                age = max(0.0, (now_ns - began) / 1e9)
-                oldest = age if oldest is None else max(oldest, age)
-                if s.age_s is None or age <= s.age_s - STARTUP_S:  # else parked since start-up
-                    ages.append(age)
-                    if t.tid == s.pid:
-                        main = age
+            ns = t.quiet_since_ns
+            if ns is not None:
+                by_tid[t.tid] = ns
     waits = tuple(
         (name, timed, n) for (name, timed), n in sorted(counts.items(), key=lambda x: -x[1])
     )
-    return ev.ProcessWaits(waits, running, oldest, tuple(sorted(ages, reverse=True)), main)
+    return waits, running, sorted(by_tid.values()), by_tid
 
 
 def gpu_idle(gpus: Mapping[int, ProcessGpu]) -> ev.GpuIdle | None:

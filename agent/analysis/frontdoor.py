@@ -60,7 +60,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..model import DEFAULT_EPHEMERAL_FROM, Connection, ProcessSample, endpoint
+from ..model import DEFAULT_EPHEMERAL_FROM, Connection, ProcessSample
 from . import evidence as ev
 
 
@@ -100,11 +100,11 @@ class FrontDoors:
 
 
 def _local(c: Connection) -> tuple[str, int]:
-    return endpoint(c.local_address, c.local_port)
+    return c.local
 
 
 def _remote(c: Connection) -> tuple[str, int]:
-    return endpoint(c.remote_address, c.remote_port)
+    return c.remote
 
 
 def _holder(p: ProcessSample) -> ev.Holder:

@@ -60,7 +60,7 @@ def last_progress(
             if ends.destination(w.target) in LEAVES:
                 found.append(ev.LastProgress("write", w.target, s.pid, max(0.0, wall - w.mtime)))
         for c in s.connections:
-            if ends.destination(f"socket:[{c.inode}]") != CLIENT:
+            if ends.socket_destination(c.inode) != CLIENT:
                 continue
             peer = f"{c.remote_address}:{c.remote_port}"
             if c.last_sent_ms is not None and c.bytes_acked:

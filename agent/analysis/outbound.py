@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable
 
-from ..model import Connection, ProcessSample, endpoint
+from ..model import Connection, ProcessSample
 
 FILE = "file"
 TERMINAL = "terminal"
@@ -35,10 +35,16 @@ class ServiceEnds:
     def __init__(self, connections: Iterable[Connection], pipes_read: Collection[int]) -> None:
         """``pipes_read``: inodes of the pipes the service's processes hold open for reading
         (the caller may leave them out when no write it asks about goes to a pipe)."""
-        conns = list(connections)
-        self.by_inode = {c.inode: c for c in conns}
-        self.locals = {endpoint(c.local_address, c.local_port) for c in conns}
+        self.by_inode = {c.inode: c for c in connections}
+        self._locals: set[tuple[str, int]] | None = None  # built at the first socket asked
         self.pipes_read = pipes_read
+
+    @property
+    def locals(self) -> set[tuple[str, int]]:
+        """The service's own ends of its connections."""
+        if self._locals is None:
+            self._locals = {c.local for c in self.by_inode.values()}
+        return self._locals
 
     def destination(self, target: str | None) -> str:
         """Where a write to an fd pointing at ``target`` (its /proc/PID/fd link) goes."""
@@ -51,14 +57,18 @@ class ServiceEnds:
         if target.startswith("/"):
             return FILE
         if target.startswith("socket:["):
-            c = self.by_inode.get(inode_of(target))
-            if c is None:
-                return SERVICE  # unix, netlink, or a TCP socket already closed
-            peer = endpoint(c.remote_address, c.remote_port)
-            return SERVICE if peer in self.locals else CLIENT
+            return self.socket_destination(inode_of(target))
         if target.startswith("pipe:["):
             return SERVICE if inode_of(target) in self.pipes_read else FILE
         return SERVICE  # anon_inode:[eventfd], [eventpoll], [timerfd], ...
+
+    def socket_destination(self, inode: int) -> str:
+        """Where a write to the socket ``inode`` goes: to a client (a TCP peer outside the
+        service), or inside it."""
+        c = self.by_inode.get(inode)
+        if c is None:
+            return SERVICE  # unix, netlink, or a TCP socket already closed
+        return SERVICE if c.remote in self.locals else CLIENT
 
 
 def inode_of(target: str) -> int:
@@ -81,7 +91,7 @@ def received_from_outside(
     for c in new.connections:
         if c.bytes_received is None or c.local_port in front_ports:
             continue
-        if ends.destination(f"socket:[{c.inode}]") != CLIENT:
+        if ends.socket_destination(c.inode) != CLIENT:
             continue
         if c.inode in before and before[c.inode] is None:
             continue  # not read at the window's start: its count says nothing of the window

@@ -131,33 +131,46 @@ class ParkTracker:
 
     def __init__(self) -> None:
         self._prev: Snapshot | None = None
-        self._last_work: dict[tuple[int, int, int], int] = {}  # (pid, start, tid) -> ns
+        # (pid, start) -> tid -> when it last worked, in ns
+        self._last_work: dict[tuple[int, int], dict[int, int]] = {}
         self.parks: dict[int, dict[int, ThreadPark]] = {}  # pid -> tid -> park
+        # pid -> (its threads parked, when the last of them worked if all are parked)
+        self._summary: dict[int, tuple[int, int | None]] = {}
 
     def update(self, snap: Snapshot, settings: ParkSettings) -> None:
         prev = self._prev
         now = snap.mono_ns
         floor = settings.floor_ns(now - prev.mono_ns if prev else 0)
-        seen: dict[tuple[int, int, int], int] = {}
-        self.parks = {}
+        seen: dict[tuple[int, int], dict[int, int]] = {}
+        old_parks, old_summary = self.parks, self._summary
+        self.parks, self._summary = {}, {}
         for p in snap.processes.values():
             old = prev.processes.get(p.pid) if prev else None
             if old is not None and old.start_ticks != p.start_ticks:
                 old = None  # the PID was reused
+            key = (p.pid, p.start_ticks)
+            known = self._last_work.get(key, {})
+            summary = old_summary.get(p.pid)
+            if (
+                old is not None
+                and p.threads is old.threads
+                and summary is not None
+                and summary[1] is not None
+                and p.pid in old_parks
+            ):
+                # The very threads of the last snapshot (the sampler's quiet process: none
+                # of them ran), all parked already: their parks stand as they were.
+                seen[key] = known
+                self.parks[p.pid] = old_parks[p.pid]
+                self._summary[p.pid] = summary
+                continue
             old_cpu = {t.tid: t.cpu_ns for t in old.threads} if old else {}
             # When the process last worked, as of the previous snapshot (None: new to us).
-            quiet_since = max(
-                (
-                    self._last_work[k]
-                    for tid in old_cpu
-                    if (k := (p.pid, p.start_ticks, tid)) in self._last_work
-                ),
-                default=None,
-            )
+            quiet_since = max((known[tid] for tid in old_cpu if tid in known), default=None)
             parks = {}
+            last_work: dict[int, int] = {}
             for t in p.threads:
-                key = (p.pid, p.start_ticks, t.tid)
-                last = self._last_work.get(key)
+                last = known.get(t.tid)
                 if t.tid in old_cpu and last is not None:
                     worked = t.cpu_ns - old_cpu[t.tid] > floor
                 elif old is not None:
@@ -179,18 +192,27 @@ class ParkTracker:
                     last = _last_ran(t, now)
                 if worked:
                     last = now
-                seen[key] = last
+                last_work[t.tid] = last
                 parks[t.tid] = ThreadPark(t.tid, not worked, last)
+            seen[key] = last_work
             self.parks[p.pid] = parks
+            n = sum(1 for x in parks.values() if x.parked)
+            latest = max(last_work.values()) if parks and n == len(parks) else None
+            self._summary[p.pid] = (n, latest)
         self._last_work = seen  # forget exited threads: bounded by live threads
         self._prev = snap
 
+    def parked_threads(self, pid: int) -> int:
+        """How many of the process's threads are parked."""
+        summary = self._summary.get(pid)
+        return summary[0] if summary else 0
+
     def parked_seconds(self, pid: int, now_ns: int) -> float:
         """How long every thread of the process has been parked; 0 if any works."""
-        parks = self.parks.get(pid)
-        if not parks or not all(x.parked for x in parks.values()):
+        summary = self._summary.get(pid)
+        if summary is None or summary[1] is None:
             return 0.0
-        return max(0.0, (now_ns - max(x.last_work_ns for x in parks.values())) / NS)
+        return max(0.0, (now_ns - summary[1]) / NS)
 
 
 def _last_ran(t: ThreadSample, now_ns: int) -> int:
@@ -227,14 +249,15 @@ def window_progress(
         # Started within the window: everything it did so far was done in it.
         old = ProcessSample(new.pid, new.ppid, new.comm, new.start_ticks, (), 0)
     floor = settings.floor_ns(window_ns)
-    old_cpu = {t.tid: t.cpu_ns for t in old.threads}
     cpu_ns = 0
     working = []
-    for t in new.threads:
-        delta = t.cpu_ns - old_cpu.get(t.tid, 0)  # a new thread's whole CPU time is new work
-        cpu_ns += max(0, delta)
-        if delta > floor:
-            working.append(t.tid)
+    if new.threads is not old.threads:  # the same: the sampler saw none of them run since
+        old_cpu = {t.tid: t.cpu_ns for t in old.threads}
+        for t in new.threads:
+            delta = t.cpu_ns - old_cpu.get(t.tid, 0)  # a new thread's CPU time is all new work
+            cpu_ns += max(0, delta)
+            if delta > floor:
+                working.append(t.tid)
     written = written_out
     if written is None and old.write_bytes is not None and new.write_bytes is not None:
         written = max(0, new.write_bytes - old.write_bytes)

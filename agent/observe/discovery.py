@@ -2,11 +2,12 @@
 
 A process matching a target is the root of a service named after the target; its
 descendants (TP ranks, scheduler and detokenizer workers) belong to it, and a matched
-process whose ancestor also matched folds into the ancestor's service. One pass over
+process whose ancestor also matched folds into the ancestor's service. One listing of
 /proc per interval; a process's cmdline and environment are read once (cached by PID and
 start time, so a reused PID is read afresh) and again after it execs: its comm changed, or
 the probe saw the exec (``exec_seen``; a launcher that execs the same interpreter keeps its
-comm).
+comm). Told of every exec and rename (``changes_reported``), a process outside the services
+is not read again while its /proc entry is the one seen (see scan).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class _Known:
     labels: dict[str, str] | None = None
     matched: str | None = field(default=None)
     checked: bool = False
+    ino: int = 0  # the inode of its /proc entry: another process's if the PID is reused
 
 
 def env_labels(environ: bytes) -> dict[str, str]:
@@ -103,10 +105,17 @@ class Discovery:
         self.gpu_pids = gpu_pids
         self.self_pid = self_pid  # never watch ourselves
         self._known: dict[int, _Known] = {}
+        # Whether every exec and rename since the last scan was reported (exec_seen): then a
+        # process outside the services whose /proc entry is the one seen last needs no read
+        # (see scan). The daemon sets it from the probe, each scan.
+        self.changes_reported = False
+        self._members: set[int] = set()  # the services' processes at the last scan
+        self.stats_read = 0  # /proc/PID/stat reads (tests, the bench)
 
     def exec_seen(self, tgids: Iterable[int]) -> None:
-        """Processes that exec'd since the last scan: read and matched afresh at the next one
-        (a process seen between fork and exec kept its parent's command line)."""
+        """Processes that exec'd or were renamed since the last scan: read and matched afresh
+        at the next one (a process seen between fork and exec kept its parent's command
+        line; a rename changes its comm)."""
         for pid in tgids:
             k = self._known.get(pid)
             if k is not None:
@@ -135,17 +144,39 @@ class Discovery:
         """Services by root PID, as /proc shows them now."""
         gpu = self.gpu_pids() if any(t.gpu for t in self.targets) else set()
         seen: dict[int, _Known] = {}
-        for pid in self.proc.pids():
+        listed = self.proc.pid_inodes()
+        known = self._known
+        for pid, ino in listed.items():
             if pid == self.self_pid:
                 continue
-            st = self.proc.stat(pid)
+            k = known.get(pid)
+            if (
+                self.changes_reported
+                and k is not None
+                and k.ino == ino
+                and k.checked
+                and k.matched is None
+                and pid not in self._members
+                and pid not in gpu
+            ):
+                # The same process (its /proc entry is; a reused PID gets a new one), not
+                # exec'd nor renamed (it would be unchecked): its start and comm are as read,
+                # and it matches no target as before. Most of a host's processes, every
+                # tick. A service's processes are read each time: one turning zombie, or
+                # re-parented away by an exit, leaves it. Re-parenting cannot bring one of
+                # these into a service: its new parent (init, or a subreaper) is an ancestor
+                # of its old one, and was in no service either.
+                seen[pid] = k
+                continue
+            st = self.proc.main_stat(pid)
+            self.stats_read += 1
             if st is None or st.state in ("Z", "X"):
                 continue
-            k = self._known.get(pid)
             # A new comm means an exec (or a prctl): read and match it afresh.
             if k is None or k.start != st.start_ticks or k.comm != st.comm:
                 k = _Known(st.start_ticks, st.comm, st.ppid)
             k.ppid = st.ppid  # re-parenting happens
+            k.ino = ino
             if not k.checked or pid in gpu or (k.matched and self._gpu_only(k.matched)):
                 k.matched = self._match(pid, k, gpu)
                 k.checked = True
@@ -161,6 +192,7 @@ class Discovery:
             if k.matched is None or self._matched_ancestor(pid, seen):
                 continue
             services[pid] = Service(k.matched, pid, tuple(subtree(children, pid)))
+        self._members = {p for svc in services.values() for p in svc.pids}
         return services
 
     def _gpu_only(self, name: str) -> bool:

@@ -32,7 +32,15 @@ from ..analysis.nowaker import no_waker
 from ..analysis.outbound import CLIENT, LEAVES, ServiceEnds, inode_of, received_from_outside
 from ..analysis.progress import ParkSettings, ParkTracker, window_progress
 from ..analysis.waitgraph import WaitForGraph, WordGroup
-from ..model import GpuReading, ProbeEvent, ProbeReading, ProcessSample, Snapshot, SocketEvent
+from ..model import (
+    GpuReading,
+    ProbeEvent,
+    ProbeReading,
+    ProcessSample,
+    Snapshot,
+    SocketEvent,
+    thread_ids,
+)
 from ..settings import Settings
 from ..sources.procfs import ProcFS
 from ..sources.protocols import ProbeSource
@@ -208,6 +216,7 @@ class Observer:
         self._demand_ns: dict[int, int] = {}  # root -> when work last waited at its doors
         # (pid, start) -> fd links it wrote heartbeats to (agent.analysis.progress): not dated from.
         self._heartbeat_files: dict[tuple[int, int], set[str]] = {}
+        self._doors_kept: dict[int, tuple[tuple, FrontDoors]] = {}  # root -> (inputs, doors)
 
     def discover(self) -> list[int]:
         """Find the services' processes now and point the probe at them."""
@@ -305,17 +314,38 @@ class Observer:
                 self._demand_ns[root] = snap.mono_ns
         live = set(self.members)
         self._demand_ns = {r: ns for r, ns in self._demand_ns.items() if r in live}
+        self._doors_kept = {r: v for r, v in self._doors_kept.items() if r in live}
 
     def _doors(self, root: int, snap: Snapshot) -> FrontDoors:
         """The service's listeners, front doors or not: once per tick, for the tick's demand
         and for the verdicts over it."""
         samples = [snap.processes[p] for p in self.members[root] if p in snap.processes]
-        return front_doors(
-            samples,
-            self.scope.declared_doors(root),
+        declared = self.scope.declared_doors(root)
+        chosen = self.sockets.chosen_by_kernel(p.pid for p in samples)
+        # What the rules read, and no more: a socket's ends never change once it is
+        # connected, so its inode stands for them, and a listener's queue is not read.
+        # A front-end's thousand idle connections are not walked again each tick.
+        key = (
+            tuple(
+                (
+                    p.pid,
+                    p.comm,
+                    p.plumbing,
+                    tuple(lst.port for lst in p.listeners),
+                    tuple(c.inode for c in p.connections),
+                )
+                for p in samples
+            ),
+            declared,
             snap.ephemeral_from,
-            self.sockets.chosen_by_kernel(p.pid for p in samples),
+            chosen,
         )
+        kept = self._doors_kept.get(root)
+        if kept is not None and kept[0] == key:
+            return kept[1]
+        doors = front_doors(samples, declared, snap.ephemeral_from, chosen)
+        self._doors_kept[root] = (key, doors)
+        return doors
 
     def _trim(self, window_s: float | None) -> None:
         """Keep what a verdict reads: the window's ticks (the daemon), or the first and the
@@ -417,13 +447,12 @@ class Observer:
             # Its mtimes tell of the heartbeat, not of work: never date from them.
             key = (pid, sample.start_ticks)
             self._heartbeat_files.setdefault(key, set()).update(written.files)
-        tids = {t.tid for t in sample.threads}
         return ProcessFacts(
             sample=sample,
             progress=progress,
-            parked_threads=sum(1 for x in self.tracker.parks.get(pid, {}).values() if x.parked),
+            parked_threads=self.tracker.parked_threads(pid),
             parked_seconds=self.tracker.parked_seconds(pid, snap.mono_ns),
-            cycles=[c for c in latest.cycles if tids.intersection(c)],
+            cycles=[c for c in latest.cycles if not set(thread_ids(sample.threads)).isdisjoint(c)],
             gpu=gpu,
             front_door_ports=doors.ports,
             waits=process_waits(sample, snap.mono_ns),

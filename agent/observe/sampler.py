@@ -10,14 +10,16 @@ from __future__ import annotations
 import bisect
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 from ..model import (
     FUTEX_CMD_MASK,
     FUTEX_WAIT_BITSET,
     WAIT_OPS,
     Connection,
+    Connections,
     FutexWait,
     Listener,
     LockRead,
@@ -27,22 +29,26 @@ from ..model import (
     Refusal,
     Snapshot,
     SyscallLine,
+    TcpInfo,
+    Threads,
     ThreadSample,
     WrittenFd,
+    candidates,
     endpoint,
     is_blocked,
-    owner_candidate,
+    thread_ids,
 )
 from ..sources.procfs import MemMap, ProcessMemory, ProcFS, TcpSocket
 from ..sources.tcpinfo import TCP_ESTABLISHED, TCP_LISTEN
 from ..syscalls import FUTEX, SYS_FUTEX, SYS_FUTEX_WAIT, futex_private, syscall_wait, wait_kind
+from .sockets import SocketTables
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")  # /proc/PID/stat counts starttime in these
 
 
 def owner_candidates(processes: Iterable[ProcessSample]) -> set[int]:
     """TIDs that lock words name as owners: the snapshot checks which of them are alive."""
-    return {c.owner for p in processes for t in p.threads if (c := owner_candidate(t))}
+    return {c.owner for p in processes for _, c in candidates(p.threads)}
 
 
 def seeded_wait(sc: SyscallLine | None) -> FutexWait | None:
@@ -83,20 +89,80 @@ class _ThreadRead:
     state: str
     syscall: SyscallLine | None
     last_ran_ns: int | None
+    # The start of the probe's in-flight futex wait the thread was read in, if it was in one
+    wait_since_ns: int | None = None
 
     @property
     def blocked(self) -> bool:
         return is_blocked(self.state)
 
 
-class Sampler:
-    """Takes snapshots of a set of processes.
+class _KeptInfo(NamedTuple):
+    """A connection's tcp_info as last read from the kernel, to carry while nothing can
+    have moved it."""
 
-    A tick costs O(threads) small reads, but only one per thread that has not run since
-    the last tick (its schedstat): the stat, syscall and sched files of a thread that did
-    not run cannot have changed, so they are reused. Lock words are read once per word per
-    tick, however many threads wait on it. On a pool of 2,000 parked threads that is one
-    read per thread per tick instead of four.
+    queues: tuple[int, int]  # (rx_queue, tx_queue) at that read
+    read_ns: int  # the snapshot it was read in
+    info: TcpInfo
+
+
+def _aged(k: _KeptInfo, now: int) -> TcpInfo:
+    """The kept tcp_info as a read at ``now`` would give it: its last-data times older by
+    the time since it was read, its byte counts the same."""
+    ms = (now - k.read_ns) // 1_000_000
+    i = k.info
+    return TcpInfo(
+        i.last_data_recv_ms + ms, i.last_data_sent_ms + ms, i.bytes_received, i.bytes_acked
+    )
+
+
+def _aged_connection(c: Connection, k: _KeptInfo, now: int) -> Connection:
+    """``c``, whose tcp_info is ``k``, as a read at ``now`` would give it (as _aged)."""
+    ms = (now - k.read_ns) // 1_000_000
+    return c.with_times(k.info.last_data_recv_ms + ms, k.info.last_data_sent_ms + ms)
+
+
+class _NsRead(NamedTuple):
+    """A network namespace's sockets as the last tick read them and handed them out."""
+
+    held_by: dict[int, Mapping[int, int]]  # pid -> socket inode -> fd
+    table: list[TcpSocket]
+    listeners: dict[int, tuple[Listener, ...]]  # pid -> its listeners
+    # pid -> its connections, each with the tcp_info kept for it (None: it has none)
+    connections: dict[int, list[tuple[_KeptInfo | None, Connection]]]
+    infos: dict[int, _KeptInfo]  # inode -> the tcp_info kept for it
+    complete: bool  # every connection that should carry tcp_info does
+
+
+@dataclass(frozen=True)
+class _Kept:
+    """A process's last sample and what it was read from: reused whole, but for its sockets
+    and its words in shared memory, while the process stays quiet (see Sampler)."""
+
+    key: tuple[int, str]  # (start time, comm): a reused PID or an exec is another process
+    tids: tuple[int, ...]
+    reads: Mapping[int, _ThreadRead]  # tid -> its read
+    sample: ProcessSample
+    sockets: Mapping[int, int]  # its sockets, inode -> fd (an fd walk)
+    # (TID, start) of the threads read in a futex wait the probe saw begin; the others
+    proven: frozenset[tuple[int, int]] = frozenset()
+    others: frozenset[int] = frozenset()
+
+
+class Sampler:
+    """Takes snapshots of a set of processes, reading what can have changed.
+
+    A thread that did not run since the last tick shows the same stat, syscall and sched
+    files, so its last read is reused. Whether it ran: where the probe saw the futex wait it
+    was read in begin and has not seen it end (the same start time in its in-flight map),
+    it never left the syscall, and nothing is read; else its schedstat (run time in ns,
+    which moves on every run) says, one read. A process none of whose threads ran, with the
+    same threads and the same start time and comm, is quiet: nothing it could change has
+    changed (its memory maps, its private lock words, its fds, its write counter), so its
+    last sample is reused. What others change is read again: lock words in shared mappings
+    (another process may take them) and its sockets' queues and tcp_info (clients send
+    without the server running: that is how a hung server is found). Lock words are read
+    once per word per tick, however many threads wait on it.
     """
 
     def __init__(
@@ -111,13 +177,23 @@ class Sampler:
         self.wall = wall
         self.uptime = uptime  # the clock /proc/PID/stat's starttime counts on, in seconds
         self._uptime_s = 0.0
-        self._reads: dict[tuple[int, int], _ThreadRead] = {}  # (pid, tid) -> last tick's read
-        self._next_reads: dict[tuple[int, int], _ThreadRead] = {}
         # pid -> ((start time, comm), its plumbing hints): read once per process, and again
         # when the PID is reused or the process execs (its comm changes)
         self._sched_offset_ns = 0  # CLOCK_MONOTONIC minus the scheduler clock: see snapshot
         self._plumbing: dict[int, tuple[tuple[int, str], Plumbing]] = {}
         self._next_plumbing: dict[int, tuple[tuple[int, str], Plumbing]] = {}
+        self._kept: dict[int, _Kept] = {}  # pid -> its last sample, to reuse while quiet
+        # tgid -> (TID, start) of the probe's in-flight waits, this snapshot's
+        self._waiting: Mapping[int, frozenset[tuple[int, int]]] = {}
+        self._next_kept: dict[int, _Kept] = {}
+        self.sockets = SocketTables(self.proc)
+        self._pipes: dict[int, frozenset[int]] = {}  # pid -> pipes_read, while it is quiet
+        # pid -> its writable_fds, while it is quiet
+        self._writable: dict[int, tuple[tuple[int, str], ...]] = {}
+        self._infos: dict[int, _KeptInfo] = {}  # socket inode -> its last tcp_info read
+        self._ns_reads: dict[str, _NsRead] = {}  # network namespace -> its last read
+        self.infos_read = 0  # how many tcp_info were read from the kernel (tests, the bench)
+        self.tables_reused = 0  # namespaces handed out as the last tick read them (tests)
 
     def snapshot(self, pids: Iterable[int], probe: ProbeReading | None = None) -> Snapshot:
         probe = probe or ProbeReading()
@@ -131,20 +207,27 @@ class Sampler:
         self._uptime_s = self.uptime()
         processes: dict[int, ProcessSample] = {}
         gone = set()
-        net_cache: dict[str, list[TcpSocket]] = {}
-        net_of: dict[int, str] = {}  # pid -> its network namespace (processes with sockets)
-        self._next_reads = {}
+        fds: dict[int, Mapping[int, int]] = {}  # pid -> socket inode -> fd
+        ran = set()
         self._next_plumbing = {}
+        self._next_kept = {}
+        self._waiting = probe.waiting_by_process()
         for pid in pids:
-            p = self._process(pid, probe, net_cache, net_of)
-            if p is None:
+            got = self._process(pid, probe)
+            if got is None:
                 gone.add(pid)
-            else:
-                processes[pid] = p
-        self._add_tcp_info(processes, net_cache, net_of)
-        self._reads = self._next_reads  # threads not seen this tick are forgotten
+                continue
+            processes[pid], fds[pid], quiet = got
+            if not quiet:
+                ran.add(pid)
+        self._read_sockets(processes, fds, ran, now)
+        self._pipes = {p: v for p, v in self._pipes.items() if p in processes and p not in ran}
+        self._writable = {
+            p: v for p, v in self._writable.items() if p in processes and p not in ran
+        }
         self._plumbing = self._next_plumbing
-        known = {t.tid for p in processes.values() for t in p.threads}
+        self._kept = self._next_kept
+        known = {tid for p in processes.values() for tid in thread_ids(p.threads)}
         foreign = {}
         for tid in owner_candidates(processes.values()) - known:
             tgid = self.proc.tgid_of(tid)
@@ -153,47 +236,141 @@ class Sampler:
         return Snapshot(now, wall, processes, frozenset(gone), foreign, self.proc.ephemeral_from())
 
     def _process(
-        self,
-        pid: int,
-        probe: ProbeReading,
-        net_cache: dict[str, list[TcpSocket]],
-        net_of: dict[int, str],
-    ) -> ProcessSample | None:
+        self, pid: int, probe: ProbeReading
+    ) -> tuple[ProcessSample, Mapping[int, int], bool] | None:
+        """The process's sample but for its sockets, its sockets (inode -> fd), and whether
+        it was quiet (none of its threads ran since the last tick); None if it is gone."""
         proc = self.proc
         st = proc.stat(pid)
         if st is None or st.state in ("Z", "X"):
             return None
-        mem = proc.open_memory(pid)
-        try:
-            threads = []
-            stack_ptrs = {}
-            words: dict[int, LockRead | None] = {}
-            for tid in proc.tids(pid):
-                t, sp = self._thread(pid, tid, probe, mem, words)
-                if t is not None:
-                    threads.append(t)
-                    if sp:
-                        stack_ptrs[tid] = sp
-            threads, word_ids = self._place_in_maps(pid, threads, stack_ptrs)
-        finally:
-            if mem is not None:
-                mem.close()
-        if not threads:
+        key = (st.start_ticks, st.comm)
+        kept = self._kept.get(pid)
+        if kept is not None and kept.key != key:
+            kept = None  # the PID was reused, or the process exec'd: another process
+        got = self._reads_if_unlisted(pid, st.num_threads, kept, probe)
+        unlisted = got is not None
+        if got is None:
+            got = self._reads_listed(pid, probe, kept.reads if kept else {})
+        reads, quiet = got
+        if not reads:
             return None
-        listeners, connections = self._sockets(pid, net_cache, net_of)
-        return ProcessSample(
+        if quiet and kept is not None and (unlisted or kept.tids == tuple(reads)):
+            threads, word_ids = self._shared_words_again(pid, kept.sample)
+            write_bytes = kept.sample.write_bytes
+            sockets = kept.sockets
+        else:
+            quiet = False
+            threads, word_ids = self._threads(pid, reads, probe)
+            write_bytes = proc.io_wchar(pid)
+            sockets = proc.socket_fds(pid)
+        sample = ProcessSample(
             pid=pid,
             ppid=st.ppid,
             comm=st.comm,
             start_ticks=st.start_ticks,
-            threads=tuple(threads),
-            write_bytes=proc.io_wchar(pid),
-            listeners=listeners,
+            threads=threads,
+            write_bytes=write_bytes,
             word_ids=word_ids,
-            connections=connections,
-            plumbing=self._plumbing_of(pid, (st.start_ticks, st.comm)),
+            plumbing=self._plumbing_of(pid, key),
             age_s=max(0.0, self._uptime_s - st.start_ticks / CLK_TCK),
         )
+        if quiet and kept is not None and reads is kept.reads:  # not one read changed
+            tids, proven, others = kept.tids, kept.proven, kept.others
+        else:
+            tids = tuple(reads)
+            proven = frozenset((t, r.wait_since_ns) for t, r in reads.items() if r.wait_since_ns)
+            others = frozenset(t for t, r in reads.items() if not r.wait_since_ns)
+        self._next_kept[pid] = _Kept(key, tids, reads, sample, sockets, proven, others)
+        return sample, sockets, quiet
+
+    def _reads_listed(
+        self, pid: int, probe: ProbeReading, before: Mapping[int, _ThreadRead]
+    ) -> tuple[Mapping[int, _ThreadRead], bool]:
+        """The reads of every thread /proc/PID/task lists (``before``: the last tick's), and
+        whether none of them ran."""
+        reads: dict[int, _ThreadRead] = {}
+        quiet = True
+        for tid in self.proc.tids(pid):
+            got = self._read_thread(pid, tid, probe, before.get(tid))
+            if got is None:
+                quiet = False  # it exited between the listing and the read
+                continue
+            read, same = got
+            reads[tid] = read
+            quiet = quiet and same
+        return reads, quiet
+
+    def _reads_if_unlisted(
+        self, pid: int, num_threads: int, kept: _Kept | None, probe: ProbeReading
+    ) -> tuple[Mapping[int, _ThreadRead], bool] | None:
+        """The threads' reads without listing them, where the last tick's threads are
+        provably all there is: as many as the process counts now, those read in a futex
+        wait still in it (the probe's in-flight waits hold the same starts: not one of them
+        left it, so none exited or started a thread), the others read again. None where
+        that does not hold (then they are listed)."""
+        if kept is None or num_threads != len(kept.tids):
+            return None
+        if kept.proven and not kept.proven <= self._waiting.get(pid, frozenset()):
+            return None
+        changed: dict[int, _ThreadRead] = {}
+        quiet = True
+        for tid in kept.others:
+            before = kept.reads[tid]
+            got = self._read_thread(pid, tid, probe, before)
+            if got is None:
+                return None  # exited: list them
+            read, same = got
+            quiet = quiet and same
+            if read is not before:
+                changed[tid] = read
+        if not changed:
+            return kept.reads, quiet  # the same reads, the same object
+        return {tid: changed.get(tid, r) for tid, r in kept.reads.items()}, quiet
+
+    def _threads(
+        self, pid: int, reads: Mapping[int, _ThreadRead], probe: ProbeReading
+    ) -> tuple[tuple[ThreadSample, ...], Mapping[int, tuple]]:
+        """The process's threads from this tick's reads, their lock words read and their
+        stacks and words placed in its memory maps."""
+        mem = self.proc.open_memory(pid)
+        try:
+            threads = []
+            stack_ptrs = {}
+            words: dict[int, LockRead | None] = {}
+            for tid, read in reads.items():
+                t, sp = self._thread(pid, tid, read, probe, mem, words)
+                threads.append(t)
+                if sp:
+                    stack_ptrs[tid] = sp
+            placed, word_ids = self._place_in_maps(pid, threads, stack_ptrs)
+            return Threads(placed), word_ids
+        finally:
+            if mem is not None:
+                mem.close()
+
+    def _shared_words_again(
+        self, pid: int, sample: ProcessSample
+    ) -> tuple[tuple[ThreadSample, ...], Mapping[int, tuple]]:
+        """A quiet process's last threads, with the lock words it waits on in shared
+        mappings read again: another process may have taken or released them."""
+        shared = {a for a, ident in sample.word_ids.items() if ident[0] == "shared"}
+        if not shared:
+            return sample.threads, sample.word_ids
+        mem = self.proc.open_memory(pid)
+        try:
+            words = {a: _lock_read(mem, a) for a in shared}
+        finally:
+            if mem is not None:
+                mem.close()
+        threads = []
+        for t in sample.threads:
+            if t.wait is not None and t.wait.uaddr in words and not t.wait.vector:
+                t = replace(t, lock=words[t.wait.uaddr])
+            if t.refused is not None and t.refused.uaddr in words:
+                t = replace(t, refused=replace(t.refused, lock=words[t.refused.uaddr]))
+            threads.append(t)
+        return Threads(threads), sample.word_ids
 
     def _plumbing_of(self, pid: int, key: tuple[int, str]) -> Plumbing:
         known = self._plumbing.get(pid)
@@ -201,14 +378,26 @@ class Sampler:
         self._next_plumbing[pid] = (key, hints)
         return hints
 
-    def _read_thread(self, pid: int, tid: int) -> _ThreadRead | None:
+    def _read_thread(
+        self, pid: int, tid: int, probe: ProbeReading, before: _ThreadRead | None
+    ) -> tuple[_ThreadRead, bool] | None:
+        """The thread's read (``before``: its last), and whether it is the last tick's (it
+        has not run since)."""
+        hit = probe.inflight.get(tid)
+        since = hit.wait.since_ns if hit is not None and hit.tgid == pid else None
+        if before is not None and since is not None and before.wait_since_ns == since:
+            return before, True  # still in the futex wait it was read in: not a byte changed
         proc = self.proc
         cpu = proc.thread_cpu_ns(pid, tid)
         if cpu is None:
             return None
-        before = self._reads.get((pid, tid))
         if before is not None and before.blocked and before.cpu_ns == cpu:
-            return before  # has not run since: nothing it shows can have changed
+            # Has not run since: nothing it shows can have changed. Dated by the wait the
+            # probe now sees, if it began before the thread last ran (seen from /proc
+            # before the probe was attached, or by a read that came in mid-syscall).
+            return (
+                before if before.wait_since_ns == since else replace(before, wait_since_ns=since)
+            ), True
         st = proc.thread_stat(pid, tid)
         if st is None or st.state in ("Z", "X"):
             return None
@@ -221,20 +410,18 @@ class Sampler:
             # clamped so that the offset's own error never puts it in the future.
             if ms is not None:
                 last_ran = min(int(ms * 1e6) + self._sched_offset_ns, self.clock_ns())
-        return _ThreadRead(cpu, st.comm, st.state, sc, last_ran)
+        in_futex = blocked and sc is not None and wait_kind(sc.nr) == FUTEX
+        return _ThreadRead(cpu, st.comm, st.state, sc, last_ran, since if in_futex else None), False
 
     def _thread(
         self,
         pid: int,
         tid: int,
+        read: _ThreadRead,
         probe: ProbeReading,
         mem: ProcessMemory | None,
         words: dict[int, LockRead | None],
-    ) -> tuple[ThreadSample | None, int | None]:
-        read = self._read_thread(pid, tid)
-        if read is None:
-            return None, None
-        self._next_reads[(pid, tid)] = read
+    ) -> tuple[ThreadSample, int | None]:
         sc = read.syscall
         wait = None
         if sc is not None and wait_kind(sc.nr) == FUTEX:
@@ -303,90 +490,159 @@ class Sampler:
             placed.append(replace(t, stack=(stack.start, stack.end)) if stack else t)
         return placed, word_ids
 
-    def _sockets(
-        self, pid: int, net_cache: dict[str, list[TcpSocket]], net_of: dict[int, str]
-    ) -> tuple[tuple[Listener, ...], tuple[Connection, ...]]:
-        """Its listeners and its established connections (with their unread bytes):
-        /proc/PID/net/tcp{,6} filtered by the socket inodes of its fds (one read of the
-        tables per network namespace per tick)."""
-        inodes = self.proc.socket_inodes(pid)
-        if not inodes:
-            return (), ()
-        ns = self.proc.net_namespace(pid) or f"pid:{pid}"
-        net_of[pid] = ns
-        if ns not in net_cache:
-            net_cache[ns] = self.proc.tcp_sockets(pid)
-        listeners, connections = [], []
-        for s in net_cache[ns]:
-            if s.inode not in inodes:
-                continue
-            if s.state == TCP_LISTEN:
-                listeners.append(Listener(s.family, s.address, s.port, s.rx_queue, s.tx_queue))
-            elif s.state == TCP_ESTABLISHED:
-                connections.append(
-                    Connection(
-                        s.address,
-                        s.port,
-                        s.remote_address,
-                        s.remote_port,
-                        s.inode,
-                        s.rx_queue,
-                        s.tx_queue,
-                    )
-                )
-        return tuple(listeners), tuple(connections)
-
-    def _add_tcp_info(
+    def _read_sockets(
         self,
         processes: dict[int, ProcessSample],
-        net_cache: dict[str, list[TcpSocket]],
-        net_of: dict[int, str],
+        fds: Mapping[int, Mapping[int, int]],
+        ran: Collection[int],
+        now: int,
     ) -> None:
-        """Fill in the kernel's tcp_info (last data received and sent, bytes) of two kinds
-        of connections: those a process accepted on a listening port of the snapshot's
+        """Give each process its listeners and established connections (with their queues):
+        one read of its network namespace's table per tick, for the ports its watched
+        processes hold (agent.observe.sockets).
+
+        Connections get the kernel's tcp_info (last data received and sent, bytes) where it
+        is evidence: those a process accepted on a listening port of the snapshot's
         processes (the candidates for a front door; which are is decided later, per
         service), where a request received and not answered is work waiting; and those whose
         peer is outside the snapshot's processes, where data received is progress (weights
         streamed in) and the last data moved dates a hang. Loopback chatter between the
-        snapshot's own processes is not read. One netlink read per network namespace,
-        filtered by local port, and none where no such connection exists (the daemon ticks
-        every second: cost matters)."""
-        by_ns: dict[str, list[int]] = {}
-        for pid in processes:
-            if pid in net_of:
-                by_ns.setdefault(net_of[pid], []).append(pid)
-        for ns, pids in by_ns.items():
-            listening = {lst.port for pid in pids for lst in processes[pid].listeners}
-            family = {s.inode: s.family for s in net_cache.get(ns, ())}
-            ours = {
-                endpoint(c.local_address, c.local_port)
-                for pid in pids
-                for c in processes[pid].connections
-            }
-            accepted = {
-                c.inode: (family[c.inode], c.local_port)
-                for pid in pids
-                for c in processes[pid].connections
-                if c.inode in family
-                and (
-                    c.local_port in listening
-                    or endpoint(c.remote_address, c.remote_port) not in ours
-                )
-            }
-            if not accepted:
-                continue
-            got = self.proc.tcp_info(pids[0], sorted(set(accepted.values())))
-            infos = {inode: info for inode, info in got.items() if inode in accepted}
-            if not infos:
-                continue
-            for pid in pids:
-                p = processes[pid]
-                if any(c.inode in infos for c in p.connections):
-                    conns = tuple(
-                        c.with_tcp_info(infos[c.inode]) if c.inode in infos else c
-                        for c in p.connections
+        snapshot's own processes is left without. The table's read carries the tcp_info of
+        the ports it asks for; where it did not (a whole table read, /proc/net/tcp), one
+        more netlink read per namespace gets it, filtered by local port.
+
+        Where none of a namespace's processes ran since the last tick, the table is read
+        without tcp_info, and a connection whose queues are as they were keeps the one last
+        read, its times moved on by the time since: with no thread of its holders running,
+        nothing was written to it or read from it, so no data left it and none arrived (an
+        arrival would sit in its receive queue), and its byte counts and last-data times
+        stand. A client's request to a hung server shows as a receive queue that grew, and
+        that connection's tcp_info is read. A holder that runs between the tick's reads of
+        its threads and of its sockets is seen running the next tick, and read then."""
+        by_ns: dict[str, dict[int, Mapping[int, int]]] = {}
+        kept_infos: dict[int, _KeptInfo] = {}
+        ns_reads: dict[str, _NsRead] = {}
+        for pid, held in fds.items():
+            if held:
+                ns = self.proc.net_namespace(pid) or f"pid:{pid}"
+                by_ns.setdefault(ns, {})[pid] = held
+        for ns, held_by in by_ns.items():
+            quiet = not any(pid in ran for pid in held_by)
+            table = self.sockets.read(ns, held_by, ran, info=not quiet)
+            last = self._ns_reads.get(ns)
+            if (
+                quiet
+                and last is not None
+                and last.complete
+                and last.table == table
+                and last.held_by == held_by
+            ):
+                # The same sockets in the same states with the same queues, held by the same
+                # quiet processes: what the code below would give, its kept tcp_info aged,
+                # without building it again (a front-end's thousand idle connections).
+                for pid in held_by:
+                    aged = Connections(
+                        c if k is None else _aged_connection(c, k, now)
+                        for k, c in last.connections[pid]
                     )
-                    processes[pid] = replace(p, connections=conns)
+                    processes[pid] = replace(
+                        processes[pid], listeners=last.listeners[pid], connections=aged
+                    )
+                kept_infos.update(last.infos)
+                ns_reads[ns] = last
+                self.tables_reused += 1
+                continue
+            # A socket two processes hold (inherited across a fork) is each one's.
+            owners: dict[int, list[int]] = {}
+            for pid, held in held_by.items():
+                for inode in held:
+                    owners.setdefault(inode, []).append(pid)
+            listening = {s.port for s in table if s.state == TCP_LISTEN}
+            conns = [s for s in table if s.state == TCP_ESTABLISHED]
+            ours = {endpoint(s.address, s.port) for s in conns}
+            accepted = {
+                s.inode: (s.family, s.port)
+                for s in conns
+                if s.port in listening or endpoint(s.remote_address, s.remote_port) not in ours
+            }
+            infos = {s.inode: s.info for s in conns if s.info and s.inode in accepted}
+            self.infos_read += len(infos)
+            if quiet:
+                for s in conns:
+                    k = self._infos.get(s.inode)
+                    if (
+                        k is not None
+                        and s.inode in accepted
+                        and k.queues == (s.rx_queue, s.tx_queue)
+                    ):
+                        infos[s.inode] = _aged(k, now)
+                        kept_infos[s.inode] = k
+            unread = {where for inode, where in accepted.items() if inode not in infos}
+            if unread:
+                got = self.proc.tcp_info(next(iter(held_by)), sorted(unread))
+                got = {i: info for i, info in got.items() if i in accepted and i not in infos}
+                infos.update(got)
+                self.infos_read += len(got)
+            for s in conns:
+                info = infos.get(s.inode)
+                if info is not None and s.inode not in kept_infos:
+                    kept_infos[s.inode] = _KeptInfo((s.rx_queue, s.tx_queue), now, info)
+            listeners: dict[int, list[Listener]] = {pid: [] for pid in held_by}
+            connections: dict[int, list[tuple[_KeptInfo | None, Connection]]] = {
+                pid: [] for pid in held_by
+            }
+            for s in table:
+                if s.state == TCP_LISTEN:
+                    lst = Listener(s.family, s.address, s.port, s.rx_queue, s.tx_queue)
+                    for pid in owners[s.inode]:
+                        listeners[pid].append(lst)
+                elif s.state == TCP_ESTABLISHED:
+                    info = infos.get(s.inode)
+                    if info is None:
+                        conn = Connection(
+                            s.address,
+                            s.port,
+                            s.remote_address,
+                            s.remote_port,
+                            s.inode,
+                            s.rx_queue,
+                            s.tx_queue,
+                        )
+                    else:  # built once, with it (a front-end's thousand, every tick)
+                        conn = Connection(
+                            s.address,
+                            s.port,
+                            s.remote_address,
+                            s.remote_port,
+                            s.inode,
+                            s.rx_queue,
+                            s.tx_queue,
+                            info.last_data_recv_ms,
+                            info.last_data_sent_ms,
+                            info.bytes_received,
+                            info.bytes_acked,
+                        )
+                    entry = (kept_infos.get(s.inode), conn)
+                    for pid in owners[s.inode]:
+                        connections[pid].append(entry)
+            theirs = {pid: tuple(listeners[pid]) for pid in held_by}
+            for pid in held_by:
+                processes[pid] = replace(
+                    processes[pid],
+                    listeners=theirs[pid],
+                    connections=Connections(c for _, c in connections[pid]),
+                )
+            ns_reads[ns] = _NsRead(
+                held_by,
+                table,
+                theirs,
+                connections,
+                {i: kept_infos[i] for i in accepted if i in kept_infos},
+                all(i in infos for i in accepted),
+            )
+        self._infos = kept_infos
+        self._ns_reads = ns_reads
+        self.sockets.forget(by_ns, {i for held in fds.values() for i in held})
 
     # --- reads asked for between snapshots --------------------------------------------------
     # What the Observer needs only sometimes (a pipe written, a quiet service to date, a
@@ -398,13 +654,25 @@ class Sampler:
         return {k: t for k in fds if (t := self.proc.fd_target(*k)) is not None}
 
     def pipes_read(self, pids: Iterable[int]) -> frozenset[int]:
-        """Inodes of the pipes that any of ``pids`` holds open for reading."""
-        return frozenset().union(*(self.proc.pipes_read(pid) for pid in pids))
+        """Inodes of the pipes that any of ``pids`` holds open for reading: an fd walk of
+        each, kept while it stays quiet (its fds cannot change if none of its threads runs)."""
+        out: set[int] = set()
+        for pid in pids:
+            if pid not in self._pipes:
+                self._pipes[pid] = frozenset(self.proc.pipes_read(pid))
+            out |= self._pipes[pid]
+        return frozenset(out)
 
     def written_files(self, pids: Iterable[int]) -> dict[int, tuple[WrittenFd, ...]]:
         """pid -> the fds it holds open for writing to a file, a pipe or a terminal, with
-        their mtimes (an fd walk per process)."""
-        return {pid: tuple(self.proc.written_fds(pid)) for pid in pids}
+        their mtimes: an fd walk per process, kept while it stays quiet (as pipes_read's),
+        and a stat per fd (other writers move the mtimes)."""
+        out = {}
+        for pid in pids:
+            if pid not in self._writable:
+                self._writable[pid] = tuple(self.proc.writable_fds(pid))
+            out[pid] = tuple(self.proc.modified(pid, self._writable[pid]))
+        return out
 
     def with_posix_timers(self, pids: Iterable[int]) -> frozenset[int]:
         """Those of ``pids`` that hold a POSIX timer (agent.analysis.nowaker)."""
@@ -416,7 +684,8 @@ class Sampler:
         if not target or not target.startswith("socket:["):
             return None
         inode = int(target[8:-1])
-        return next((s.port for s in self.proc.tcp_sockets(pid) if s.inode == inode), None)
+        listeners = self.proc.tcp_sockets(pid, listening=True)  # few, whatever the host holds
+        return next((s.port for s in listeners if s.inode == inode), None)
 
     def alive(self, pids: Iterable[int]) -> frozenset[int]:
         """Those of ``pids`` that still exist (a stat each)."""

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import os
 import platform
 import re
+import struct
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +59,10 @@ OPTIONAL_SYSCALLS = {
     "splice": "HAVE_SPLICE",
 }
 # Other tracepoints compiled in only where the kernel has them: (category, name) -> -D flag.
-OPTIONAL_TRACEPOINTS = {("sched", "sched_process_exec"): "HAVE_SCHED_PROCESS_EXEC"}
+OPTIONAL_TRACEPOINTS = {
+    ("sched", "sched_process_exec"): "HAVE_SCHED_PROCESS_EXEC",
+    ("task", "task_rename"): "HAVE_TASK_RENAME",
+}
 
 STATS_SYSCTL = Path("/proc/sys/kernel/bpf_stats_enabled")
 # Ring-buffer records held in memory between two reads; beyond, they count as dropped.
@@ -114,6 +119,105 @@ def _by_tid(table: Any) -> list[tuple[int, Any]]:
         return [(int(k), v) for k, v in table.items_lookup_batch()]
     except Exception:  # bcc raises bare Exception when the kernel refuses batch ops
         return [(k.value, v) for k, v in table.items()]
+
+
+# The fields read of each map keyed by TID, in their order in bpf/hangwatch.h.
+THREAD_FIELDS = {
+    "threads": ("start_ns", "uaddr", "tgid", "op", "val", "syscall", "flags"),
+    "pi_ops": ("start_ns", "uaddr", "tgid", "op"),
+    "refusals": ("ts_ns", "uaddr", "tgid"),
+}
+
+# struct module codes of the ctypes scalars the maps' fields are made of
+_CODES = {
+    ctypes.c_uint8: "B", ctypes.c_uint16: "H", ctypes.c_uint32: "I", ctypes.c_uint64: "Q",
+    ctypes.c_int8: "b", ctypes.c_int16: "h", ctypes.c_int32: "i", ctypes.c_int64: "q",
+    ctypes.c_ulong: "Q", ctypes.c_long: "q", ctypes.c_uint: "I", ctypes.c_int: "i",
+}  # fmt: skip
+
+
+def _layout(ctype: Any, fields: tuple[str, ...]) -> struct.Struct:
+    """A struct that unpacks ``fields`` (in that order) of one ``ctype`` (a bcc map's key
+    or leaf), skipping the rest: built from ctypes' own offsets, so it follows the C."""
+    if not fields:  # a scalar key or leaf
+        return struct.Struct("=" + _CODES[ctype])
+    types = dict(ctype._fields_)
+    placed = sorted((getattr(ctype, name).offset, name) for name in fields)
+    if [name for _, name in placed] != list(fields):
+        raise ValueError(f"fields {fields} not in their order in the struct")
+    fmt, pos = "=", 0
+    for offset, name in placed:
+        code = _CODES[types[name]]
+        fmt += f"{offset - pos}x{code}"
+        pos = offset + struct.calcsize("=" + code)
+    return struct.Struct(fmt + f"{ctypes.sizeof(ctype) - pos}x")
+
+
+class BatchReader:
+    """Every entry of a hash map, as tuples of plain ints: BPF_MAP_LOOKUP_BATCH into buffers
+    allocated once, decoded by one struct per entry. bcc's items_lookup_batch allocates
+    and zeroes buffers for the map's whole capacity on each call (3 MiB for 65,536 threads)
+    and yields a ctypes object per field read; the daemon reads the thread map every tick."""
+
+    CHUNK = 4096  # entries per batch call
+
+    def __init__(self, table: Any, leaf_fields: tuple[str, ...]):
+        from bcc.libbcc import lib  # bcc's own binding of libbpf's bpf_map_lookup_batch
+
+        self._lib = lib
+        self._fd = table.map_fd
+        self._keys = (table.Key * self.CHUNK)()
+        self._leaves = (table.Leaf * self.CHUNK)()
+        self._key = _layout(table.Key, ())
+        self._leaf = _layout(table.Leaf, leaf_fields)
+        if (
+            self._key.size != ctypes.sizeof(table.Key)
+            or len(self._key.unpack(bytes(self._key.size))) != 1
+        ):
+            raise ValueError("a scalar key only")
+        self._raw: list[bytes] = []  # the last call's buffers, to tell an unchanged map
+        self._rows: list[tuple[int, tuple[int, ...]]] = []
+
+    def rows(self) -> list[tuple[int, tuple[int, ...]]]:
+        """(the key, as an int, the leaf's fields) of every entry now, for a map with a
+        scalar key; the very list of the last call where not a byte of the map changed (a
+        pool parked since the last tick). OSError if the kernel refuses."""
+        raw: list[bytes] = []
+        batch, count = ctypes.c_uint32(0), ctypes.c_uint32(0)
+        first = True
+        keys = memoryview(self._keys).cast("B")
+        leaves = memoryview(self._leaves).cast("B")
+        while True:
+            count.value = self.CHUNK
+            res = self._lib.bpf_lookup_batch(
+                self._fd,
+                None if first else ctypes.byref(batch),
+                ctypes.byref(batch),
+                ctypes.byref(self._keys),
+                ctypes.byref(self._leaves),
+                ctypes.byref(count),
+            )
+            err = ctypes.get_errno()
+            n = count.value
+            if n:
+                raw += (bytes(keys[: n * self._key.size]), bytes(leaves[: n * self._leaf.size]))
+            if res != 0:
+                if err != errno.ENOENT:
+                    raise OSError(err, os.strerror(err))
+                break  # the last batch
+            first = False
+        if raw == self._raw:
+            return self._rows
+        out: list[tuple[int, tuple[int, ...]]] = []
+        for k, v in zip(raw[::2], raw[1::2]):
+            out.extend(
+                zip(
+                    (key for (key,) in self._key.iter_unpack(k)),
+                    self._leaf.iter_unpack(v),
+                )
+            )
+        self._raw, self._rows = raw, out
+        return out
 
 
 def _enable_stats_fd() -> int | None:
@@ -233,7 +337,10 @@ class KernelProbes:
             f"-DWATCHED_WORDS={watched_words(self._proc.pid_max())}",
             *(f"-D{name}={size}" for name, size in (map_sizes or {}).items()),
         ]
-        self._bpf = self._load(bpf_class, bpf_dir, [*settings, *optional_flags(bpf_class)])
+        optional = optional_flags(bpf_class)
+        # Every exec and rename is an event only with both tracepoints: see take_execs.
+        self._all_renames = {"-DHAVE_SCHED_PROCESS_EXEC", "-DHAVE_TASK_RENAME"} <= set(optional)
+        self._bpf = self._load(bpf_class, bpf_dir, [*settings, *optional])
         release_compiler_memory(self._proc)
         self.programs = self._bpf.num_open_tracepoints()
         self._open_maps()
@@ -262,25 +369,43 @@ class KernelProbes:
         self._accepts = self._bpf[b"accepts"]
         self._fd_writes = self._bpf[b"fd_writes"]
         self._watching: set[int] = set()
+        self._readers: dict[str, BatchReader | None] = {}
+        for name, fields in THREAD_FIELDS.items():
+            try:
+                self._readers[name] = BatchReader(self._bpf[name.encode()], fields)
+            except (ImportError, AttributeError, KeyError, ValueError):
+                self._readers[name] = None  # bcc without the binding: one by one
+        # tid -> (its threads-map row, the InflightWait built from it) at the last read
+        self._built: dict[int, tuple[tuple[int, ...], InflightWait]] = {}
+        # The threads map's rows at the last read, the watched set then, and the answer
+        self._threads_rows: list[tuple[int, tuple[int, ...]]] | None = None
+        self._threads_watching: set[int] = set()
+        self._threads_answer: tuple[dict[int, InflightWait], frozenset[int]] = ({}, frozenset())
+        self._threads_waiting: Mapping[int, frozenset[tuple[int, int]]] = {}
+        self._waiting: Mapping[int, frozenset[tuple[int, int]]] = {}  # the last read's
 
     def _open_events(self) -> None:
         """The ring buffer, and what its records are kept in until the next read."""
         self._events: list[ProbeEvent] = []
         self._socket_events: list[SocketEvent] = []
         self._execs: list[ExecEvent] = []
+        self._renamed: list[int] = []
         self._event_kinds = {
             self._defs["HW_EVENT_LONG_WAIT"]: "long-wait",
             self._defs["HW_EVENT_EDEADLK"]: "edeadlk",
             self._defs["HW_EVENT_BIND"]: "bind",
             self._defs["HW_EVENT_LISTEN"]: "listen",
             self._defs["HW_EVENT_EXEC"]: "exec",
+            self._defs["HW_EVENT_RENAME"]: "rename",
         }
         self._overflow = 0  # records dropped here because nobody read them: see drain()
+        self._dropped_seen = 0  # records dropped (here and in the kernel) at take_execs
         self._ring = self._bpf[b"events"]
         self._ring.open_ring_buffer(self._on_event)
 
     def _on_event(self, _ctx: object, data: int, _size: int) -> None:
-        if len(self._events) + len(self._socket_events) + len(self._execs) >= MAX_PENDING_EVENTS:
+        pending = len(self._events) + len(self._socket_events) + len(self._execs)
+        if pending + len(self._renamed) >= MAX_PENDING_EVENTS:
             self._overflow += 1
             return
         e = self._ring.event(data)
@@ -291,6 +416,8 @@ class KernelProbes:
             )
         elif kind == "exec":
             self._execs.append(ExecEvent(e.ts_ns, e.tgid))
+        elif kind == "rename":
+            self._renamed.append(e.tid)
         else:
             self._events.append(
                 ProbeEvent(kind, e.ts_ns, e.tgid, e.tid, e.uaddr, e.op, e.duration_ns, e.ret)
@@ -333,40 +460,86 @@ class KernelProbes:
                 with contextlib.suppress(KeyError):  # the kernel side may have deleted it
                     del table[key]
 
+    def _rows(self, name: str) -> list[tuple[int, tuple[int, ...]]]:
+        """(TID, the fields of THREAD_FIELDS[name]) for every entry of a map keyed by TID."""
+        reader = self._readers.get(name)
+        if reader is not None:
+            try:
+                return reader.rows()
+            except OSError:  # the kernel refuses batch lookups: one by one from now on
+                self._readers[name] = None
+        fields = THREAD_FIELDS[name]
+        table = self._bpf[name.encode()]
+        return [(tid, tuple(getattr(v, f) for f in fields)) for tid, v in _by_tid(table)]
+
+    def _threads_waits(
+        self, rows: list[tuple[int, tuple[int, ...]]], watching: set[int], vector: int, waiting: int
+    ) -> tuple[dict[int, InflightWait], set[int]]:
+        """The in-flight waits and the TIDs with an entry, from the threads map's rows."""
+        inflight: dict[int, InflightWait] = {}
+        tracked: set[int] = set()
+        built = self._built
+        self._built = {}
+        for tid, row in rows:
+            start_ns, uaddr, tgid, op, val, syscall, flags = row
+            if tgid not in watching:
+                continue  # unwatched since: forget_processes deletes it
+            tracked.add(tid)
+            if flags & waiting:
+                # The same wait as at the last read: the same objects (most threads of a
+                # parked pool, every tick).
+                known = built.get(tid)
+                if known is not None and known[0] == row:
+                    self._built[tid] = known
+                    inflight[tid] = known[1]
+                    continue
+                wait = FutexWait(
+                    uaddr=uaddr,
+                    op=op,
+                    val=val,
+                    since_ns=start_ns,
+                    vector=syscall == vector,
+                    source="bpf",
+                )
+                inflight[tid] = InflightWait(tid, tgid, wait)
+                self._built[tid] = (row, inflight[tid])
+        return inflight, tracked
+
     def _waits(self) -> tuple[dict[int, InflightWait], set[int], list[int]]:
         """In-flight waits of watched processes, the TIDs with an entry, and dead TIDs."""
         vector = self._defs["HW_SYSCALL_FUTEX_WAITV"]
         waiting = self._defs["HW_THREAD_WAITING"]
         watching = self._watching
-        inflight = {}
-        tracked = set()
-        for tid, t in _by_tid(self._threads):
-            if t.tgid not in watching:
-                continue  # unwatched since: forget_processes deletes it
-            tracked.add(tid)
-            if t.flags & waiting:
-                wait = FutexWait(
-                    uaddr=t.uaddr,
-                    op=t.op,
-                    val=t.val,
-                    since_ns=t.start_ns,
-                    vector=t.syscall == vector,
-                    source="bpf",
-                )
-                inflight[tid] = InflightWait(tid, t.tgid, wait)
+        rows = self._rows("threads")
+        if rows is self._threads_rows and self._threads_watching == watching:
+            # Not a byte of the map changed, nor what is watched: the same answer.
+            inflight, tracked = dict(self._threads_answer[0]), set(self._threads_answer[1])
+        else:
+            inflight, tracked = self._threads_waits(rows, watching, vector, waiting)
+            self._threads_rows, self._threads_watching = rows, set(watching)
+            self._threads_answer = (dict(inflight), frozenset(tracked))
+            self._threads_waiting = ProbeReading(inflight).waiting_by_process()
         # A PI lock entered before the process was watched: its thread has no entry yet.
         # The entry is the thread's last PI operation, which may have ended; the sampler
         # keeps it only where /proc shows the thread still blocked on that word.
         pi_locks = (self._defs["HW_FUTEX_LOCK_PI"], self._defs["HW_FUTEX_LOCK_PI2"])
         dead = []
-        for tid, o in _by_tid(self._pi_ops):
-            if o.tgid not in watching or tid in tracked or o.op not in pi_locks:
+        pi_waits: list[InflightWait] = []
+        for tid, (start_ns, uaddr, tgid, op) in self._rows("pi_ops"):
+            if tgid not in watching or tid in tracked or op not in pi_locks:
                 continue
-            if not self._proc.thread_exists(o.tgid, tid):
+            if not self._proc.thread_exists(tgid, tid):
                 dead.append(tid)
                 continue
-            wait = FutexWait(uaddr=o.uaddr, op=o.op, val=0, since_ns=o.start_ns, source="bpf")
-            inflight[tid] = InflightWait(tid, o.tgid, wait)
+            wait = FutexWait(uaddr=uaddr, op=op, val=0, since_ns=start_ns, source="bpf")
+            inflight[tid] = InflightWait(tid, tgid, wait)
+            pi_waits.append(inflight[tid])
+        self._waiting = self._threads_waiting
+        if pi_waits:  # rare (PI locks entered before the process was watched)
+            extra = ProbeReading({w.tid: w for w in pi_waits}).waiting_by_process()
+            self._waiting = dict(self._waiting)
+            for tgid, pairs in extra.items():
+                self._waiting[tgid] = self._waiting.get(tgid, frozenset()) | pairs
         return inflight, tracked, dead
 
     def drain(self, seconds: float) -> None:
@@ -376,20 +549,35 @@ class KernelProbes:
         self._bpf.ring_buffer_poll(max(0, int(seconds * 1000)))
         self._bpf.ring_buffer_consume()  # records submitted without a wakeup (execs) too
 
+    def take_execs(self) -> list[int] | None:
+        """The PIDs that exec'd or were renamed since the last call (or read()), taken out
+        of the next reading; None where some may be missing: a tracepoint this kernel lacks,
+        or records dropped since the last call. Cheap: the ring buffer and one counter."""
+        self._bpf.ring_buffer_consume()
+        execs, self._execs = self._execs, []
+        renamed, self._renamed = self._renamed, []
+        dropped = self._overflow + sum(
+            c.events_dropped for per_cpu in self._counters.values() for c in per_cpu
+        )
+        complete = self._all_renames and dropped == self._dropped_seen
+        self._dropped_seen = dropped
+        return [e.tgid for e in execs] + renamed if complete else None
+
     def read(self) -> ProbeReading:
         self._bpf.ring_buffer_consume()  # every record, woken for or not
         events, self._events = tuple(self._events), []
         sockets, self._socket_events = tuple(self._socket_events), []
         execs, self._execs = tuple(self._execs), []
+        renamed, self._renamed = tuple(self._renamed), []
         inflight, tracked, dead = self._waits()
         # Refusals of unwatched processes are not the caller's business until the process is
         # watched; they are dropped here once their thread is gone, since no caller would
         # ever name them in forget().
         refusals = {}
-        for tid, r in _by_tid(self._refusals):
-            if r.tgid in self._watching:
-                refusals[tid] = (r.tgid, r.uaddr, r.ts_ns)
-            elif not self._proc.thread_exists(r.tgid, tid):
+        for tid, (ts_ns, uaddr, tgid) in self._rows("refusals"):
+            if tgid in self._watching:
+                refusals[tid] = (tgid, uaddr, ts_ns)
+            elif not self._proc.thread_exists(tgid, tid):
                 dead.append(tid)
         if dead:
             self.forget(dead)
@@ -418,6 +606,8 @@ class KernelProbes:
             writes=writes,
             threads=frozenset(tracked),
             execs=execs,
+            renamed=renamed,
+            waiting=self._waiting,
         )
 
     def tracepoints(self) -> list[str]:

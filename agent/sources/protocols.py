@@ -28,6 +28,10 @@ class ProbeSource(Protocol):
     def drain(self, seconds: float) -> None:
         """Move pending events into memory, waiting up to ``seconds`` for the first."""
 
+    def take_execs(self) -> list[int] | None:
+        """PIDs that exec'd or were renamed since the last call, or None where some may be
+        missing; those taken are not in the next read()."""
+
     def forget(self, tids: Iterable[int]) -> None:
         """Drop what is kept for these threads (gone)."""
 

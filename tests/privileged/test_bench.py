@@ -37,7 +37,7 @@ def test_bench_suite_quick_reports_every_row() -> None:
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=400,
         check=False,
     )
     out = r.stdout
@@ -58,3 +58,10 @@ def test_bench_suite_quick_reports_every_row() -> None:
     assert re.search(rf"^1\s+{NUM}\s+{NUM}$", out, re.M), msg  # startup: 1 run, median, max
     assert re.search(rf"^1\s+{NUM}\s+{NUM}\s+max <= 2 s\s+(met|NOT met)$", out, re.M), msg
     assert re.search(rf"^100 threads\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}$", out, re.M), msg  # stacks
+    # scaling: the idle row, then each shape against it, the target judged
+    assert re.search(rf"^watching nothing\s+{NUM}\s+\+0\.00\s+{NUM}", out, re.M), msg
+    others = "50 other processes \\(not watched\\)"
+    for what in ("200 parked threads \\(1 x 200\\)", "100 idle connections", others):
+        assert re.search(rf"^{what}\s+{NUM}\s+[+-]{NUM}\s+{NUM}\s+{NUM}", out, re.M), msg
+    target = r"^1,600 parked threads \(8 x 200\) \+ 1,000 idle connections\s.*\s(met|NOT met)$"
+    assert re.search(target, out, re.M), msg

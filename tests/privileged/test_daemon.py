@@ -27,6 +27,7 @@ from tests.privileged.daemonlib import (
     pids_in,
     running_daemon,
     value,
+    wait_for_log,
     wait_until,
 )
 from tests.privileged.harness import line_of
@@ -235,32 +236,43 @@ def last_tick(s: Samples) -> float:
     return value(s, "hangwatch_last_tick_timestamp_seconds") or 0.0
 
 
-def test_a_process_seen_before_it_execs_the_target_is_watched(tmp_path: Path) -> None:
-    """A launcher (python) that the daemon has read, then execs the target (python again: the
-    same comm and PID). Only the probe's exec event tells discovery to read it again."""
+CHANGES = {
+    # how: (the fixture and its arguments, the target's selector, what it prints once changed)
+    "exec": (("exec_launcher",), 'cmdline: "exec_launcher\\\\.py --target"', "TARGET"),
+    "rename": (("renamer", "hw-renamed"), 'comm: "hw-renamed"', "RENAMED"),
+}
+
+
+@pytest.mark.parametrize("how", sorted(CHANGES))
+def test_a_process_seen_before_it_becomes_the_target_is_watched(tmp_path: Path, how: str) -> None:
+    """A process the daemon has read, and, told of every exec and rename, reads no more, then
+    becomes the target: a launcher (python) that execs it (python again: the same comm and
+    PID), or a process that renames itself to the target's comm without an exec. Only the
+    probe's exec or rename event tells discovery to read it again."""
+    fixture, selector, changed = CHANGES[how]
     port = free_port()
-    cfg = tmp_path / "exec.yaml"
+    cfg = tmp_path / "change.yaml"
     cfg.write_text(
         f'listen: "127.0.0.1:{port}"\ninterval_seconds: {INTERVAL}\n'
-        'targets:\n  - name: launched\n    cmdline: "exec_launcher\\\\.py --target"\n'
+        f"targets:\n  - name: changed\n    {selector}\n"
     )
-    with running_daemon(cfg, port) as d, Fixture.py("exec_launcher", ready="STARTED") as fx:
-        # A tick that ended after the launcher started, then a later one: that one's discovery
-        # began after the first ended, so it has read the launcher's command line.
+    with running_daemon(cfg, port) as d, Fixture.py(*fixture, ready="STARTED") as fx:
+        # A tick that ended after the process started, then a later one: that one's discovery
+        # began after the first ended, so it has read the process as it was.
         started = time.time()
-        s = wait_until(d, lambda s: last_tick(s) > started, "a tick after the launcher started")
+        s = wait_until(d, lambda s: last_tick(s) > started, "a tick after the process started")
         after = last_tick(s)
         s = wait_until(d, lambda s: last_tick(s) > after, "the tick after that")
-        assert fx.pid not in pids_in(s), "the launcher itself matched"
+        assert fx.pid not in pids_in(s), "the process matched before it changed"
         fx.send("go")
-        fx.wait_for("TARGET")
+        fx.wait_for(changed)
         wait_until(
             d,
             lambda s: (
-                value(s, "hangwatch_process_threads", pid=str(fx.pid), service="launched")
+                value(s, "hangwatch_process_threads", pid=str(fx.pid), service="changed")
                 is not None
             ),
-            f"the exec'd target {fx.pid} to be watched",
+            f"the changed process {fx.pid} ({how}) to be watched",
         )
 
 
@@ -270,18 +282,20 @@ def test_daemon_proves_a_python_hang_without_an_owner(daemon: Daemon, name: str)
     was held: deadlocked by the proof without an owner (two reads), far under the threshold's
     wait, with the process with no waker as the culprit in the state-change log."""
     fixture = name.replace("-", "_")
+    taking = ".acquire()" if name == "pylocks" else "with lock:  # a copy"
+    at = f"({fixture}.py:{line_of(f'tests/fixtures/{fixture}.py', taking)})"
     with Fixture.py(fixture) as fx:
         formed = time.monotonic()
         wait_until(daemon, state_is(name, "deadlocked"), f"{name} to be deadlocked", 10)
         took = time.monotonic() - formed
         culprit = fx.info.get_int("child") if name == "fork-locked" else fx.pid
+        # The change's line and its flight record (the Python stacks at the change, with the
+        # line that takes the lock) are written beside the loop, once the stacks are read:
+        # a moment after /metrics says deadlocked, and while the fixture lives.
+        wait_for_log(daemon, re.escape(at), f"the flight record's stack line at {at}")
     print(f"{name}: deadlocked {took:.2f} s after READY (interval {INTERVAL} s)")  # -rA
     log = daemon.output()
     assert f"held up by process {culprit}" in log, log
-    # The flight record: the Python stacks at the change, with the line that takes the lock.
-    taking = ".acquire()" if name == "pylocks" else "with lock:  # a copy"
-    lineno = line_of(f"tests/fixtures/{fixture}.py", taking)
-    at = f"({fixture}.py:{lineno})"
     stack_lines = [ln for ln in log.splitlines() if at in ln and "thread" in ln]
     assert stack_lines, f"no stack line at {at} in the daemon's log:\n{log}"
     if name == "pylocks":

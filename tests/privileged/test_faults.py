@@ -354,6 +354,7 @@ class VanishingProcFS(ProcFS):
 PROC_READS = (
     *("pids", "stat", "cmdline", "environ", "tids", "thread_stat", "thread_cpu_ns"),
     *("thread_exec_start_ms", "thread_syscall", "tgid_of", "io_wchar", "socket_inodes"),
+    *("socket_fds", "socket_protocol", "tcp_lookup"),
     *("fd_target", "net_namespace", "tcp_sockets", "maps", "open_memory"),
     *("argv", "plumbing", "ephemeral_from", "own_exec_start_ms", "pipes_read"),
 )
@@ -363,9 +364,11 @@ def _vanishing(cls: type[VanishingProcFS]) -> type[VanishingProcFS]:
     for name in PROC_READS:
         real = getattr(ProcFS, name)
 
-        def wrapped(self: VanishingProcFS, *a: object, _real: object = real) -> object:
+        def wrapped(
+            self: VanishingProcFS, *a: object, _real: object = real, **kw: object
+        ) -> object:
             self._tick()
-            return _real(self, *a)  # type: ignore[operator]
+            return _real(self, *a, **kw)  # type: ignore[operator]
 
         setattr(cls, name, wrapped)
     return cls

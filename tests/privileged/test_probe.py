@@ -146,6 +146,34 @@ def test_exec_reported_for_every_process(open_probes: OpenProbes) -> None:
     assert_nothing_lost(seen.last)
 
 
+@pytest.mark.parametrize("how", ["prctl", "comm-file"])
+def test_renames_and_execs_are_taken_before_the_read(open_probes: OpenProbes, how: str) -> None:
+    """A process that renames itself (no exec) is reported by its PID, as an exec is, so that
+    discovery knows it changed; what take_execs took is not in the next reading."""
+    probes = open_probes()
+    assert probes.take_execs() is not None, "a tracepoint missing: sched_process_exec, task_rename"
+    args = ["hw-renamed"] + (["--from-thread"] if how == "comm-file" else [])
+    with Fixture.py("renamer", *args, ready="STARTED") as fx:
+        taken: list[int] = []
+        deadline = time.monotonic() + 5
+        while fx.pid not in taken:  # its own exec, at start
+            assert time.monotonic() < deadline, f"no exec of {fx.pid} taken: {taken}"
+            taken += probes.take_execs() or []
+            time.sleep(0.02)
+        fx.send("go")
+        fx.wait_for("RENAMED")
+        assert Path(f"/proc/{fx.pid}/comm").read_text().strip() == "hw-renamed"
+        deadline = time.monotonic() + 5
+        renamed: list[int] = []
+        while fx.pid not in renamed:
+            assert time.monotonic() < deadline, f"no rename of {fx.pid} taken: {renamed}"
+            renamed += probes.take_execs() or []
+            time.sleep(0.02)
+        r = probes.read()
+    assert fx.pid not in [e.tgid for e in r.execs], r.execs
+    assert_nothing_lost(r)
+
+
 # --- accepts and writes: watched processes only --------------------------------------------
 
 
@@ -267,6 +295,24 @@ def test_edeadlk_reported_for_unwatched_process(open_probes: OpenProbes) -> None
     probes.watch([pid])
     r = probes.read()
     assert not (set(r.inflight) | set(r.refusals)) & tids, r
+    assert_nothing_lost(r)
+
+
+def test_a_wait_refused_at_once_is_counted_in_the_first_slot(open_probes: OpenProbes) -> None:
+    """A futex wait the kernel refuses at once (EAGAIN) never slept: the first histogram slot,
+    with no clock read; one that slept for its 50 ms timeout goes to its log2 slot."""
+    probes = open_probes()
+    with Fixture.py("futex_calls", "500", ready="STARTED") as fx:
+        probes.watch([fx.pid])
+        fx.send("go")
+        fx.wait_for("DONE")
+        r = probes.read()
+    slots = r.wait_histogram.get(fx.pid, {})
+    assert slots.get(0, 0) >= 500, slots
+    # 50 ms or a little more (a late timer): [2^25, 2^26) ns, or the next slot
+    assert sum(n for slot, n in slots.items() if slot >= 10) == 1, slots
+    assert slots.get(25, 0) + slots.get(26, 0) == 1, slots
+    assert not any(n for slot, n in slots.items() if 0 < slot < 10), slots  # none under 1 us
     assert_nothing_lost(r)
 
 

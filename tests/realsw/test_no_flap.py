@@ -144,7 +144,15 @@ def test_three_services_hold_one_state_each_for_two_minutes(tmp_path: Path) -> N
             timeout=REACH_S,
         )
         reached_s = time.monotonic() - watch.started
-        mark = len(d.output())  # the log from here on must have no state change of the three
+        # Each change's line is written beside the loop once its stacks are read (a moment
+        # after /metrics has it): the log from the last of them on must have no state
+        # change of the three.
+        for name, state in watch.reached.items():
+            pid = want[name][0]
+            daemonlib.wait_for_log(
+                d, rf"service {name} pid {pid}: \S+ -> {state}:", f"{name}'s change to {state}"
+            )
+        mark = len(d.output())
 
         scrapes = 0
         hold_start = time.monotonic()

@@ -1,0 +1,73 @@
+"""The flight recorder (agent.flight): the loop hands changes over and goes on; the recorder
+keeps their order, bounds what waits, and logs every change."""
+
+from __future__ import annotations
+
+import threading
+
+from agent.flight import FlightRecorder
+
+
+def test_changes_are_recorded_in_order_beside_the_caller():
+    release = threading.Event()
+    started = threading.Event()
+    done: list[int] = []
+
+    def record(n: int) -> None:
+        started.set()
+        assert release.wait(10)
+        done.append(n)
+
+    rec: FlightRecorder[int] = FlightRecorder(record, lambda n: done.append(-n))
+    for n in (1, 2, 3):
+        rec.submit(n)  # returns while the first is still being recorded
+    assert started.wait(10) and done == []
+    release.set()
+    assert rec.flush(10) and done == [1, 2, 3] and rec.dropped == 0
+    rec.close(10)
+
+
+def test_beyond_the_bound_a_change_is_logged_at_once():
+    release = threading.Event()
+    first = threading.Event()
+    done: list[int] = []
+
+    def record(n: int) -> None:
+        first.set()
+        assert release.wait(10)
+        done.append(n)
+
+    rec: FlightRecorder[int] = FlightRecorder(record, lambda n: done.append(-n), max_pending=2)
+    rec.submit(1)
+    assert first.wait(10)  # 1 is being recorded: 2 and 3 wait, 4 and 5 do not fit
+    for n in (2, 3, 4, 5):
+        rec.submit(n)
+    assert done == [-4, -5] and rec.dropped == 2
+    release.set()
+    assert rec.flush(10) and done == [-4, -5, 1, 2, 3]
+    rec.close(10)
+
+
+def test_a_record_that_fails_is_logged_and_the_next_goes_on(caplog):
+    done: list[int] = []
+
+    def record(n: int) -> None:
+        if n == 1:
+            raise RuntimeError("boom")
+        done.append(n)
+
+    rec: FlightRecorder[int] = FlightRecorder(record, lambda n: None)
+    rec.submit(1)
+    rec.submit(2)
+    assert rec.flush(10) and done == [2]
+    assert "flight record failed" in caplog.text
+    rec.close(10)
+
+
+def test_close_records_what_is_pending_first():
+    done: list[int] = []
+    rec: FlightRecorder[int] = FlightRecorder(done.append, lambda n: None)
+    for n in range(5):
+        rec.submit(n)
+    rec.close(10)
+    assert done == [0, 1, 2, 3, 4]
