@@ -122,6 +122,14 @@ def _aged_connection(c: Connection, k: _KeptInfo, now: int) -> Connection:
     return c.with_times(k.info.last_data_recv_ms + ms, k.info.last_data_sent_ms + ms)
 
 
+_NO_INFO = (None, None, None, None)
+
+
+def _times_and_bytes(i: TcpInfo) -> tuple[int, int, int, int]:
+    """A Connection's tcp_info fields, in its order."""
+    return i.last_data_recv_ms, i.last_data_sent_ms, i.bytes_received, i.bytes_acked
+
+
 class _NsRead(NamedTuple):
     """A network namespace's sockets as the last tick read them and handed them out."""
 
@@ -598,30 +606,17 @@ class Sampler:
                         listeners[pid].append(lst)
                 elif s.state == TCP_ESTABLISHED:
                     info = infos.get(s.inode)
-                    if info is None:
-                        conn = Connection(
-                            s.address,
-                            s.port,
-                            s.remote_address,
-                            s.remote_port,
-                            s.inode,
-                            s.rx_queue,
-                            s.tx_queue,
-                        )
-                    else:  # built once, with it (a front-end's thousand, every tick)
-                        conn = Connection(
-                            s.address,
-                            s.port,
-                            s.remote_address,
-                            s.remote_port,
-                            s.inode,
-                            s.rx_queue,
-                            s.tx_queue,
-                            info.last_data_recv_ms,
-                            info.last_data_sent_ms,
-                            info.bytes_received,
-                            info.bytes_acked,
-                        )
+                    # Built once, with its tcp_info if it has one (a front-end's thousand).
+                    conn = Connection(
+                        s.address,
+                        s.port,
+                        s.remote_address,
+                        s.remote_port,
+                        s.inode,
+                        s.rx_queue,
+                        s.tx_queue,
+                        *(_NO_INFO if info is None else _times_and_bytes(info)),
+                    )
                     entry = (kept_infos.get(s.inode), conn)
                     for pid in owners[s.inode]:
                         connections[pid].append(entry)
