@@ -341,6 +341,7 @@ class Daemon:
             gpus=self.gpus,
             gpu_errors_total=self.gpu_errors,
             last_tick_seconds=time.time(),
+            park_threshold_seconds=self.cfg.park_threshold_seconds,
         )
 
     def _log_changes(self, verdicts: list[ServiceVerdict], tick: Tick) -> None:

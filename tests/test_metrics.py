@@ -78,6 +78,7 @@ CONTRACT = {
     "hangwatch_collector_success",
     "hangwatch_collector_duration_seconds",
     "hangwatch_last_tick_timestamp_seconds",
+    "hangwatch_park_threshold_seconds",
     "hangwatch_build_info",
 }
 
@@ -159,6 +160,7 @@ AGENT = AgentStatus(
         GpuDevice(10, "GPU-cccc", "NVIDIA H200", 141 * GiB, 1 * GiB, 0.25),
     ),
     gpu_errors_total=3,
+    park_threshold_seconds=60.0,
 )
 EXPOSITION = Exposition((SGLANG, PINNED, HTTP), AGENT)
 

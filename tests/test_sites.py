@@ -33,7 +33,7 @@ def thread(tid: int, *frames: PyFrame) -> PyThread:
 ALL_REDUCE = thread(
     10,
     frame("all_reduce", SP + "torch/distributed/distributed_c10d.py", 2501),
-    frame("wrapper", SP + "torch/distributed/c10d_logger.py", 81),
+    frame("_exception_logger.<locals>.wrapper", SP + "torch/distributed/c10d_logger.py", 81),
     frame("train_step", "/job/train.py", 57),
     frame("main", "/job/train.py", 90),
 )

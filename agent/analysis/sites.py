@@ -59,7 +59,8 @@ def python_site(thread: PyThread) -> str | None:
     call = frame.function
     for inner in reversed(frames[:own]):  # from the callee inwards, past pass-throughs
         call = inner.function
-        if call not in _PASS_THROUGH:
+        # py-spy names functions by qualified name: "_exception_logger.<locals>.wrapper"
+        if call.rpartition(".")[2] not in _PASS_THROUGH:
             break
     return clean(f"{call} ({frame.short}:{frame.line})")
 

@@ -89,6 +89,8 @@ class AgentStatus:
     # Wall-clock time (Unix seconds) the last tick completed: a loop that hangs keeps serving
     # its last verdicts, and only this says how old they are. 0: no tick completed.
     last_tick_seconds: float = 0.0
+    # The park threshold its verdicts use: job rules compare parks with it (deploy/prometheus).
+    park_threshold_seconds: float | None = None
 
 
 @dataclass(frozen=True)

@@ -347,6 +347,15 @@ FAMILIES: tuple[_Family, ...] = (
         (),
     ),
     _Family(
+        "park_threshold",
+        GAUGE,
+        "hangwatch_park_threshold_seconds",
+        "The park threshold the agent judges by (park_threshold_seconds): a service parked "
+        "this long without progress, and not idle, is stalled. The job rules compare ranks' "
+        "parks with it.",
+        (),
+    ),
+    _Family(
         "collector_duration",
         GAUGE,
         "hangwatch_collector_duration_seconds",
@@ -443,6 +452,8 @@ class _Families:
         self.counter["events_dropped"].add_metric([], agent.events_dropped_total)
         self.counter["maps_full"].add_metric([], agent.maps_full_total)
         self.gauge["last_tick"].add_metric([], agent.last_tick_seconds)
+        if agent.park_threshold_seconds is not None:
+            self.gauge["park_threshold"].add_metric([], agent.park_threshold_seconds)
         for name in sorted(agent.programs):
             stats = agent.programs[name]
             self.counter["program_seconds"].add_metric([name], stats.run_seconds)
