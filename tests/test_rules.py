@@ -199,9 +199,11 @@ HANG_ALERTS = {
     "HangwatchNoWaker",
     "HangwatchAllThreadsParked",
     "HangwatchGpuSpin",
+    "HangwatchJobStraggler",
 }
 HANG_RUNBOOKS = HANG_ALERTS | {"First, for every hang alert"}
-_DIAGNOSE_FIRST = re.compile(r"hangwatch diagnose --pid {{ \$labels\.\w+ }}")
+# $p.Labels: a pid that the alert's template looks up (HangwatchJobStraggler's rank's process)
+_DIAGNOSE_FIRST = re.compile(r"hangwatch diagnose --pid {{ \$(?:labels|p\.Labels)\.\w+ }}")
 _STOPPERS = re.compile(r"py-spy|gdb", re.IGNORECASE)
 _CODE_SPAN = re.compile(r"`([^`]*)`")
 _FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.MULTILINE | re.DOTALL)
