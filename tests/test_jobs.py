@@ -456,7 +456,7 @@ def test_the_text_of_missing_and_not_parked_ranks():
     rs[1] = replace(rs[1], parked=0.0, state="progressing", site=None)
     text = render.job_text(one(inputs(rs, world=5, gone=[(3, "node-b:9817", 250.0)])), "run-7")
     assert "3 ranks of 5" in text
-    assert "rank 1 on node-a:9817 is not parked (it works) while 2 ranks are stalled" in text
+    assert "rank 1 on node-a:9817 is not parked (it works) while 2 ranks wait" in text
     assert "not visible: rank 3 (last seen on node-b:9817 4m 10s ago), rank 4 (never seen" in text
     rows = [ln.split()[0] for ln in text.splitlines()[-5:]]
     assert rows == ["1", "3", "4", "0", "2"]
@@ -524,6 +524,7 @@ def test_the_json_round_trips_with_its_documented_keys():
         "parked_seconds": None,
         "reason": "missing",
         "last_seen_seconds_ago": 42.0,
+        "waits": False,
     }
     assert job["ranks"][1]["site"] == ALL_REDUCE and job["ranks"][1]["reason"] is None
     assert job["sites"] == [{"site": ALL_REDUCE, "ranks": 3}]

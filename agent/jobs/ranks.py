@@ -109,6 +109,9 @@ class RankView:
     last_seen_seconds: float | None = None  # for a missing rank seen before: how long ago
     pid: str = ""  # its own process (not a DataLoader worker's); "" when not visible
     pids: tuple[str, ...] = ()  # all its processes, by PID
+    # It waits, for the job: parked past its host's threshold and not idle (its host may still
+    # call it progressing, while a peer there computes).
+    waits: bool = False
 
 
 @dataclass(frozen=True)
@@ -286,6 +289,7 @@ def _view(
                 reason=reason,
                 pid=n.pid(),
                 pids=tuple(sorted(n.pids, key=_pid_order)),
+                waits=n.waits(),
             )
         )
     gone = {r: last for r, last in seen.items() if r not in now}

@@ -18,7 +18,8 @@ JSON (`--json`); keys are an interface, added to, never renamed:
     RANK: {"rank": str, "instances": [str, ...] (for a missing rank: where last seen),
            "pid": its own process (with its site, else its lowest PID; what to give
            `hangwatch diagnose --pid` on its host) or null, "pids": [every PID of the rank],
-           "state": deadlocked|stalled|idle|progressing|unknown|missing,
+           "state": deadlocked|stalled|idle|progressing|unknown|missing (its host's word),
+           "waits": bool (stalled for the job: parked past its host's threshold, not idle),
            "site": str or null, "parked_seconds": float or null (null: not visible),
            "reason": "not parked"|"other site"|"missing"|"never seen" or null (not odd),
            "last_seen_seconds_ago": float or null}
@@ -124,10 +125,10 @@ def _odd_line(v: JobView, r: RankView) -> str:
         others = plural(top[1], "rank")
         return f"{who} waits at {clean(r.site)} while {others} wait at {clean(top[0])}"
     if r.reason == NOT_PARKED:
-        n = sum(1 for x in v.visible if x.state == STALLED)
+        n = sum(1 for x in v.visible if x.waits)
         where = f" at {clean(top[0])}" if top is not None else ""
-        are = "is" if n == 1 else "are"
-        return f"{who} is not parked (it works) while {plural(n, 'rank')} {are} stalled{where}"
+        verb = "waits" if n == 1 else "wait"
+        return f"{who} is not parked (it works) while {plural(n, 'rank')} {verb}{where}"
     return f"{who}: {r.reason}"
 
 
@@ -247,6 +248,7 @@ def rank_json(r: RankView) -> dict[str, Any]:
         "pid": r.pid or None,
         "pids": list(r.pids),
         "state": r.state,
+        "waits": r.waits,
         "site": r.site or None,
         "parked_seconds": None if r.parked_seconds is None else round(r.parked_seconds, 3),
         "reason": r.reason or None,
