@@ -184,3 +184,12 @@ def test_reads_past_the_queue_are_asked_again_on_the_next_tick():
     assert sorted(asked) == [1, 2, 3, 4]
     assert all(book.site(p) == f"at ({p.pid}.py:1)" for p in parks)
     book.close(1)
+
+
+def test_a_bare_init_file_is_named_with_its_package():
+    t = thread(
+        1,
+        PyFrame("Runner.run", STD + "asyncio/runners.py", "runners.py", 118),
+        PyFrame("run", SP + "uvloop/__init__.py", "__init__.py", 92),
+    )
+    assert python_site(t) == "Runner.run (uvloop/__init__.py:92)"

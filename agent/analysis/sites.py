@@ -62,7 +62,17 @@ def python_site(thread: PyThread) -> str | None:
         # py-spy names functions by qualified name: "_exception_logger.<locals>.wrapper"
         if call.rpartition(".")[2] not in _PASS_THROUGH:
             break
-    return clean(f"{call} ({frame.short}:{frame.line})")
+    return clean(f"{call} ({_short(frame)}:{frame.line})")
+
+
+def _short(frame: PyFrame) -> str:
+    """py-spy's short file name, with its package where it is a bare ``__init__.py``."""
+    short = frame.short
+    if "/" not in short and short.startswith("__init__."):
+        parts = frame.file.rsplit("/", 2)
+        if len(parts) == 3:
+            return f"{parts[1]}/{short}"
+    return short
 
 
 def native_site(symbol: str | None, obj: str) -> str:
