@@ -5,8 +5,6 @@ like the Prometheus API (agent.jobs.prom, through agent.cli.main)."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import socket
 import subprocess
 import threading
@@ -784,17 +782,6 @@ def test_an_ipv6_url_keeps_its_brackets():
 
 
 # -- the queries, in Prometheus's own engine (promtool test rules) ---------------------------
-
-
-@pytest.fixture(scope="module")
-def promtool() -> str:
-    path = shutil.which("promtool")
-    if path is None:
-        reason = "promtool is not installed (Debian package `prometheus`; `make setup`)"
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(f"CI=true and {reason}", pytrace=False)
-        pytest.skip(reason)
-    return path
 
 
 def _series(name: str, values: str, **labels: str) -> dict[str, str]:

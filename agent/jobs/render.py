@@ -38,7 +38,6 @@ from .ranks import (
     NEVER_SEEN,
     NOT_PARKED,
     OTHER_SITE,
-    STALLED,
     JobKey,
     JobView,
     RankView,
