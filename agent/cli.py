@@ -64,6 +64,30 @@ the key), 3 missing privilege or kernel feature (names it)
 """
 
 
+JOB_EPILOG = """\
+examples:
+  hangwatch job --prometheus http://prometheus:9090
+  hangwatch job --prometheus http://prometheus:9090 --job run-7
+  hangwatch job --prometheus https://USER:PASSWORD@prom.example.com/prometheus --job 81234 --json
+
+a job: the ranks (processes with RANK) that share a service and a torchelastic_run_id or
+slurm_job_id; --job takes either id. Without an id (or with torchelastic_run_id "none",
+torchrun's default), the ranks of one host: --job SERVICE@INSTANCE/SERVICE_PID, as the list
+of jobs prints it. Without --job: the only job, else the only stalled one, else the list.
+
+odd ranks out of a stalled job, first in the table: "not parked" (it works while the others
+wait), "other site" (it waits where fewer ranks wait than at the job's commonest site; a tie
+names nobody), "missing" (seen in the last 15 minutes, gone now: named with its last host) and
+"never seen" (below the job's world size). Read from the daemon's own series: Prometheus need
+not load hangwatch's rules.
+
+exit codes: 0 every rank visible, stalled or not (the table says), 1 ranks not visible (their
+hosts' hangwatch may be down or not scraped; says which), 2 bad input, an unknown --job or
+several jobs to pick from (lists them), 4 Prometheus unreachable or answering an error (names
+the URL)
+"""
+
+
 def _seconds(text: str) -> float:
     """A number; its range is checked with the other input (agent.settings, one range per
     setting for flags and config keys alike)."""
@@ -91,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
     _add_diagnose(sub)
     _add_run(sub)
+    _add_job(sub)
     return parser
 
 
@@ -171,6 +196,34 @@ def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
 
 
+def _add_job(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    j = sub.add_parser(
+        "job",
+        help="a distributed job's ranks side by side, from Prometheus: which rank holds it up",
+        description="Ask Prometheus for the ranks of a multi-host job that hangwatch watches on\n"
+        "each host, and print them side by side: rank, host, PID, state, where it waits and\n"
+        "for how long; the odd ranks out (stragglers, missing ranks) first, with why.",
+        epilog=JOB_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    j.add_argument(
+        "--prometheus",
+        required=True,
+        metavar="URL",
+        help="base URL of the Prometheus that scrapes the hosts' hangwatch, such as "
+        "http://prometheus:9090 (user:password@ for basic auth)",
+    )
+    j.add_argument("--job", metavar="NAME", help="the job: its id, as the list of jobs shows it")
+    j.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    j.add_argument(
+        "--timeout",
+        type=_seconds,
+        default=10.0,
+        metavar="S",
+        help="seconds to wait for each of Prometheus's answers (default 10; at most 600)",
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)  # exits 2 with a one-line reason on bad flags
@@ -196,6 +249,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             from .daemon import run as run_daemon
 
             return run_daemon(args.config, args.listen, args.web_config)
+        if args.command == "job":
+            from .jobs.command import JobOptions
+            from .jobs.command import run as run_job
+
+            return run_job(JobOptions(args.prometheus, args.job, args.json, args.timeout))
     except HangwatchError as e:
         print(f"hangwatch: {e}", file=sys.stderr)
         return e.exit_code

@@ -25,6 +25,7 @@ from . import session as session_mod
 from .analysis.classify import DEADLOCKED, STALLED, ProcessVerdict, ServiceVerdict
 from .analysis.frontdoor import FrontDoorConfig
 from .analysis.lockwords import named_verdicts, words_wanted
+from .analysis.sites import leads_rank
 from .analysis.stacks import native_asks, stack_facts
 from .errors import UsageError
 from .export.exposition import (
@@ -57,6 +58,7 @@ from .settings import STACKS_BUDGET_S
 from .sources.procfs import ProcFS
 from .sources.protocols import GpuSource, ProbeSource
 from .sources.pystacks import SourceLines
+from .waiting import Park, SiteBook, read_site
 
 log = logging.getLogger(__name__)
 
@@ -69,15 +71,18 @@ def build_exposition(
     tick: Tick,
     labels: Mapping[int, Mapping[str, str]],
     agent: AgentStatus,
+    sites: Mapping[int, str] | None = None,
 ) -> Exposition:
-    """Plain data for the collectors, from one tick's verdicts, probe and GPU readings."""
+    """Plain data for the collectors, from one tick's verdicts, probe and GPU readings;
+    ``sites``: where each parked process waits, by pid (agent.waiting)."""
+    sites = sites or {}
     gpu = tick.gpu if tick.gpu is not None and tick.gpu.ok else None
     out = []
     for v in verdicts:
         svc = services.get(v.pid)
         name = svc.name if svc else "unknown"
         procs = tuple(
-            _process_status(name, v.pid, p, tick, labels.get(p.pid, {}), gpu)
+            _process_status(name, v.pid, p, tick, labels.get(p.pid, {}), gpu, sites.get(p.pid))
             for p in v.processes
             if not p.gone and p.pid in tick.snapshot.processes
         )
@@ -95,6 +100,11 @@ def build_exposition(
     return Exposition(tuple(out), agent)
 
 
+def _count(text: str | None) -> int | None:
+    """A label value that is a decimal count (WORLD_SIZE), as a number; None otherwise."""
+    return int(text) if text is not None and text.isdigit() and len(text) <= 9 else None
+
+
 def _process_status(
     service: str,
     root: int,
@@ -102,6 +112,7 @@ def _process_status(
     tick: Tick,
     labels: Mapping[str, str],
     gpu: GpuReading | None,
+    site: str | None = None,
 ) -> ProcessStatus:
     """One live process of a service: its verdict, what the probe counted, its GPU use."""
     reading: ProbeReading = tick.reading
@@ -121,6 +132,8 @@ def _process_status(
         lock_cycles=len(p.cycles),
         no_waker=p.no_waker,
         labels=dict(labels),
+        waiting_at=site,
+        world_size=_count(labels.get("world_size")),
         write_bytes_total=sum(w.bytes for w in writes.values()),
         last_write_age_seconds=max(0.0, (tick.snapshot.mono_ns - last) / 1e9) if last else None,
         accepts_total=reading.accepts.get(p.pid, 0),
@@ -182,6 +195,7 @@ class Daemon:
         self.source_lines = SourceLines(proc)  # the lines stacks point at, kept between changes
         # Change lines and stacks, beside the loop; only its thread uses source_lines.
         self.flight: FlightRecorder[Change] = FlightRecorder(self._record, self._record_at_once)
+        self.sites = SiteBook(lambda pid: read_site(self.proc, pid))  # where parked ones wait
 
     @classmethod
     def with_sources(
@@ -265,9 +279,41 @@ class Daemon:
         verdicts = session.verdicts()
         self._log_changes(verdicts, tick)
         labels = {pid: self.discovery.labels(pid) for pid in tick.snapshot.processes}
+        sites = self._sites_of(verdicts, tick, labels)
         self.exposition = build_exposition(
-            verdicts, self.services, tick, labels, self._agent_status(session, tick)
+            verdicts, self.services, tick, labels, self._agent_status(session, tick), sites
         )
+
+    def _sites_of(
+        self,
+        verdicts: list[ServiceVerdict],
+        tick: Tick,
+        labels: Mapping[int, Mapping[str, str]],
+    ) -> dict[int, str]:
+        """Where each parked process that leads its rank waits, as read for its park
+        (agent.waiting); reads are asked for the parks that have lasted half the threshold."""
+        snap = tick.snapshot
+        parks = []
+        for v in verdicts:
+            for p in v.processes:
+                sample = snap.processes.get(p.pid)
+                if p.gone or sample is None or p.parked_seconds <= 0:
+                    continue
+                if p.parked_threads < p.threads or not leads_rank(
+                    labels.get(p.pid, {}), labels.get(sample.ppid)
+                ):
+                    continue
+                since = snap.mono_ns - int(p.parked_seconds * 1e9)
+                parks.append((Park(p.pid, sample.start_ticks, since), p.parked_seconds))
+        after = self.cfg.park_threshold_seconds / 2
+        by_park = {park: s for park, s in parks}
+        self.sites.update(by_park, lambda park: self.cfg.stacks and by_park[park] >= after)
+        out = {}
+        for park in by_park:
+            site = self.sites.site(park)
+            if site is not None:
+                out[park.pid] = site
+        return out
 
     def _forget_gone(self, session: Session, tick: Tick) -> None:
         """Per-process kernel state of processes that exited, so maps stay bounded."""
@@ -295,6 +341,7 @@ class Daemon:
             gpus=self.gpus,
             gpu_errors_total=self.gpu_errors,
             last_tick_seconds=time.time(),
+            park_threshold_seconds=self.cfg.park_threshold_seconds,
         )
 
     def _log_changes(self, verdicts: list[ServiceVerdict], tick: Tick) -> None:
@@ -415,6 +462,7 @@ class Daemon:
                 self._wait_until(started + self.cfg.interval_seconds)
         finally:
             self.flight.close(STACKS_BUDGET_S)  # the changes seen before the stop, logged
+            self.sites.close(0.0)  # a site read left is of no use once /metrics is gone
 
     def _wait_until(self, deadline: float) -> None:
         """Sleep until the next step, draining the ring buffer meanwhile: drained once per

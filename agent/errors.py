@@ -4,6 +4,7 @@ from __future__ import annotations
 
 EXIT_USAGE = 2
 EXIT_PRIVILEGE = 3
+EXIT_UNAVAILABLE = 4
 
 
 class HangwatchError(Exception):
@@ -28,6 +29,13 @@ class KernelFeatureError(HangwatchError):
     """Missing privilege or kernel feature. Exit 3, saying which and how to fix it."""
 
     exit_code = EXIT_PRIVILEGE
+
+
+class UnavailableError(HangwatchError):
+    """A service the command reads from (Prometheus) cannot be reached or answers an error.
+    Exit 4, naming its URL and what to check: the fault is there, not in the input."""
+
+    exit_code = EXIT_UNAVAILABLE
 
 
 def show(value: object, limit: int = 60) -> str:

@@ -36,7 +36,9 @@ class FlightRecorder(Generic[C]):
         record: Callable[[C], None],
         at_once: Callable[[C], None],
         max_pending: int = MAX_PENDING,
+        name: str = "hangwatch-flight",
     ) -> None:
+        self._name = name
         self._record = record
         self._at_once = at_once
         self._queue: queue.Queue[C | None] = queue.Queue(max_pending)
@@ -45,7 +47,7 @@ class FlightRecorder(Generic[C]):
 
     def submit(self, change: C) -> None:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="hangwatch-flight", daemon=True)
+            self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
             self._thread.start()
         try:
             self._queue.put_nowait(change)

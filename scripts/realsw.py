@@ -241,6 +241,32 @@ def torchrun_job(shape: str, *args: Arg, nproc: int = 2, **kwargs: Any) -> Job:
     return Job(argv, shape=shape, port=port, ready=None, **kwargs)
 
 
+def node_jobs(shape: str, run_id: str, *args: Arg, **kwargs: Any) -> tuple[Job, Job]:
+    """One job over two "nodes" of this machine: ``torchrun --nnodes=2 --nproc_per_node=2``
+    twice, node 0 hosting the store, with static rendezvous (node 0 has ranks 0 and 1, node 1
+    ranks 2 and 3) and ``--rdzv_id=RUN_ID`` (TORCHELASTIC_RUN_ID: what joins its ranks across
+    hosts). Not started: enter node 0 first."""
+    port = free_port()
+
+    def node(rank: int) -> Job:
+        argv: list[Arg] = [
+            torchrun(),
+            "--nnodes=2",
+            f"--node_rank={rank}",
+            "--nproc_per_node=2",
+            "--master_addr=127.0.0.1",
+            f"--master_port={port}",
+            f"--rdzv_id={run_id}",
+            TORCH_JOBS,
+            "--shape",
+            shape,
+            *args,
+        ]
+        return Job(argv, shape=shape, port=port, ready=None, **kwargs)
+
+    return node(0), node(1)
+
+
 def direct_job(shape: str, *args: Arg, **kwargs: Any) -> Job:
     """``torch_jobs.py --shape`` run by the venv's python, no torchrun; MASTER_PORT is free."""
     port = free_port()

@@ -20,6 +20,7 @@ from agent.daemon import DRAIN_SLICE_S, Daemon
 from agent.export.exposition import STAGES
 from agent.observe import enrich
 from agent.sources.procfs import ProcFS
+from agent.waiting import SiteBook
 from tests import synth
 from tests.fakeprobe import FakeClock, RecordingProbe
 
@@ -146,3 +147,40 @@ def test_the_tick_does_not_wait_for_the_stacks(
     assert d.states[("unknown", 10)] == "stalled"
     release.set()
     assert d.flight.flush(10)
+
+
+def test_a_site_is_read_once_per_park_from_half_the_threshold_and_only_for_a_rank_s_own(
+    tmp_path: Path,
+) -> None:
+    """Where a parked process waits costs one read per park, not one per tick: none before
+    the park has lasted half the threshold, one then, none while it stays parked, one again
+    for its next park; none for a helper that inherits its parent's rank, or with
+    ``stacks: false``."""
+    reads: list[int] = []
+    d = make(tmp_path, None)
+    d.sites = SiteBook(lambda pid: reads.append(pid) or f"at (p{pid}.py:1)")
+    half = d.cfg.park_threshold_seconds / 2
+    rank = synth.process(10, synth.parked(10), comm="python")
+    helper = synth.process(11, synth.parked(11), ppid=10, comm="pt_data_worker")
+    labels = {10: {"rank": "2"}, 11: {"rank": "2"}}
+
+    def tick_at(t: float, parked_s: float) -> dict[int, str]:
+        snap = synth.snapshot(rank, helper, at=int(t * 1e9))
+        procs = [ProcessVerdict(p, "python", 1, 1, parked_s, "stalled", []) for p in (10, 11)]
+        out = d._sites_of(
+            [ServiceVerdict(10, "stalled", [], [], procs)],
+            SimpleNamespace(snapshot=snap),  # type: ignore[arg-type]
+            labels,
+        )
+        assert d.sites.flush(10)
+        return out
+
+    assert tick_at(100, half - 1) == {} and reads == []  # parked since 100 - (half - 1)
+    assert tick_at(101, half) == {} and reads == [10]  # due: read (the next tick shows it)
+    for t in range(102, 110):
+        assert tick_at(t, half + t - 101) == {10: "at (p10.py:1)"}
+    assert reads == [10]
+    assert tick_at(110, 0.0) == {}  # a thread worked: the park ended
+    assert tick_at(110 + half, half) == {} and reads == [10, 10]  # the next park, read anew
+    d.cfg = replace(d.cfg, stacks=False)
+    assert tick_at(200 + half, half) == {} and reads == [10, 10]

@@ -3,7 +3,8 @@
 Pure tests, no root: the Kubernetes manifests and their kustomization, the Dockerfile and its
 .dockerignore, the systemd unit (with `systemd-analyze` where it is installed) and its example
 config, and the Grafana dashboard, whose every query must select only metrics that
-tests/golden/metrics.txt documents (the running daemon is checked against the same queries by
+tests/golden/metrics.txt documents, or a record of deploy/prometheus/hangwatch-rules.yml (the
+running daemon, with those rules in a real Prometheus, is checked against the same queries by
 tests/privileged/test_dashboard.py).
 """
 
@@ -34,6 +35,7 @@ HOST_CONFIG = DEPLOY / "systemd" / "hangwatch.yaml"
 DOCKERFILE = DEPLOY / "Dockerfile"
 DASHBOARD = DEPLOY / "grafana" / "hangwatch.json"
 GOLDEN = REPO / "tests" / "golden" / "metrics.txt"
+RULES = DEPLOY / "prometheus" / "hangwatch-rules.yml"
 
 INSTALL_DIR = "/opt/hangwatch"
 BINARY = f"{INSTALL_DIR}/.venv/bin/hangwatch"
@@ -101,6 +103,40 @@ def golden() -> dict[str, set[str]]:
         else:
             out[name] = labels[name]
     return out
+
+
+_BY = re.compile(r"\bby\s*\(([^)]*)\)")
+# label_replace(v, "dst", "replacement", "src", "regex"): dst, from the last four arguments.
+_LABEL_REPLACE_TARGET = re.compile(r',\s*"(\w+)",\s*"[^"]*",\s*"\w*",\s*"[^"]*"\s*\)')
+_RECORD_NAME = re.compile(r"(?<![\w:])hangwatch:[\w:]+")
+
+
+@cache
+def recorded() -> dict[str, set[str]]:
+    """Every record of the shipped rules, with the labels its series can carry: those its
+    aggregations group by and its label_replace calls add, or, for a record without either
+    (a join, a function of one record), those of the records it reads."""
+    out: dict[str, set[str]] = {}
+    for group in yaml.safe_load(RULES.read_text())["groups"]:
+        for rule in group["rules"]:
+            if "record" not in rule:
+                continue
+            expr = rule["expr"]
+            labels = {x.strip() for c in _BY.findall(expr) for x in c.split(",") if x.strip()}
+            if not labels:
+                for name in _RECORD_NAME.findall(expr):
+                    labels |= out.get(name, set())
+            out[rule["record"]] = labels | set(_LABEL_REPLACE_TARGET.findall(expr))
+    return out
+
+
+def test_recorded_labels_are_read_as_expected() -> None:
+    r = recorded()
+    job = {"service", "torchelastic_run_id", "slurm_job_id", "instance", "service_pid"}
+    assert r["hangwatch:job_ranks:count"] == job
+    assert r["hangwatch:job_ranks_missing:count"] == job
+    assert r["hangwatch:job_rank_instance:timestamp"] == job | {"rank", "rank_instance"}
+    assert r["hangwatch:job_rank_straggler"] == job | {"rank", "rank_instance", "site", "reason"}
 
 
 def test_golden_file_is_read_as_expected() -> None:
@@ -655,6 +691,11 @@ PROMQL_WORDS = {
 def metric_selectors(expr: str) -> list[tuple[str, str]]:
     """(metric name, label matchers) of every series selector in ``expr``."""
     text = re.sub(r"\[[^\]]*\]", "", expr)  # range durations ([$__rate_interval])
+    # Strings outside matchers (label_replace's) hold no selector: empty them, matchers kept.
+    kept: list[str] = []
+    text = re.sub(r"\{[^}]*\}", lambda m: kept.append(m.group(0)) or f"\0{len(kept) - 1}\0", text)
+    text = re.sub(r'"(?:[^"\\]|\\.)*"', '""', text)
+    text = re.sub(r"\0(\d+)\0", lambda m: kept[int(m.group(1))], text)
     # Label lists: `sum by (instance, service)`, `on (gpu) group_left (name)`.
     text = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", r"\1", text)
     out = []
@@ -677,6 +718,9 @@ def test_metric_selectors_finds_the_selectors() -> None:
         ("hangwatch_a_bucket", '{instance=~"$instance"}'),
         ("hangwatch_b", ""),
     ]
+    # label_replace's strings are no selectors; matchers keep their strings.
+    expr = 'label_replace(hangwatch:a{service=~"$service"} > 0, "state", "parked", "", "")'
+    assert metric_selectors(expr) == [("hangwatch:a", '{service=~"$service"}')]
 
 
 def test_dashboard_is_importable_json() -> None:
@@ -725,6 +769,11 @@ def test_every_selector_filters_by_instance_and_service_where_it_has_one() -> No
         for name, matchers in selectors:
             if title == "$instance":
                 continue  # the variable that lists the instances
+            if name in recorded():
+                # A job's records: the job whole, over every host, of the chosen services.
+                assert 'service=~"$service"' in matchers, f"{title}: {name}{matchers}"
+                assert "instance" not in matchers, f"{title}: {name}{matchers} hides ranks"
+                continue
             assert 'instance=~"$instance"' in matchers, f"{title}: {name}{matchers}"
             if name == "up":
                 assert 'job="hangwatch"' in matchers, f"{title}: {name}{matchers}"
@@ -732,8 +781,24 @@ def test_every_selector_filters_by_instance_and_service_where_it_has_one() -> No
                 assert 'service=~"$service"' in matchers, f"{title}: {name}{matchers}"
 
 
-def dashboard_metric_names() -> set[str]:
+def dashboard_selected_names() -> set[str]:
     return {name for _, e in exprs() + variable_queries() for name, _ in metric_selectors(e)}
+
+
+def dashboard_metric_names() -> set[str]:
+    """What the dashboard reads from the scrape: all it selects but the rules' records."""
+    return {n for n in dashboard_selected_names() if not n.startswith("hangwatch:")}
+
+
+def dashboard_record_names() -> set[str]:
+    return {n for n in dashboard_selected_names() if n.startswith("hangwatch:")}
+
+
+def test_every_record_the_dashboard_queries_is_recorded_by_the_rules() -> None:
+    names = dashboard_record_names()
+    assert names, "the dashboard reads no job record?"
+    unknown = names - set(recorded())
+    assert not unknown, f"not recorded in {RULES.name}: {sorted(unknown)}"
 
 
 def test_every_metric_the_dashboard_queries_is_in_the_golden_exposition() -> None:
@@ -745,7 +810,7 @@ def test_every_metric_the_dashboard_queries_is_in_the_golden_exposition() -> Non
 
 
 def test_every_label_the_dashboard_groups_by_exists() -> None:
-    known = set().union(*golden().values()) | {"instance", "job", "le"}
+    known = set().union(*golden().values(), *recorded().values()) | {"instance", "job", "le"}
     for title, expr in exprs():
         for clause in re.findall(r"\b(?:by|on|group_left|group_right)\s*\(([^)]*)\)", expr):
             for label in filter(None, (x.strip() for x in clause.split(","))):
@@ -783,6 +848,59 @@ def test_dashboard_covers_the_evidence() -> None:
     all_exprs = " ".join(e for _, e in exprs())
     assert "rate(hangwatch_process_write_bytes_total{" in all_exprs
     assert "rate(hangwatch_process_accepts_total{" in all_exprs
+
+
+def rows() -> dict[str, list[dict[str, Any]]]:
+    """Each row's panels: those inside a collapsed row, or those after an open row up to the
+    next row."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    current: list[dict[str, Any]] | None = None
+    for p in dashboard()["panels"]:
+        if p["type"] == "row":
+            current = out.setdefault(p["title"], list(p.get("panels", [])))
+        elif current is not None:
+            current.append(p)
+    return out
+
+
+JOB_KEY = ("service", "torchelastic_run_id", "slurm_job_id", "instance", "service_pid")
+
+
+def test_jobs_row_shows_ranks_by_state_and_site_the_stragglers_and_missing_ranks() -> None:
+    (title,) = [t for t in rows() if t.startswith("Jobs across hosts")]
+    row = rows()[title]
+    by_type: dict[str, list[dict[str, Any]]] = {}
+    for p in row:
+        by_type.setdefault(p["type"], []).append(p)
+    records = {n for p in row for t in p["targets"] for n, _ in metric_selectors(t["expr"])}
+    assert records <= set(recorded()), sorted(records - set(recorded()))
+
+    def reading(panels: list[dict[str, Any]], record: str) -> dict[str, Any]:
+        (p,) = [p for p in panels if any(record in t["expr"] for t in p["targets"])]
+        (t,) = p["targets"]
+        return t
+
+    # Ranks by state over time, per job: one series per job and state.
+    t = reading(by_type["timeseries"], "hangwatch:job_rank_stalled")
+    assert re.search(rf"count by \({', '.join(JOB_KEY)}, state\)", t["expr"]), t["expr"]
+    for state in ("stalled", "parked", "working"):
+        assert f'"state", "{state}"' in t["expr"] and t["legendFormat"].endswith("{{state}}")
+    # Ranks by site over time: how many ranks of each job wait at each site.
+    t = reading(by_type["timeseries"], "hangwatch:job_rank_site")
+    assert t["expr"].startswith(f"count by ({', '.join(JOB_KEY)}, site) ("), t["expr"]
+    assert "{{site}}" in t["legendFormat"]
+    # The stragglers, now, with who and why.
+    (table,) = by_type["table"]
+    (t,) = table["targets"]
+    assert t["expr"].startswith("hangwatch:job_rank_straggler{"), t["expr"]
+    assert t["instant"] and t["format"] == "table" and not t["range"]
+    (organize,) = [x for x in table["transformations"] if x["id"] == "organize"]
+    columns = set(organize["options"]["indexByName"])
+    assert {*JOB_KEY, "rank", "rank_instance", "site", "reason", "Value"} <= columns, columns
+    assert not organize["options"]["excludeByName"].get("Value"), "how long is the value"
+    # Missing ranks, per job; 0 rather than no data.
+    t = reading(by_type["stat"], "hangwatch:job_ranks_missing:count")
+    assert t["instant"] and t["expr"].endswith("or on () vector(0)"), t["expr"]
 
 
 def test_futex_heatmap_reads_the_buckets_as_a_heatmap() -> None:

@@ -54,6 +54,8 @@ CONTRACT = {
     "hangwatch_process_parked_seconds",
     "hangwatch_process_lock_cycles",
     "hangwatch_process_no_waker",
+    "hangwatch_process_waiting_at",
+    "hangwatch_process_world_size",
     "hangwatch_futex_wait_seconds",
     "hangwatch_process_write_bytes_total",
     "hangwatch_process_last_write_age_seconds",
@@ -76,6 +78,7 @@ CONTRACT = {
     "hangwatch_collector_success",
     "hangwatch_collector_duration_seconds",
     "hangwatch_last_tick_timestamp_seconds",
+    "hangwatch_park_threshold_seconds",
     "hangwatch_build_info",
 }
 
@@ -100,6 +103,7 @@ SGLANG = ServiceStatus(
         proc(
             "sglang", 100, 101, "sglang::schedul", STALLED, threads=40, parked_threads=40,
             parked_seconds=312.5, labels={"rank": "0", "local_rank": "0"},
+            waiting_at="barrier (sglang/srt/managers/scheduler.py:2120)", world_size=2,
             futex_wait_slots={10: 100, 11: 7, 23: 2, 37: 1}, gpu_memory_bytes={"0": 70 * GiB},
             gpu_utilization={"0": 0.0},
         ),
@@ -156,6 +160,7 @@ AGENT = AgentStatus(
         GpuDevice(10, "GPU-cccc", "NVIDIA H200", 141 * GiB, 1 * GiB, 0.25),
     ),
     gpu_errors_total=3,
+    park_threshold_seconds=60.0,
 )
 EXPOSITION = Exposition((SGLANG, PINNED, HTTP), AGENT)
 
@@ -632,3 +637,24 @@ def test_states_one_hot_and_samples_follow_the_current_exposition(a, b):
     text = scrape(reg)
     for pid in {str(p.pid) for s in a.services for p in s.processes} - b_pids:
         assert f'pid="{pid}"' not in text
+
+
+def test_waiting_at_and_world_size_are_exported_where_the_process_has_them():
+    ranked = proc(
+        "trainer", 500, 501, "python3", STALLED, parked_seconds=90.0,
+        labels={"rank": "2", "world_size": "4"}, waiting_at="all_reduce (train.py:57)",
+        world_size=4,
+    )  # fmt: skip
+    helper = proc("trainer", 500, 502, "pt_data_worker", STALLED, labels={"rank": "2"})
+    exp = Exposition((ServiceStatus("trainer", 500, STALLED, (ranked, helper)),), AGENT)
+    reg = registry(exp)
+    at = [s for s in samples(reg) if s.name == "hangwatch_process_waiting_at"]
+    assert [(s.labels["pid"], s.labels["site"], s.value) for s in at] == [
+        ("501", "all_reduce (train.py:57)", 1.0)
+    ]
+    size = [s for s in samples(reg) if s.name == "hangwatch_process_world_size"]
+    assert [(s.labels["pid"], s.value) for s in size] == [("501", 4.0)]
+
+
+def test_an_environment_label_cannot_take_the_site_label():
+    assert label_name("SITE") == "env_site"

@@ -42,6 +42,10 @@ class ProcessStatus:
     no_waker: bool = False
     # Extra identity labels from an allow-list of environment variables (RANK, LOCAL_RANK...)
     labels: Mapping[str, str] = field(default_factory=dict)
+    # Where it waits while parked, as read for its park (agent.waiting); None: not parked, not
+    # read yet, or a DataLoader-like helper of a rank (only the rank's own process has one).
+    waiting_at: str | None = None
+    world_size: int | None = None  # its WORLD_SIZE label as a number, where it is one
     write_bytes_total: int | None = None  # bytes written since watched (probe); None: unknown
     last_write_age_seconds: float | None = None  # None: no write seen since watched
     accepts_total: int | None = None  # connections accepted since watched (probe)
@@ -85,6 +89,8 @@ class AgentStatus:
     # Wall-clock time (Unix seconds) the last tick completed: a loop that hangs keeps serving
     # its last verdicts, and only this says how old they are. 0: no tick completed.
     last_tick_seconds: float = 0.0
+    # The park threshold its verdicts use: job rules compare parks with it (deploy/prometheus).
+    park_threshold_seconds: float | None = None
 
 
 @dataclass(frozen=True)

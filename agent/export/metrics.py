@@ -47,7 +47,7 @@ _BUCKET_LE: tuple[str, ...] = (*(floatToGoString(b) for b in BUCKET_BOUNDS_SECON
 # Label names a process family uses itself; an environment label must not shadow them (and
 # "tid" is reserved so that an allow-listed TID variable can never become a per-thread label).
 _PROCESS_LABELS = ("service", "service_pid", "pid", "comm")
-_RESERVED = frozenset({*_PROCESS_LABELS, "state", "gpu", "le", "tid"})
+_RESERVED = frozenset({*_PROCESS_LABELS, "state", "gpu", "le", "tid", "site"})
 _NOT_LABEL_CHAR = re.compile(r"[^a-z0-9_]")
 
 
@@ -146,6 +146,24 @@ FAMILIES: tuple[_Family, ...] = (
         "hangwatch_process_parked_seconds",
         "How long every thread of the process has been parked (blocked with no CPU work); "
         "0 if any thread works.",
+        (_P,),
+    ),
+    _Family(
+        "waiting_at",
+        GAUGE,
+        "hangwatch_process_waiting_at",
+        "Always 1; where the process waits while every thread is parked: the call its main "
+        "thread waits in and the line of the program's own code it came from, or its first "
+        "native caller. Read once per park; absent while it works, before half the park "
+        "threshold, and for a rank's helper processes (DataLoader workers).",
+        (_P, "site"),
+    ),
+    _Family(
+        "world_size",
+        GAUGE,
+        "hangwatch_process_world_size",
+        "The process's WORLD_SIZE as a number (its world_size label): how many ranks its job "
+        "should have, for rules that look for missing ones.",
         (_P,),
     ),
     _Family(
@@ -329,6 +347,15 @@ FAMILIES: tuple[_Family, ...] = (
         (),
     ),
     _Family(
+        "park_threshold",
+        GAUGE,
+        "hangwatch_park_threshold_seconds",
+        "The park threshold the agent judges by (park_threshold_seconds): a service parked "
+        "this long without progress, and not idle, is stalled. The job rules compare ranks' "
+        "parks with it.",
+        (),
+    ),
+    _Family(
         "collector_duration",
         GAUGE,
         "hangwatch_collector_duration_seconds",
@@ -402,6 +429,10 @@ class _Families:
         self.gauge["parked_threads"].add_metric(lv, p.parked_threads)
         self.gauge["parked_seconds"].add_metric(lv, p.parked_seconds)
         self.gauge["lock_cycles"].add_metric(lv, p.lock_cycles)
+        if p.waiting_at is not None:
+            self.gauge["waiting_at"].add_metric([*lv, p.waiting_at], 1.0)
+        if p.world_size is not None:
+            self.gauge["world_size"].add_metric(lv, p.world_size)
         self.gauge["no_waker"].add_metric(lv, 1.0 if p.no_waker else 0.0)
         buckets, sum_s = futex_buckets(p.futex_wait_slots)
         self.histogram["futex_wait"].add_metric(lv, buckets, sum_s)
@@ -421,6 +452,8 @@ class _Families:
         self.counter["events_dropped"].add_metric([], agent.events_dropped_total)
         self.counter["maps_full"].add_metric([], agent.maps_full_total)
         self.gauge["last_tick"].add_metric([], agent.last_tick_seconds)
+        if agent.park_threshold_seconds is not None:
+            self.gauge["park_threshold"].add_metric([], agent.park_threshold_seconds)
         for name in sorted(agent.programs):
             stats = agent.programs[name]
             self.counter["program_seconds"].add_metric([name], stats.run_seconds)

@@ -28,20 +28,28 @@ def prometheus_binary() -> str:
 
 
 class Prometheus:
-    """Scrapes 127.0.0.1:``target_port`` as job "hangwatch", evaluating ``rule_files``."""
+    """Scrapes 127.0.0.1:``target_port`` (one port, or several: one target each) as job
+    "hangwatch" every ``scrape_s`` seconds, evaluating ``rule_files`` every second."""
 
-    def __init__(self, tmp: Path, target_port: int, rule_files: Sequence[Path] = ()) -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        target_port: int | Sequence[int],
+        rule_files: Sequence[Path] = (),
+        scrape_s: int = 1,
+    ) -> None:
         self.port = free_port()
+        ports = [target_port] if isinstance(target_port, int) else list(target_port)
         cfg = tmp / "prometheus.yml"
         cfg.write_text(
             json.dumps(  # JSON is YAML: no template escaping to get wrong
                 {
-                    "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+                    "global": {"scrape_interval": f"{scrape_s}s", "evaluation_interval": "1s"},
                     "rule_files": [str(p) for p in rule_files],
                     "scrape_configs": [
                         {
                             "job_name": "hangwatch",
-                            "static_configs": [{"targets": [f"127.0.0.1:{target_port}"]}],
+                            "static_configs": [{"targets": [f"127.0.0.1:{p}" for p in ports]}],
                         }
                     ],
                 }
@@ -73,6 +81,10 @@ class Prometheus:
                 return json.loads(body)
             except ValueError:  # not the API's JSON (a busy server's plain 503): no answer yet
                 return {"status": "error", "error": body.decode(errors="replace")}
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
 
     def query(self, expr: str) -> dict:
         return self.api("query?" + urllib.parse.urlencode({"query": expr}))

@@ -1,20 +1,25 @@
 """deploy/grafana/hangwatch.json against a real daemon: every metric it queries is exported,
-and every query returns data from a real Prometheus scraping that daemon.
+and every query returns data from a real Prometheus scraping that daemon and evaluating
+deploy/prometheus/hangwatch-rules.yml (the Jobs row reads the job rules' records).
 
 The daemon watches a server that listens, writes, accepts and waits on a futex
 (fixtures/listen_write) and a parked condition-variable pool (fixtures/condvar_pool), which
-between them make every non-GPU series exist. GPU series need NVML and a process holding GPU
-memory: they are listed below and checked against tests/golden/metrics.txt instead when the
-host cannot produce them (tests/test_deploy.py checks every dashboard name against it too).
+between them make every non-GPU series exist, and, for the Jobs row, three ranks of one job, one
+short of their WORLD_SIZE: two stalled thread pools (fixtures/py_pool.py) waiting at one site and
+a rank waiting at another (fixtures/rank_waits.py, with a helper child that inherits its RANK).
+GPU series need NVML and a process holding GPU memory: they are listed below and checked against
+tests/golden/metrics.txt instead when the host cannot produce them (tests/test_deploy.py checks
+every dashboard name against it too).
 """
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import pytest
@@ -31,6 +36,7 @@ from tests.privileged.daemonlib import (
 )
 from tests.privileged.promlib import Prometheus
 from tests.test_deploy import (
+    RULES,
     dashboard_metric_names,
     exprs,
     golden,
@@ -48,8 +54,15 @@ targets:
     cmdline: "fixtures/build/listen_write"
   - name: pool
     cmdline: "fixtures/build/condvar_pool"
+  - name: job
+    cmdline: "fixtures/(py_pool|rank_waits)\\\\.py"
 """
 ACCEPTS = 2
+# The Jobs row's job: ranks 0 to 2 run (each its own service root, as on three hosts), rank 3
+# never does.
+JOB_ID = "dashboard-job"
+JOB_RANKS = 3
+JOB_WORLD_SIZE = 4
 
 # Exported only where NVML answers (an NVIDIA driver and at least one GPU). Without it the
 # daemon says hangwatch_collector_success{collector="gpu"} 0 and leaves these out;
@@ -115,6 +128,46 @@ def busy_host(daemon: Daemon) -> Iterator[Samples]:
         yield wait_until(daemon, ready, "the server's evidence and the pool's stall")
 
 
+def _sites(s: Samples) -> dict[str, str]:
+    """pid -> site of every process that waits somewhere."""
+    return {
+        dict(ls)["pid"]: dict(ls)["site"]
+        for (name, ls), v in s.items()
+        if name == "hangwatch_process_waiting_at" and v == 1
+    }
+
+
+@contextmanager
+def stalled_job(daemon: Daemon) -> Iterator[Samples]:
+    """A stalled job for the Jobs row: ranks 0 and 1, thread pools that nothing will wake but
+    from outside (stalled), wait at one site, and rank 2 at another (deadlocked: its helper
+    child waits on an event nobody sets, which proves no waker); WORLD_SIZE is one more than
+    the ranks that run. Rank 2 is a straggler at another site, one rank is missing. Yields the
+    scrape."""
+    env = {**os.environ, "WORLD_SIZE": str(JOB_WORLD_SIZE), "TORCHELASTIC_RUN_ID": JOB_ID}
+    with ExitStack() as stack:
+        pools = [
+            stack.enter_context(Fixture.py("py_pool", "2", env={**env, "RANK": str(r)}))
+            for r in range(JOB_RANKS - 1)
+        ]
+        odd = stack.enter_context(Fixture.py("rank_waits", env={**env, "RANK": str(JOB_RANKS - 1)}))
+        pids = [str(p.pid) for p in pools]
+
+        def ready(s: Samples) -> bool:
+            sites = _sites(s)
+            common = {sites.get(p) for p in pids}
+            return (
+                len(common) == 1
+                and None not in common
+                and sites.get(str(odd.pid)) not in common | {None}
+                and all(
+                    value(s, "hangwatch_process_state", pid=p, state="stalled") == 1 for p in pids
+                )
+            )
+
+        yield wait_until(daemon, ready, "the job's ranks stalled at two sites", timeout=30)
+
+
 def nvml_works(s: Samples) -> bool:
     return value(s, "hangwatch_collector_success", collector="gpu") == 1
 
@@ -153,21 +206,28 @@ RATE_INTERVAL = "10s"
 
 
 def test_every_dashboard_query_returns_data_in_prometheus(daemon: Daemon, tmp_path: Path) -> None:
-    prom = Prometheus(tmp_path, daemon.port)
+    prom = Prometheus(tmp_path, daemon.port, [RULES])
     try:
-        with busy_host(daemon) as s:
-            # Enough scrapes of the settled state for every rate window.
+        with busy_host(daemon) as s, stalled_job(daemon):
+            # Enough scrapes of the settled state for every rate window, and the job rules'
+            # verdict on the job.
             deadline = time.monotonic() + 60
-            settled = f'count_over_time(up{{job="hangwatch"}}[{RATE_INTERVAL}]) >= 8'
-            while time.monotonic() < deadline and not prom.results(settled):
+            settled = [
+                f'count_over_time(up{{job="hangwatch"}}[{RATE_INTERVAL}]) >= 8',
+                f'hangwatch:job_rank_straggler{{torchelastic_run_id="{JOB_ID}"}}',
+            ]
+            while time.monotonic() < deadline and not all(prom.results(q) for q in settled):
                 assert prom.proc.poll() is None, prom.log_path.read_text()
                 time.sleep(1)
-            assert prom.results(settled), prom.log_path.read_text()
+            assert all(prom.results(q) for q in settled), prom.log_path.read_text()
+            (odd,) = prom.results(settled[1]) or []
+            assert odd["metric"]["rank"] == str(JOB_RANKS - 1), odd
+            assert odd["metric"]["reason"] == "other site", odd
             instance = grafana_regex(f"127.0.0.1:{daemon.port}")
             subs = {
                 "$__rate_interval": RATE_INTERVAL,
                 "$instance": instance,
-                "$service": "(srv|pool)",
+                "$service": "(srv|pool|job)",
             }
             gpu_only = GPU_PROCESS_FAMILIES | (set() if nvml_works(s) else NVML_DEVICE_FAMILIES)
             empty, failed = [], []

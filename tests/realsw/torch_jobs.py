@@ -23,7 +23,21 @@ Shapes (truth in brackets; tests/realsw/README.md has the table):
 * ``dataloader_worker_stuck`` [stalled], run directly: a ``DataLoader`` (``num_workers=1``) whose
   worker blocks forever in ``__getitem__``; the main process waits for the batch.
 * ``training_loop`` [progressing], torchrun 2 ranks: a DDP training loop that works; rank 0 logs a
-  ``STEP`` line every ``--log-seconds``.
+  ``STEP`` line every ``--log-seconds``. It runs as one job over two nodes too.
+
+One job over two nodes (``torchrun --nnodes=2 --nproc_per_node=2``, 4 ranks), where one rank
+(``--odd-rank``, default 2) is the one the others wait for; every rank prints READY once in place:
+
+* ``job_dataloader_stuck``: each rank loops over its DataLoader (``num_workers=1``) and all-reduces
+  each batch; the odd rank's worker blocks forever on its third item, so the odd rank waits for
+  its batch while the others wait in ``all_reduce``.
+* ``job_other_collective``: the odd rank calls ``barrier`` where the others call ``all_reduce`` (a
+  mismatched call order: gloo waits forever on both sides).
+* ``job_rank_killed``: the odd rank parks (the test kills it); the others create a new group,
+  which waits in the store for every rank. Its node's agent then tears down its other rank too,
+  whose connections close unread: the ranks of the other node wait on.
+* ``job_long_compute``: the odd rank computes for ``--compute-seconds`` (default forever) while
+  the others wait in ``all_reduce``.
 """
 
 from __future__ import annotations
@@ -43,7 +57,13 @@ TORCHRUN_SHAPES = (
     "training_loop",
 )
 DIRECT_SHAPES = ("rendezvous_peer_missing", "dataloader_worker_stuck")
-SHAPES = TORCHRUN_SHAPES + DIRECT_SHAPES
+JOB_SHAPES = (
+    "job_dataloader_stuck",
+    "job_other_collective",
+    "job_rank_killed",
+    "job_long_compute",
+)
+SHAPES = TORCHRUN_SHAPES + DIRECT_SHAPES + JOB_SHAPES
 
 
 def announce(token: str, **fields: object) -> None:
@@ -158,6 +178,65 @@ class Job:
         next(iter(loader))
         announce("UNEXPECTED", what="got a batch")
 
+    # --- one job over two nodes: the odd rank out ------------------------------------------
+
+    def job_dataloader_stuck(self) -> None:
+        from torch.utils.data import DataLoader, Dataset
+
+        torch, dist = self.torch, self.init_group()
+        odd = self.rank == self.args.odd_rank
+
+        class Steps(Dataset):
+            def __len__(self) -> int:
+                return 1000
+
+            def __getitem__(self, index: int) -> Any:
+                if odd and index == 2:
+                    block_forever()  # a read that never returns (a hung filesystem)
+                return torch.ones(4)
+
+        loader = DataLoader(Steps(), batch_size=1, num_workers=1)
+        for step, batch in enumerate(loader):  # the odd rank waits here for its batch
+            dist.all_reduce(batch)  # the others wait here for the odd rank
+            if step == 1:
+                self.ready("stuck" if odd else "waiter")
+
+    def job_other_collective(self) -> None:
+        dist = self.init_group()
+        t = self.torch.ones(16)
+        dist.all_reduce(t)
+        odd = self.rank == self.args.odd_rank
+        self.ready("barrier" if odd else "waiter")
+        if odd:
+            dist.barrier()  # where the others all-reduce: a mismatched call order
+        else:
+            dist.all_reduce(t)  # the collective the odd rank never calls
+        announce("UNEXPECTED", what="a mismatched collective returned", rank=self.rank)
+        block_forever()
+
+    def job_rank_killed(self) -> None:
+        dist = self.init_group()
+        dist.all_reduce(self.torch.ones(16))
+        odd = self.rank == self.args.odd_rank
+        self.ready("gone" if odd else "waiter")
+        if odd:
+            block_forever()  # until the test kills it
+        dist.new_group(backend="gloo")  # waits in the store for every rank to join
+        announce("UNEXPECTED", what="new_group returned", rank=self.rank)
+        block_forever()
+
+    def job_long_compute(self) -> None:
+        dist = self.init_group()
+        t = self.torch.ones(16)
+        dist.all_reduce(t)
+        odd = self.rank == self.args.odd_rank
+        self.ready("computer" if odd else "waiter")
+        if odd:
+            self.compute(self.args.compute_seconds)
+        dist.all_reduce(t)  # the others wait here while the odd rank computes
+        announce("DONE", rank=self.rank)
+        block_forever()
+
     def training_loop(self) -> None:
         torch = self.torch
         dist = self.init_group()
@@ -198,6 +277,9 @@ def main(argv: list[str] | None = None) -> int:
         "barrier_behind_compute: per step on rank 1 (default 2)",
     )
     parser.add_argument("--log-seconds", type=float, default=1.0, help="training_loop")
+    parser.add_argument(
+        "--odd-rank", type=int, default=2, help="job_*: the rank the others wait for"
+    )
     parser.add_argument("--max-steps", type=int, default=0, help="training_loop (0: forever)")
     parser.add_argument(
         "--timeout",
@@ -209,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.shape == "barrier_behind_compute" and args.compute_seconds < 0:
         args.compute_seconds = 2.0
     under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
-    if args.shape in TORCHRUN_SHAPES and not under_torchrun:
+    if args.shape in (*TORCHRUN_SHAPES, *JOB_SHAPES) and not under_torchrun:
         parser.error(f"--shape {args.shape} runs under torchrun --nproc_per_node=2")
     if args.shape in DIRECT_SHAPES and under_torchrun:
         parser.error(f"--shape {args.shape} runs directly, not under torchrun")

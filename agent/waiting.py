@@ -1,0 +1,123 @@
+"""The daemon's book of where each parked process waits: the ``site`` of
+``hangwatch_process_waiting_at`` (agent.analysis.sites says how a site is told).
+
+A site is read once per park, not per tick: while every thread of a process stays parked,
+none of them ran code, so where it waits cannot have moved. A park is known by when its
+threads last worked (agent.analysis.progress); a thread that works ends it, and the next park
+is read anew. The read (py-spy --nonblocking, or a scan of the main thread's native stack)
+waits until the park has lasted half the park threshold, so that a server parked between
+requests is not read each time it pauses, and the site is there before the threshold turns
+the process stalled. Reads run on a thread of their own (agent.flight), a few at a time: the
+tick never waits for them, and a read that finds the queue full is asked again next tick.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from .analysis.sites import native_site, process_site
+from .flight import FlightRecorder
+from .sources.procfs import ProcFS
+from .sources.pystacks import READ_TIMEOUT_S, read_stacks
+from .sources.symbols import caller_outside_libc, short_name
+
+MAX_PENDING_READS = 4
+# Two reads of one park differ by the rounding of parked_seconds, far under a tick.
+SAME_PARK_NS = 5_000_000
+
+
+@dataclass(frozen=True)
+class Park:
+    """One park of one process: every thread parked since ``since_ns`` (monotonic)."""
+
+    pid: int
+    start_ticks: int  # tells a reused PID apart
+    since_ns: int
+
+    def same(self, other: Park) -> bool:
+        return (
+            self.pid == other.pid
+            and self.start_ticks == other.start_ticks
+            and abs(self.since_ns - other.since_ns) <= SAME_PARK_NS
+        )
+
+
+def read_site(proc: ProcFS, pid: int) -> str | None:
+    """Where process ``pid`` waits now: its Python stacks' site, else its main thread's
+    first native caller outside libc and the interpreter. None when neither tells."""
+    read = read_stacks(pid, proc, timeout_s=READ_TIMEOUT_S)
+    site = process_site(read, pid)
+    if site is not None:
+        return site
+    frame = caller_outside_libc(pid, pid, proc)
+    if frame is None or frame.object.startswith(("python", "libpython")):
+        return None
+    return native_site(short_name(frame.symbol) if frame.symbol else None, frame.object)
+
+
+class SiteBook:
+    """Sites by process, each for the park it was read in. ``update`` each tick with the
+    parks now and which of them are due a read; ``site(park)`` then says what was read."""
+
+    def __init__(
+        self, read: Callable[[int], str | None], max_pending: int = MAX_PENDING_READS
+    ) -> None:
+        self._read = read
+        self._lock = threading.Lock()  # the reader's thread writes, the loop reads
+        self._sites: dict[int, tuple[Park, str | None]] = {}
+        self._asked: dict[int, Park] = {}
+        self.reads = 0  # sites read (tests and the benchmark count them)
+        self._reader: FlightRecorder[Park] = FlightRecorder(
+            self._record, self._skipped, max_pending, name="hangwatch-sites"
+        )
+
+    def update(self, parks: Iterable[Park], due: Callable[[Park], bool]) -> None:
+        """Forget what no longer holds (the process works, or is gone), and ask a read for
+        each park that is due one and has none, read or asked."""
+        now = {p.pid: p for p in parks}
+        with self._lock:
+            for book in (self._sites, self._asked):
+                for pid in [pid for pid, v in book.items() if not _holds(v, now.get(pid))]:
+                    del book[pid]
+            wanted = [
+                p
+                for p in now.values()
+                if p.pid not in self._sites and p.pid not in self._asked and due(p)
+            ]
+            for p in wanted:
+                self._asked[p.pid] = p
+        for p in wanted:
+            self._reader.submit(p)
+
+    def site(self, park: Park) -> str | None:
+        with self._lock:
+            known = self._sites.get(park.pid)
+        return known[1] if known is not None and known[0].same(park) else None
+
+    def flush(self, timeout: float) -> bool:
+        return self._reader.flush(timeout)
+
+    def close(self, timeout: float) -> None:
+        self._reader.close(timeout)
+
+    def _record(self, park: Park) -> None:
+        site = None  # a read that raises counts as one that told nothing: not retried
+        try:
+            site = self._read(park.pid)
+        finally:
+            with self._lock:
+                self.reads += 1
+                asked = self._asked.pop(park.pid, None)
+                if asked is not None and asked.same(park):  # still the park it was asked for
+                    self._sites[park.pid] = (park, site)
+
+    def _skipped(self, park: Park) -> None:
+        with self._lock:  # the reader is full: asked again next tick
+            self._asked.pop(park.pid, None)
+
+
+def _holds(known: tuple[Park, str | None] | Park, now: Park | None) -> bool:
+    park = known[0] if isinstance(known, tuple) else known
+    return now is not None and park.same(now)
