@@ -293,7 +293,7 @@ class Daemon:
         """Where each parked process that leads its rank waits, as read for its park
         (agent.waiting); reads are asked for the parks that have lasted half the threshold."""
         snap = tick.snapshot
-        parks = []
+        parked_s: dict[Park, float] = {}  # each park, and how long it has lasted
         for v in verdicts:
             for p in v.processes:
                 sample = snap.processes.get(p.pid)
@@ -304,16 +304,11 @@ class Daemon:
                 ):
                     continue
                 since = snap.mono_ns - int(p.parked_seconds * 1e9)
-                parks.append((Park(p.pid, sample.start_ticks, since), p.parked_seconds))
+                parked_s[Park(p.pid, sample.start_ticks, since)] = p.parked_seconds
         after = self.cfg.park_threshold_seconds / 2
-        by_park = {park: s for park, s in parks}
-        self.sites.update(by_park, lambda park: self.cfg.stacks and by_park[park] >= after)
-        out = {}
-        for park in by_park:
-            site = self.sites.site(park)
-            if site is not None:
-                out[park.pid] = site
-        return out
+        self.sites.update(parked_s, lambda park: self.cfg.stacks and parked_s[park] >= after)
+        sites = {park.pid: self.sites.site(park) for park in parked_s}
+        return {pid: site for pid, site in sites.items() if site is not None}
 
     def _forget_gone(self, session: Session, tick: Tick) -> None:
         """Per-process kernel state of processes that exited, so maps stay bounded."""

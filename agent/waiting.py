@@ -19,9 +19,10 @@ from dataclasses import dataclass
 
 from .analysis.sites import native_site, process_site
 from .flight import FlightRecorder
+from .observe.enrich import native_frame
 from .sources.procfs import ProcFS
 from .sources.pystacks import READ_TIMEOUT_S, read_stacks
-from .sources.symbols import caller_outside_libc, short_name
+from .sources.symbols import short_name
 
 MAX_PENDING_READS = 4
 # Two reads of one park differ by the rounding of parked_seconds, far under a tick.
@@ -51,8 +52,8 @@ def read_site(proc: ProcFS, pid: int) -> str | None:
     site = process_site(read, pid)
     if site is not None:
         return site
-    frame = caller_outside_libc(pid, pid, proc)
-    if frame is None or frame.object.startswith(("python", "libpython")):
+    frame = native_frame(proc, pid, pid)
+    if frame is None:
         return None
     return native_site(short_name(frame.symbol) if frame.symbol else None, frame.object)
 
@@ -78,9 +79,8 @@ class SiteBook:
         each park that is due one and has none, read or asked."""
         now = {p.pid: p for p in parks}
         with self._lock:
-            for book in (self._sites, self._asked):
-                for pid in [pid for pid, v in book.items() if not _holds(v, now.get(pid))]:
-                    del book[pid]
+            self._sites = {pid: v for pid, v in self._sites.items() if _holds(v[0], now.get(pid))}
+            self._asked = {pid: p for pid, p in self._asked.items() if _holds(p, now.get(pid))}
             wanted = [
                 p
                 for p in now.values()
@@ -118,6 +118,5 @@ class SiteBook:
             self._asked.pop(park.pid, None)
 
 
-def _holds(known: tuple[Park, str | None] | Park, now: Park | None) -> bool:
-    park = known[0] if isinstance(known, tuple) else known
+def _holds(park: Park, now: Park | None) -> bool:
     return now is not None and park.same(now)

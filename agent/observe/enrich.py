@@ -16,18 +16,23 @@ from ..model import Enrichment, ProcessSample, StackRead, Wanted
 from ..settings import STACKS_BUDGET_S
 from ..sources.procfs import ProcFS
 from ..sources.pystacks import SourceLines, read_many
-from ..sources.symbols import caller_outside_libc, describe_address
+from ..sources.symbols import NativeFrame, caller_outside_libc, describe_address
 from .fdwaits import waits_on
 
 
-def native_caller(proc: ProcFS, pid: int, tid: int) -> str | None:
-    """The first native caller outside libc, by its names, unless it is the Python
-    interpreter itself (every Python lock and GIL wait comes from there: the Python stack
-    says more)."""
+def native_frame(proc: ProcFS, pid: int, tid: int) -> NativeFrame | None:
+    """The first native caller outside libc, unless it is the Python interpreter itself
+    (every Python lock and GIL wait comes from there: the Python stack says more)."""
     frame = caller_outside_libc(pid, tid, proc)
     if frame is None or frame.object.startswith(("python", "libpython")):
         return None
-    return str(frame)
+    return frame
+
+
+def native_caller(proc: ProcFS, pid: int, tid: int) -> str | None:
+    """``native_frame`` by its names and offset, as the reports show it."""
+    frame = native_frame(proc, pid, tid)
+    return str(frame) if frame is not None else None
 
 
 def gather(
