@@ -57,6 +57,14 @@ def plural(n: int, noun: str, many: str | None = None) -> str:
     return f"{n} {noun if n == 1 else many or noun + 's'}"
 
 
+def printable(text: str, limit: int) -> str:
+    """Text a target or a relabelling controls (file and function names, label values), made
+    safe to show: each character that is not printable (an escape sequence, a newline, a
+    bidirectional override) as "?", and at most ``limit`` characters."""
+    out = "".join(c if c.isprintable() else "?" for c in text)
+    return out if len(out) <= limit else out[: limit - 1] + "…"
+
+
 @dataclass(frozen=True)
 class SyscallLine:
     """/proc/PID/task/TID/syscall, parsed: the syscall a thread is blocked in and its raw

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ..model import PyFrame, PyThread, StackRead
+from ..model import PyFrame, PyThread, StackRead, printable
 
 MAX_SITE = 100
 
@@ -106,8 +106,7 @@ def _commonest(threads: Mapping[int, PyThread]) -> str | None:
 def clean(text: str) -> str:
     """A label value from text the target controls (file and function names): printable,
     one line, at most MAX_SITE characters."""
-    out = "".join(ch if ch.isprintable() else "?" for ch in text)
-    return out if len(out) <= MAX_SITE else out[: MAX_SITE - 1] + "…"
+    return printable(text, MAX_SITE)
 
 
 def leads_rank(labels: Mapping[str, str], parent_labels: Mapping[str, str] | None) -> bool:

@@ -33,6 +33,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..errors import HangwatchError, UsageError, show
+from ..model import printable
 
 Sample = tuple[Mapping[str, str], float]
 
@@ -137,10 +138,14 @@ class JobView:
 
     @property
     def top_site(self) -> tuple[str, int] | None:
-        """The site most ranks wait at, unless another ties with it."""
-        if not self.sites or (len(self.sites) > 1 and self.sites[1][1] == self.sites[0][1]):
-            return None
-        return self.sites[0]
+        return top_site(self.sites)
+
+
+def top_site(sites: Sequence[tuple[str, int]]) -> tuple[str, int] | None:
+    """The site most ranks wait at, unless another ties with it; ``sites`` most first."""
+    if not sites or (len(sites) > 1 and sites[1][1] == sites[0][1]):
+        return None
+    return sites[0]
 
 
 def clean(text: str, limit: int = 120) -> str:
@@ -148,8 +153,7 @@ def clean(text: str, limit: int = 120) -> str:
     newline, a bidirectional override) shown as "?", and at most `limit` characters. Label
     values come from the watched programs (a site is their file and function names) and from
     whoever relabels the targets."""
-    out = "".join(c if c.isprintable() else "?" for c in text)
-    return out if len(out) <= limit else out[: limit - 1] + "…"
+    return printable(text, limit)
 
 
 def rank_order(rank: str) -> tuple[int, int, str]:
@@ -270,8 +274,9 @@ def _view(
     site = {r: n.site() for r, n in now.items()}
     stalled = [r for r in now if now[r].waits()]
     counts = Counter(s for s in site.values() if s)
-    top = counts.most_common()
-    sole_top = top[0][0] if top and (len(top) == 1 or top[1][1] < top[0][1]) else None
+    sites = tuple(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+    top = top_site(sites)
+    sole_top = top[0] if top is not None else None
     rows = []
     for r, n in now.items():
         reason = ""
@@ -309,7 +314,7 @@ def _view(
         world_size=world_size,
         stalled=bool(stalled),
         stalled_seconds=max((now[r].parked for r in stalled), default=0.0),
-        sites=tuple(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))),
+        sites=sites,
     )
 
 
