@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 
 import pytest
 from hypothesis import settings
@@ -26,3 +27,13 @@ def promtool() -> str:
             pytest.fail(f"CI=true and {reason}", pytrace=False)
         pytest.skip(reason)
     return path
+
+
+def run_promtool(promtool: str, *args: str, timeout: float = 120) -> None:
+    """``promtool ARGS``, failing the test with its output unless it exits 0."""
+    done = subprocess.run(
+        [promtool, *args], capture_output=True, text=True, check=False, timeout=timeout
+    )
+    assert done.returncode == 0, (
+        f"promtool {' '.join(args)} exited {done.returncode}:\n{done.stdout}{done.stderr}"
+    )

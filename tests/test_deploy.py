@@ -25,7 +25,7 @@ import pytest
 import yaml
 
 from agent import config as config_mod
-from tests.gate import under_ci
+from tests.conftest import run_promtool
 
 REPO = Path(__file__).resolve().parent.parent
 DEPLOY = REPO / "deploy"
@@ -54,17 +54,6 @@ HOST_MOUNTS = {
     "/usr/src": True,
     "/sys/fs/bpf": False,
 }
-
-
-def _tool(name: str, why: str) -> str:
-    """A tool that `make setup` installs: fail without it under CI, skip otherwise."""
-    found = shutil.which(name)
-    if found is None:
-        msg = f"{name} is not installed ({why})"
-        if under_ci():
-            pytest.fail(msg)
-        pytest.skip(msg)
-    return found
 
 
 def _optional_tool(name: str) -> str:
@@ -936,8 +925,7 @@ def test_state_timeline_maps_each_state_code_to_its_name_and_colour() -> None:
             assert re.search(rf'state="{text}"\}} == 1\) \* {code}\b', t["expr"]), (text, code)
 
 
-def test_promql_of_every_query_parses(tmp_path: Path) -> None:
-    promtool = _tool("promtool", "make setup installs Debian's prometheus package")
+def test_promql_of_every_query_parses(tmp_path: Path, promtool: str) -> None:
     # Grafana's substitutions, as Grafana would make them for one chosen value.
     subs = {
         "$__rate_interval": "1m",
@@ -952,11 +940,4 @@ def test_promql_of_every_query_parses(tmp_path: Path) -> None:
         rules.append({"record": f"dashboard:query_{i}", "expr": expr})
     path = tmp_path / "dashboard-queries.yml"
     path.write_text(json.dumps({"groups": [{"name": "dashboard", "rules": rules}]}))
-    r = subprocess.run(
-        [promtool, "check", "rules", str(path)],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=60,
-    )
-    assert r.returncode == 0, r.stdout + r.stderr
+    run_promtool(promtool, "check", "rules", str(path), timeout=60)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import socket
-import subprocess
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -35,6 +34,7 @@ from agent.jobs.ranks import (
     jobs,
     select,
 )
+from tests.conftest import run_promtool
 
 ALL_REDUCE = "all_reduce (train.py:57)"
 NEXT = "__next__ (train.py:60)"
@@ -855,14 +855,7 @@ def test_the_queries_answer_in_prometheus_s_own_engine(promtool: str, tmp_path: 
     }
     path = tmp_path / "queries.test.yml"
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
-    done = subprocess.run(
-        [promtool, "test", "rules", str(path)],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
+    run_promtool(promtool, "test", "rules", str(path))
 
 
 # -- the park threshold: a rank waits for the job once parked past its host's, and not idle --

@@ -10,7 +10,6 @@ it); without it these tests are skipped locally and fail under ``CI=true``.
 from __future__ import annotations
 
 import re
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from agent.export.metrics import label_name
 from agent.observe.discovery import ENV_LABELS
+from tests.conftest import run_promtool
 
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "deploy" / "prometheus" / "hangwatch-rules.yml"
@@ -53,21 +53,12 @@ def _alerts() -> list[dict[str, Any]]:
     return [rule for rule in _rules() if "alert" in rule]
 
 
-def _run_promtool(promtool: str, *args: str) -> None:
-    done = subprocess.run(
-        [promtool, *args], capture_output=True, text=True, check=False, timeout=120
-    )
-    assert done.returncode == 0, (
-        f"promtool {' '.join(args)} exited {done.returncode}:\n{done.stdout}{done.stderr}"
-    )
-
-
 def test_promtool_check_rules(promtool: str) -> None:
-    _run_promtool(promtool, "check", "rules", str(RULES))
+    run_promtool(promtool, "check", "rules", str(RULES))
 
 
 def test_promtool_unit_tests(promtool: str) -> None:
-    _run_promtool(promtool, "test", "rules", str(RULE_TESTS))
+    run_promtool(promtool, "test", "rules", str(RULE_TESTS))
 
 
 def test_every_alert_is_tested_firing_and_silent() -> None:
