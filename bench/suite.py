@@ -52,7 +52,16 @@ INTERVAL = 1.0
 NOTHING = [{"name": "nothing", "cmdline": "^hangwatch-bench-matches-nothing$"}]
 WATCH_WORKLOADS = [{"name": "bench", "cmdline": WORKLOAD_REGEX}]
 
-PARTS = ("overhead", "resources", "ringbuf", "startup", "detection", "stacks", "scaling")
+PARTS = (
+    "overhead",
+    "resources",
+    "ringbuf",
+    "startup",
+    "detection",
+    "stacks",
+    "schedclock",
+    "scaling",
+)
 # Programs that return at once on the same tracepoints, no daemon: what the tracepoints
 # themselves cost, the floor under any program attached there.
 EMPTY = "empty programs"
@@ -464,6 +473,43 @@ def stacks(rep: Report, quick: bool) -> None:
     )
 
 
+# --- schedclock ------------------------------------------------------------------------------
+
+
+def schedclock(rep: Report, quick: bool) -> None:
+    """What dating se.exec_start by each CPU's own clock costs: a first sample of a parked
+    pool (every thread's exec_start read, as diagnose and a new service get), its CPUs'
+    offsets each read by running there, against the same sample with the agent's own CPU's
+    offset for all (no CPU visited)."""
+    from agent.observe.sampler import Sampler
+    from agent.sources.procfs import ProcFS
+    from agent.sources.schedclock import SchedClock
+
+    reps = 5 if quick else 25
+    proc = ProcFS()
+    with Fixture.py("py_pool", "200", timeout=90) as fx:
+        progress(f"schedclock: first samples of 200 parked threads, {reps} of each")
+        base, per_cpu, visits = [], [], []
+        for _ in range(reps):
+            plain = Sampler(proc)
+            plain.sched_clock = SchedClock(proc, get_affinity=lambda _pid: ())
+            t0 = time.perf_counter()
+            plain.snapshot([fx.pid])
+            base.append(time.perf_counter() - t0)
+            sampler = Sampler(proc)
+            t0 = time.perf_counter()
+            sampler.snapshot([fx.pid])
+            per_cpu.append(time.perf_counter() - t0)
+            visits.append(sampler.sched_clock.reads)
+    b, p, n = statistics.median(base), statistics.median(per_cpu), statistics.median(visits)
+    each = f"{(p - b) / n * 1e6:.0f}" if n else ""
+    rep.table(
+        f"Dating se.exec_start per CPU (median of {reps} first samples of 200 parked threads)",
+        ["one offset ms", "per-CPU offsets ms", "CPUs visited", "us per CPU", "ratio"],
+        [[f"{b * 1e3:.2f}", f"{p * 1e3:.2f}", f"{n:g}", each, f"{p / b:.3f}"]],
+    )
+
+
 # --- main ------------------------------------------------------------------------------------
 
 
@@ -507,6 +553,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "startup": lambda: startup(rep, args.quick),
         "detection": lambda: detection(rep, args.quick),
         "stacks": lambda: stacks(rep, args.quick),
+        "schedclock": lambda: schedclock(rep, args.quick),
         "scaling": lambda: rep.table(
             *scaling.table(*scaling.run(exe, args.quick, WATCH_WORKLOADS))
         ),

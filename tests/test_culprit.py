@@ -292,8 +292,8 @@ def test_thread_pools_parked_since_start_up_are_background() -> None:
 def test_the_process_whose_threads_began_to_wait_when_the_service_stopped() -> None:
     """Real vLLM, a request hung in the Worker's step, 36 s ago by tcp_info: the API server's
     4 request threads began to wait then; so did the Worker's main thread and the 26 gloo
-    run-loop threads the step had woken, read 1.9 s older through se.exec_start (each CPU's
-    task clock); the EngineCore's 2. The Worker is where it stopped."""
+    run-loop threads the step had woken, read 1.9 s older through se.exec_start (another CPU's
+    task clock, dated then by the agent's own CPU's offset); the EngineCore's 2. The Worker is where it stopped."""
 
     api = process(314, *(untimed(3140 + i, 35.8) for i in range(4)), comm="python")
     engine = process(382, *(untimed(3820 + i, 36.8) for i in range(2)), comm="VLLM::EngineCor")

@@ -13,9 +13,9 @@ if TYPE_CHECKING:  # the classifier imports this module: its types only, for ann
     from .classify import ProcessFacts, ServiceVerdict
 
 # How far from the service's stop a wait may have begun and still be part of the hang: the
-# stop is dated by tcp_info or a log's mtime, a wait by se.exec_start, each CPU's task clock,
-# which leaves out steal and IRQ time: on a loaded 2-CPU VM here a real vLLM Worker's wait
-# read 1.9 s older than the request it hung on.
+# stop is dated by tcp_info or a log's mtime, a wait by se.exec_start, on its CPU's task
+# clock, which leaves out the steal and IRQ time of the wait itself, through an offset up to
+# agent.sources.schedclock.REFRESH_NS old.
 CULPRIT_BAND_MIN_S = 2.0
 CULPRIT_BAND_RATIO = 0.1
 

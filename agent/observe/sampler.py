@@ -39,6 +39,7 @@ from ..model import (
     thread_ids,
 )
 from ..sources.procfs import MemMap, ProcessMemory, ProcFS, TcpSocket
+from ..sources.schedclock import SchedClock
 from ..sources.tcpinfo import TCP_ESTABLISHED, TCP_LISTEN
 from ..syscalls import FUTEX, SYS_FUTEX, SYS_FUTEX_WAIT, futex_private, syscall_wait, wait_kind
 from .sockets import SocketTables
@@ -187,7 +188,7 @@ class Sampler:
         self._uptime_s = 0.0
         # pid -> ((start time, comm), its plumbing hints): read once per process, and again
         # when the PID is reused or the process execs (its comm changes)
-        self._sched_offset_ns = 0  # CLOCK_MONOTONIC minus the scheduler clock: see snapshot
+        self.sched_clock = SchedClock(self.proc, clock_ns)  # dates se.exec_start
         self._plumbing: dict[int, tuple[tuple[int, str], Plumbing]] = {}
         self._next_plumbing: dict[int, tuple[tuple[int, str], Plumbing]] = {}
         self._kept: dict[int, _Kept] = {}  # pid -> its last sample, to reuse while quiet
@@ -207,11 +208,6 @@ class Sampler:
         probe = probe or ProbeReading()
         now = self.clock_ns()
         wall = self.wall()
-        own = self.proc.own_exec_start_ms()
-        # se.exec_start is the scheduler clock, which need not be CLOCK_MONOTONIC (on one VM
-        # here it ran 123 s behind). This thread is running now, so its own exec_start is
-        # "now" on that clock: the difference converts every thread's to monotonic.
-        self._sched_offset_ns = now - int(own * 1e6) if own is not None else 0
         self._uptime_s = self.uptime()
         processes: dict[int, ProcessSample] = {}
         gone = set()
@@ -220,14 +216,18 @@ class Sampler:
         self._next_plumbing = {}
         self._next_kept = {}
         self._waiting = probe.waiting_by_process()
-        for pid in pids:
-            got = self._process(pid, probe)
-            if got is None:
-                gone.add(pid)
-                continue
-            processes[pid], fds[pid], quiet = got
-            if not quiet:
-                ran.add(pid)
+        self.sched_clock.begin()
+        try:
+            for pid in pids:
+                got = self._process(pid, probe)
+                if got is None:
+                    gone.add(pid)
+                    continue
+                processes[pid], fds[pid], quiet = got
+                if not quiet:
+                    ran.add(pid)
+        finally:
+            self.sched_clock.end()  # back on the CPUs it had, if a CPU's clock was read
         self._read_sockets(processes, fds, ran, now)
         self._pipes = {p: v for p, v in self._pipes.items() if p in processes and p not in ran}
         self._writable = {
@@ -414,10 +414,11 @@ class Sampler:
         last_ran = None
         if blocked:
             ms = proc.thread_exec_start_ms(pid, tid)
-            # On the scheduler clock: moved to monotonic by this snapshot's offset, and
-            # clamped so that the offset's own error never puts it in the future.
+            # On the task clock of the CPU it last ran on: moved to monotonic by that CPU's
+            # offset (agent.sources.schedclock), and clamped so that the offset's own error
+            # never puts it in the future.
             if ms is not None:
-                last_ran = min(int(ms * 1e6) + self._sched_offset_ns, self.clock_ns())
+                last_ran = min(self.sched_clock.to_monotonic(ms, st.cpu), self.clock_ns())
         in_futex = blocked and sc is not None and wait_kind(sc.nr) == FUTEX
         return _ThreadRead(cpu, st.comm, st.state, sc, last_ran, since if in_futex else None), False
 

@@ -73,6 +73,7 @@ class ProcStat:
     ppid: int
     start_ticks: int
     num_threads: int = 0  # of the process (a thread's own stat repeats its process's)
+    cpu: int | None = None  # the CPU it last ran on (field 39, processor)
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,8 @@ def parse_stat(text: str) -> ProcStat | None:
         return None
     comm = printable(text[lp + 1 : rp], limit=64)
     threads = _uint(rest[17], limit=1 << 31) or 0
-    return ProcStat(pid, comm, rest[0], ppid, start, threads)
+    cpu = _uint(rest[36], limit=1 << 20) if len(rest) > 36 else None
+    return ProcStat(pid, comm, rest[0], ppid, start, threads, cpu)
 
 
 def parse_syscall(text: str) -> SyscallLine | None:
