@@ -21,8 +21,9 @@ from .procfs import ProcFS
 
 # How long a CPU's offset is used before it is read again. It grows by the time the CPU
 # loses, so a thread that ran after the read can be dated up to that much early (at 10%
-# steal, 0.5 s). One read is a migration and a /proc read: ~80 us of CPU, and up to a
-# time slice of waiting (~1 ms) where the CPU is busy.
+# steal, 0.5 s). One read is a migration and a /proc read: 0.45 ms a CPU on this project's
+# VM (python -m bench --only schedclock), most of it waiting to run there, more (up to a
+# time slice) where the CPU is busy.
 REFRESH_NS = 5_000_000_000
 # Stale offsets read again per snapshot, at most (a CPU never read is read at once): what a
 # tick can wait on a host whose 200 busy CPUs all have blocked threads to date. The others
