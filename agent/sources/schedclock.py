@@ -50,8 +50,8 @@ class SchedClock:
     ) -> None:
         self.proc = proc
         self.clock_ns = clock_ns
-        self._get_affinity = get_affinity
         self._set_affinity = set_affinity
+        self._now = 0  # when this snapshot began: what offsets are judged stale against
         self._own_ns = 0  # the calling thread's CPU's offset, this snapshot's
         self._refreshes = 0  # stale offsets read again this snapshot
         self._by_cpu: dict[int, tuple[int, int | None]] = {}  # cpu -> (read at, offset or None)
@@ -63,6 +63,7 @@ class SchedClock:
         self.reads = 0  # CPUs visited (tests, the bench)
 
     def begin(self) -> None:
+        self._now = self.clock_ns()
         self._own_ns = self._offset_here() or 0
         self._refreshes = 0
 
@@ -80,14 +81,13 @@ class SchedClock:
     def _offset_of(self, cpu: int | None) -> int:
         if cpu is None or cpu not in self._home:
             return self._own_ns
-        now = self.clock_ns()
         known = self._by_cpu.get(cpu)
         if known is None or (
-            now - known[0] >= REFRESH_NS and self._refreshes < REFRESH_PER_SNAPSHOT
+            self._now - known[0] >= REFRESH_NS and self._refreshes < REFRESH_PER_SNAPSHOT
         ):
             if known is not None:
                 self._refreshes += 1
-            known = (now, self._visit(cpu))
+            known = (self._now, self._visit(cpu))
             self._by_cpu[cpu] = known
         return self._own_ns if known[1] is None else known[1]
 
