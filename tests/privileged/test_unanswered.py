@@ -12,8 +12,10 @@ import re
 import socket
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from scripts.fixturelib import Fixture, tasks, thread_state, thread_syscall
+from tests.privileged.daemonlib import INTERVAL, free_port, running_daemon, value, wait_until
 from tests.privileged.harness import Diagnosis, RunningDiagnose
 
 Diagnose = Callable[..., Diagnosis]
@@ -147,3 +149,31 @@ def test_a_whole_request_beside_a_half_one_still_stalls(diagnose: Diagnose) -> N
     words = " ".join(svc.get("reasons", []))
     assert svc.get("state") == "stalled", d.explain("want stalled: a whole request waits")
     assert re.search(r"1 request unanswered for \d", words), d.explain("not the one request")
+
+
+def test_the_daemon_keeps_a_server_with_a_half_sent_request_idle(tmp_path: Path) -> None:
+    """The daemon, threshold 1 s: the same half request, held past the threshold by a
+    client run as nobody. The service stays idle with nothing unanswered; before, it turned
+    stalled once the request was older than the threshold."""
+    port = free_port()
+    cfg = tmp_path / "hangwatch.yaml"
+    cfg.write_text(
+        f'listen: "127.0.0.1:{port}"\ninterval_seconds: {INTERVAL}\n'
+        "park_threshold_seconds: 1\ntargets:\n"
+        '  - name: idle-http\n    cmdline: "fixtures/idle_http\\\\.py"\n'
+    )
+    svc = {"service": "idle-http"}
+    with (
+        running_daemon(cfg, port) as d,
+        Fixture.py("idle_http") as fx,
+        _half_client(fx.info.get_int("port")),
+    ):
+        _reading(fx.pid)
+        # Well past the threshold: the half request is older, the server parked longer.
+        s = wait_until(
+            d,
+            lambda s: (value(s, "hangwatch_service_seconds_since_progress", **svc) or 0) > 3,
+            "the server parked for 3 s with the half request held",
+        )
+        assert value(s, "hangwatch_service_state", state="idle", **svc) == 1, d.output()[-3000:]
+        assert value(s, "hangwatch_service_unanswered_requests", **svc) == 0
