@@ -412,6 +412,9 @@ class ProcessSample:
     connections: tuple[Connection, ...] = ()  # its established TCP connections
     plumbing: Plumbing = field(default_factory=Plumbing)  # its distributed-job hints
     age_s: float | None = None  # how long ago it started (starttime against the boot clock)
+    # Inodes of its sockets that a thread of it is blocked reading (a read or recv on that fd,
+    # agent.syscalls.INPUT_READS): it has asked for more of their input and waits for it.
+    reading: frozenset[int] = frozenset()
 
     def thread(self, tid: int) -> ThreadSample | None:
         for t in self.threads:

@@ -88,6 +88,10 @@ TABLE: tuple[Syscall, ...] = (
 )
 BY_NR: Mapping[int, Syscall] = MappingProxyType({s.nr: s for s in TABLE})
 BY_NAME: Mapping[str, Syscall] = MappingProxyType({s.name: s for s in TABLE})
+# The calls that block reading one fd, args[0], for input: a thread in one on a socket has
+# asked for more of what its peer sends (not pread64: a file; not poll, select or epoll: they
+# name no fd in a register, and an event loop waits in them for every connection alike).
+INPUT_READS = frozenset(BY_NAME[n].nr for n in ("read", "readv", "recvfrom", "recvmsg", "recvmmsg"))
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import socket
+import string
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -16,12 +17,14 @@ from urllib.parse import parse_qs, urlsplit
 
 import pytest
 import yaml
+from hypothesis import assume, given
+from hypothesis import strategies as st
 
 from agent.cli import main
 from agent.errors import EXIT_UNAVAILABLE, EXIT_USAGE, HangwatchError, UsageError
 from agent.jobs import ranks, render
 from agent.jobs.command import QUERIES
-from agent.jobs.prom import Endpoint
+from agent.jobs.prom import Endpoint, _origin, redacted
 from agent.jobs.ranks import (
     GONE,
     NEVER_SEEN,
@@ -567,11 +570,19 @@ class FakeProm:
         self.respond: Callable[[], tuple[int, str, bytes]] | None = None
         self.requests: list[tuple[str, Mapping[str, str]]] = []
         self.release = threading.Event()
+        # A request under /moved is sent on, with a 302, to this URL and the rest of its path.
+        self.moved_to: str | None = None
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
                 fake.requests.append((self.path, dict(self.headers)))
+                if fake.moved_to is not None and self.path.startswith("/moved/"):
+                    self.send_response(302)
+                    self.send_header("Location", fake.moved_to + self.path[len("/moved") :])
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
                 status, ctype, body = fake.respond() if fake.respond else fake.answer(self.path)
                 self.send_response(status)
                 self.send_header("Content-Type", ctype)
@@ -749,8 +760,106 @@ def test_credentials_and_a_path_prefix(prom: FakeProm, capsys: pytest.CaptureFix
     assert headers["Authorization"] == "Basic b3BzOnM6Y3JldA=="  # ops:s:cret
     prom.respond = lambda: (401, "text/plain", b"Unauthorized")
     code, _, err = job(capsys, "--prometheus", url)
-    assert code == EXIT_UNAVAILABLE and "cret" not in err
-    assert "Prometheus at http://ops@127.0.0.1:" in err and "HTTP 401" in err
+    assert code == EXIT_UNAVAILABLE and "cret" not in err and "ops" not in err
+    assert "Prometheus at http://***@127.0.0.1:" in err and "HTTP 401" in err
+
+
+@pytest.fixture
+def other_prom() -> Iterator[FakeProm]:
+    """A second server, on another port: another origin."""
+    p = FakeProm()
+    yield p
+    p.close()
+
+
+def test_a_redirect_to_another_origin_gets_no_credentials(
+    prom: FakeProm, other_prom: FakeProm, capsys: pytest.CaptureFixture[str]
+):
+    """A proxy that answers 302 to another port: the job is read there, without the
+    Authorization the URL gave for the first (urllib would copy it into every redirect)."""
+    other_prom.serve(inputs(FOUR))
+    prom.moved_to = other_prom.url
+    url = prom.url.replace("http://", "http://ops:s3cret@") + "/moved"
+    code, out, err = job(capsys, "--prometheus", url)
+    assert (code, err) == (0, ""), err
+    assert out.startswith("job run-7 (service torchrun)")
+    assert all(headers["Authorization"] for _, headers in prom.requests)
+    assert other_prom.requests, "the redirect was not followed"
+    assert all("Authorization" not in headers for _, headers in other_prom.requests)
+
+
+def test_a_redirect_within_the_origin_keeps_the_credentials(
+    prom: FakeProm, capsys: pytest.CaptureFixture[str]
+):
+    prom.serve(inputs(FOUR))
+    prom.moved_to = prom.url  # /moved/api/v1/query -> /api/v1/query, same scheme, host, port
+    url = prom.url.replace("http://", "http://ops:s3cret@") + "/moved"
+    code, _, err = job(capsys, "--prometheus", url)
+    assert (code, err) == (0, ""), err
+    moved = [h for path, h in prom.requests if not path.startswith("/moved/")]
+    assert moved and all(h["Authorization"] == "Basic b3BzOnMzY3JldA==" for h in moved)
+
+
+def test_a_redirect_to_neither_http_nor_https_is_not_followed(
+    prom: FakeProm, capsys: pytest.CaptureFixture[str]
+):
+    prom.moved_to = "ftp://127.0.0.1:21"
+    code, _, err = job(capsys, "--prometheus", prom.url.replace("//", "//ops:s3cret@") + "/moved")
+    assert code == EXIT_UNAVAILABLE and "HTTP 302" in err and "s3cret" not in err, err
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://ops:s3cret@prom:99999",  # a port out of range
+        "http://ops:s3cret@prom:90x",  # a port that is not a number
+        "http://ops:s3c/ret@prom:9090",  # a "/" in the password: it parses as a path
+        "ftp://ops:s3cret@prom:21",  # not http
+        "ops:s3cret@prom:9090",  # no scheme
+        "http://ops:s3cret@prom:9090/?x=1",  # a query
+        "http://ops:s3cret@[::1:9090",  # a broken IPv6 address
+        "http://ops:s3cret@:9090",  # no host
+    ],
+)
+def test_a_bad_url_is_named_without_its_userinfo(capsys: pytest.CaptureFixture[str], url: str):
+    code, out, err = job(capsys, "--prometheus", url)
+    assert code == EXIT_USAGE and "--prometheus" in err, err
+    for secret in ("s3c", "ret", "ops"):
+        assert secret not in out + err, err
+    assert "***@" in err, err
+
+
+def test_an_unreachable_url_is_named_without_its_userinfo(capsys: pytest.CaptureFixture[str]):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code, _, err = job(capsys, "--prometheus", f"http://ops:s3cret@127.0.0.1:{port}", "--json")
+    assert code == EXIT_UNAVAILABLE
+    assert f"cannot reach Prometheus at http://***@127.0.0.1:{port}: connection refused" in err
+    assert "s3cret" not in err and "ops" not in err
+
+
+@given(
+    st.sampled_from(["http://", "https://", "", "//", "HTTP://"]),
+    st.text(alphabet=string.ascii_letters + string.digits + ".-_~%", max_size=8),
+    st.text(alphabet=st.characters(exclude_characters="@"), max_size=12),
+    st.text(max_size=16),
+)
+def test_redacted_never_keeps_the_password(scheme: str, user: str, password: str, rest: str):
+    """Whatever follows the userinfo (another "@", a path, nothing a parser accepts), the
+    password in it is not in what is shown."""
+    secret = "Zq" + password
+    assume(secret not in rest)
+    shown = redacted(f"{scheme}{user}:{secret}@{rest}")
+    assert secret not in shown and shown.endswith(rest.rpartition("@")[2])  # the host kept
+
+
+def test_origins_differ_by_scheme_host_or_port():
+    assert _origin("http://prom/api") == _origin("HTTP://PROM:80/other") == ("http", "prom", 80)
+    assert _origin("https://prom") == ("https", "prom", 443)
+    assert _origin("https://prom") != _origin("http://prom:443")  # https to http: another
+    assert _origin("http://prom:9090") != _origin("http://prom:9091")
+    assert _origin("http://prom:99999") is None and _origin("ftp://prom") is None
 
 
 @pytest.mark.parametrize(

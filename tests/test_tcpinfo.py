@@ -16,8 +16,10 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -31,6 +33,7 @@ from agent.analysis.classify import (
     ProcessFacts,
     classify_process,
     classify_service,
+    incomplete_requests,
     unanswered_requests,
     unread_requests,
     waiting_for_answer,
@@ -185,6 +188,95 @@ def test_the_service_sees_requests_held_by_a_process_without_the_listener():
     w = classify_process(worker, 60)
     assert w.state == STALLED
     assert "connections accepted on port 8000: 1 request unanswered for 70 s" in reasons(w.reasons)
+
+
+def _reading(sample, *inodes):
+    """The sample with a thread of it blocked reading each of ``inodes`` (the sampler's
+    ProcessSample.reading)."""
+    return replace(sample, reading=frozenset(inodes))
+
+
+def test_a_request_the_server_is_still_reading_is_the_clients_wait():
+    """Half a request: the server read it all (nothing queued) and a thread of it is blocked
+    reading that connection for the rest. It cannot answer what it has not been sent: idle,
+    the client's wait said, not stalled however old."""
+    half = conn(recv=95_000, inode=1)
+    f = _facts(_reading(_sample((LISTEN,), [half]), 1), parked_s=300.0)
+    assert unanswered_requests(f.sample, frozenset({8000})) == []
+    assert incomplete_requests(f.sample, frozenset({8000})) == [half]
+    v = classify_process(f, 60)
+    assert v.state == IDLE, reasons(v.reasons)
+    s = classify_service(10, [f], 60)
+    assert s.state == IDLE
+    said = reasons(s.reasons)
+    assert "1 request incomplete from the client for 95 s" in " ".join(said), said
+    assert (s.unanswered_requests, s.oldest_request_s) == (0, 0.0)
+
+
+def test_a_whole_request_beside_a_half_one_still_stalls():
+    half, whole = conn(recv=95_000, inode=1), conn(recv=70_000, inode=2)
+    f = _facts(_reading(_sample((LISTEN,), [half, whole]), 1), parked_s=5.0)
+    s = classify_service(10, [f], 60)
+    assert s.state == STALLED, reasons(s.reasons)
+    assert "1 request unanswered for 70 s" in " ".join(reasons(s.reasons))
+    assert (s.unanswered_requests, s.seconds_since_progress) == (1, 70.0)
+
+
+def test_reading_is_no_evidence_where_bytes_wait_or_an_answer_is_streaming():
+    """Bytes still queued: the server has not read what came, so nothing says the request is
+    short. A stream in flight: the request was whole, its answer began. Neither is the
+    client's wait, whatever thread reads the connection."""
+    queued = Connection("127.0.0.1", 8000, "127.0.0.1", 51000, 1, 40, 0, 95_000, 300_000, 120, 0)
+    streaming = conn(recv=9_000, sent=5_000, inode=2)
+    sample = _reading(_sample((LISTEN,), [queued, streaming]), 1, 2)
+    assert incomplete_requests(sample, frozenset({8000})) == []
+    got = unanswered_requests(sample, frozenset({8000}), frozenset({2}))
+    assert got == [queued, streaming]
+
+
+def test_an_answered_connection_being_read_is_simply_idle():
+    """A thread-per-connection server blocked reading a keep-alive connection it answered:
+    waiting for the next request, nothing incomplete."""
+    kept = conn(recv=300_000, sent=299_000, acked=100, inode=1)
+    f = _facts(_reading(_sample((LISTEN,), [kept]), 1), parked_s=300.0)
+    s = classify_service(10, [f], 60)
+    assert s.state == IDLE
+    assert "incomplete" not in " ".join(reasons(s.reasons))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(0, 3),  # inode
+            st.sampled_from([8000, 29500]),  # a front door or plumbing
+            st.integers(0, 2),  # rx_queue
+            st.integers(0, 5),  # last recv (s)
+            st.integers(0, 5),  # last sent (s)
+            st.integers(0, 2),  # bytes acked
+        ),
+        max_size=6,
+    ),
+    st.frozensets(st.integers(0, 3)),
+    st.frozensets(st.integers(0, 3)),
+)
+def test_reading_only_moves_requests_from_unanswered_to_incomplete(rows, reading, streams):
+    """Whatever the connections, the threads reading and the streams: the requests a reading
+    thread takes out of the unanswered ones are the incomplete ones, no more, no less; it
+    never adds an unanswered request."""
+    cs = [
+        Connection("127.0.0.1", port, "127.0.0.1", 51000, i, rx, 0, r * 1000, s * 1000, 10, a)
+        for i, port, rx, r, s, a in rows
+    ]
+    plain = _sample((LISTEN,), cs)
+    read = _reading(plain, *reading)
+    doors = frozenset({8000})
+    before = unanswered_requests(plain, doors, streams)
+    after = unanswered_requests(read, doors, streams)
+    incomplete = incomplete_requests(read, doors, streams)
+    assert all(c in before for c in after)
+    assert sorted(map(id, before)) == sorted(map(id, after + incomplete))
+    assert all(c.inode in reading and c.inode not in streams for c in incomplete)
 
 
 def test_dumps_asked_for_per_family_with_their_ports():
@@ -349,6 +441,46 @@ def test_sampler_fills_tcp_info_of_accepted_connections_only():
         # The client end is on an ephemeral port nobody listens on: not read (cost).
         assert by_inode[inode(client)].last_recv_ms is None
         assert unanswered_requests(p, frozenset({port})) == [by_inode[inode(server)]]
+
+
+def _blocked_in_recv(tid: int, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with open(f"/proc/self/task/{tid}/syscall") as f:
+            if f.read().split()[0] == "45":  # recvfrom
+                return
+        time.sleep(0.005)
+    raise AssertionError(f"thread {tid} never blocked in recvfrom")
+
+
+def test_sampler_sees_the_thread_that_reads_a_half_request():
+    """This process as the server: a thread reads the accepted connection, gets half a
+    request and blocks in recv for the rest. The sampler names that connection as read (the
+    fd in its registers), and the request is the client's to finish, not unanswered."""
+    with pair() as (server, client, port):
+        got: list[bytes] = []
+        tids: list[int] = []
+
+        def serve() -> None:
+            tids.append(threading.get_native_id())
+            while not b"".join(got).endswith(b"\r\n\r\n"):
+                got.append(server.recv(4096))
+
+        t = threading.Thread(target=serve)
+        t.start()
+        try:
+            client.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n")
+            while not got:
+                time.sleep(0.005)
+            _blocked_in_recv(tids[0])
+            p = Sampler().snapshot([os.getpid()]).processes[os.getpid()]
+        finally:
+            client.sendall(b"\r\n")
+            t.join(5)
+        assert p.reading == {inode(server)}
+        (half,) = [c for c in p.connections if c.inode == inode(server)]
+        assert incomplete_requests(p, frozenset({port})) == [half]
+        assert unanswered_requests(p, frozenset({port})) == []
 
 
 class TcpInfoProcFS(CountingProcFS):

@@ -17,6 +17,10 @@ done:
 
 What stays unseen: TLS on the wire (the bytes are ciphertext), HTTP/2 and gRPC streams (binary
 frames), and answers written by sendfile or splice (no buffer to read).
+
+The other side, a request not finished by its client, is told by no bytes at all: a thread
+of the server blocked reading that connection with nothing left unread (classify.client_turn,
+docs/how-it-works.md).
 """
 
 from __future__ import annotations

@@ -150,6 +150,37 @@ def waiting_for_answer(c: Connection) -> bool:
     return recv < sent or (recv == sent and c.bytes_acked == 0)
 
 
+def client_turn(c: Connection, reading: frozenset[int]) -> bool:
+    """The connection holds a request the server has not been sent in full: it looks
+    unanswered (waiting_for_answer), the server has read every byte of it (nothing in its
+    receive queue) and a thread of the server is blocked reading more of it (``reading``:
+    ProcessSample.reading). The server cannot answer what it has not received: the client
+    owes the rest, so the wait is the client's. What this cannot see (event loops, a reader
+    that hands requests off) is in docs/how-it-works.md."""
+    return c.inode in reading and c.rx_queue == 0 and waiting_for_answer(c)
+
+
+def incomplete_requests(
+    sample: ProcessSample, ports: frozenset[int] | None, streams: frozenset[int] = frozenset()
+) -> list[Connection]:
+    """The process's accepted connections on a front door (``ports`` and ``streams`` as for
+    unanswered_requests) whose request the client has not finished sending (client_turn),
+    oldest first. An answer being streamed on one says its request was whole: not one."""
+    if not sample.reading:
+        return []
+    if ports is None:
+        ports = frozenset(lst.port for lst in sample.listeners)
+    reading = sample.reading
+    return sorted(
+        (
+            c
+            for c in sample.connections
+            if c.local_port in ports and c.inode not in streams and client_turn(c, reading)
+        ),
+        key=lambda c: -(c.last_recv_ms or 0),
+    )
+
+
 def unread_requests(sample: ProcessSample, ports: frozenset[int] | None) -> int:
     """Bytes received and not yet read on the process's accepted connections on a front door
     (``ports`` as for unanswered_requests): requests not read. Its other connections' unread
@@ -169,19 +200,25 @@ def unanswered_requests(
 ) -> list[Connection]:
     """The process's accepted connections on a front door (``ports``: the service's front-door
     ports; None: its own listening ports) that wait for an answer, oldest first: not answered
-    at all, or (``streams``: their inodes) a streamed answer still being sent."""
+    at all, or (``streams``: their inodes) a streamed answer still being sent. A request the
+    server is still reading from its client (client_turn) is not one: it waits on the client."""
     if ports is None:
         ports = frozenset(lst.port for lst in sample.listeners)
+    reading = sample.reading
     return list(
         derived(
             sample.connections,
-            ("unanswered", ports, streams),
+            ("unanswered", ports, streams, reading),
             lambda cs: tuple(
                 sorted(
                     (
                         c
                         for c in cs
-                        if c.local_port in ports and (waiting_for_answer(c) or c.inode in streams)
+                        if c.local_port in ports
+                        and (
+                            c.inode in streams
+                            or (waiting_for_answer(c) and not client_turn(c, reading))
+                        )
                     ),
                     key=lambda c: -(c.last_recv_ms or 0),
                 )
@@ -245,6 +282,7 @@ def classify_process(facts: ProcessFacts, threshold_s: float) -> ProcessVerdict:
         door_listeners(s, facts.front_door_ports),
         unread_requests(s, facts.front_door_ports),
         unanswered_requests(s, facts.front_door_ports, facts.streams),
+        incomplete=incomplete_requests(s, facts.front_door_ports, facts.streams),
     )
     v.reasons.extend(why)
     if prog.heartbeat:
@@ -340,12 +378,15 @@ def _parked_state(
     unanswered: Sequence[Connection] = (),
     last_progress: ev.LastProgress | None = None,
     demand_age_s: float | None = None,
+    incomplete: Sequence[Connection] = (),
 ) -> tuple[str, list[ev.Fact], float]:
     """Nothing progresses: idle when a front door has nothing waiting at it; otherwise
     stalled once past the threshold, and still progressing under it. ``unanswered``: accepted
     connections on its front doors that wait for an answer (see waiting_for_answer). Evidence
     carries its own age (DESIGN): the oldest unanswered request, and ``last_progress``, the
     most recent dated progress before the window, date a hang older than the observation.
+    ``incomplete``: connections whose request the client has not finished sending
+    (client_turn): the client's wait, said beside an idle verdict, never the service's.
     Returns the state, its reasons, and that time without progress (seconds)."""
     doors = list(doors)
     queued = sum(lst.queued for lst in doors)
@@ -355,6 +396,8 @@ def _parked_state(
     waited = demand_age_s is not None and not (queued or unread or unanswered)
     if doors and not (queued or unread or unanswered or waited):
         reasons.append(ev.WaitingForRequests(ports))
+        if incomplete:
+            reasons.append(ev.RequestIncomplete(len(incomplete), oldest_request_s(incomplete)))
         return IDLE, reasons, max(parked.seconds, oldest_s)
     dated = [(parked.seconds, "parked"), (oldest_s, "request")]
     if last_progress is not None:
@@ -486,6 +529,7 @@ def _parked_service(
         unanswered,
         last_progress,
         demand_age_s,
+        [c for f in procs for c in incomplete_requests(f.sample, f.front_door_ports, f.streams)],
     )
     idle_gpu = gpu_idle({f.sample.pid: f.gpu for f in procs if f.gpu is not None})
     if idle_gpu:

@@ -156,6 +156,15 @@ class WaitingForRequests(Fact):
 
 
 @dataclass(frozen=True)
+class RequestIncomplete(Fact):
+    """Requests the clients have not finished sending: the server read what came and waits
+    for the rest (a thread of it blocked reading the connection), so the wait is theirs."""
+
+    requests: int
+    oldest_s: float  # since the oldest of them last received data
+
+
+@dataclass(frozen=True)
 class WorkWaiting(Fact):
     """Work waiting for the service at its front doors (or on connections it accepted)."""
 

@@ -1,7 +1,10 @@
 """A small client for the Prometheus HTTP API: instant queries only, standard library only.
 
-Every failure is an UnavailableError (exit 4) that names the URL (never its password) and
-what to check; a bad URL is a UsageError (exit 2).
+Every failure is an UnavailableError (exit 4) that names the URL and what to check; a bad URL
+is a UsageError (exit 2). No message shows a URL's userinfo (user:password@, or a token given
+as the user): it is replaced by ``***@``, even in a URL too broken to parse. A redirect is
+followed, but the credentials go only to the origin they were given for (scheme, host and
+port): urllib would copy Authorization into a request to wherever the Location points.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import base64
 import http.client
 import json
 import math
+import re
 import socket
 import ssl
 import urllib.error
@@ -29,6 +33,75 @@ Sample = tuple[Mapping[str, str], float]
 # an endless stream) from filling memory.
 MAX_ANSWER_BYTES = 256 << 20
 TIMEOUT_MAX_S = 600.0
+HIDDEN = "***@"  # what a message shows for a URL's userinfo
+# Request headers that carry credentials: never sent on to another origin.
+CREDENTIALS = ("Authorization", "Proxy-Authorization", "Cookie")
+DEFAULT_PORTS = {"http": 80, "https": 443}
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def redacted(text: str) -> str:
+    """``text``, a URL or what was meant as one, with its userinfo shown as ``***@``: all
+    from its start (after a leading "scheme://", if any) to its last "@". Read without a URL
+    parser, so that a URL that does not parse (a port out of range, a password with a "/" in
+    it) hides it too; an "@" further on (in a path or a query) hides more, never less."""
+    scheme = _SCHEME.match(text)
+    start = scheme.end() if scheme else 0
+    at = text.rfind("@", start)
+    return text if at < 0 else text[:start] + HIDDEN + text[at + 1 :]
+
+
+def _unparsed(text: str, e: ValueError) -> str:
+    """Why ``text`` does not parse, in words that hold nothing of its userinfo: the parser
+    quotes what it could not read, which may be a piece of the password."""
+    hidden = redacted(text)
+    if hidden == text:
+        return str(e)
+    try:
+        _ = urllib.parse.urlsplit(hidden).port  # the port is parsed when asked for
+    except ValueError as without:
+        return str(without)  # the same fault, outside the userinfo
+    return 'its user or password holds a "/", "?", "#" or "@" not percent-encoded'
+
+
+def _origin(url: str) -> tuple[str, str, int] | None:
+    """(scheme, host, port) of ``url``, the port its scheme's default where none is given;
+    None where it does not parse (no origin is the same as it)."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        scheme = parts.scheme.lower()
+        port = parts.port or DEFAULT_PORTS.get(scheme)
+    except ValueError:
+        return None
+    if not parts.hostname or port is None:
+        return None
+    return scheme, parts.hostname.lower(), port
+
+
+class SameOriginRedirects(urllib.request.HTTPRedirectHandler):
+    """urllib's redirects, with the credentials dropped on the way to another origin (a
+    proxy's 302 to another host or port, or from https to http), and only to http or https."""
+
+    def redirect_request(
+        self,
+        req: urllib.request.Request,
+        fp: Any,
+        code: int,
+        msg: str,
+        headers: Any,
+        newurl: str,
+    ) -> urllib.request.Request | None:
+        if urllib.parse.urlsplit(newurl).scheme.lower() not in DEFAULT_PORTS:
+            raise urllib.error.HTTPError(
+                req.full_url, code, "a redirect to neither http nor https", headers, fp
+            )
+        new = super().redirect_request(req, fp, code, msg, headers, newurl)
+        if new is not None:
+            here = _origin(req.full_url)
+            if here is None or _origin(new.full_url) != here:
+                for name in CREDENTIALS:
+                    new.remove_header(name.capitalize())  # as Request keeps header names
+        return new
 
 
 @dataclass(frozen=True)
@@ -47,16 +120,17 @@ class Endpoint:
             port = parts.port  # a port that is not a number raises here, not at connect time
         except ValueError as e:
             raise UsageError(
-                f"{flag} {show(text)}: {e}", "give a URL such as http://prometheus:9090"
+                f"{flag} {show(redacted(text))}: {_unparsed(text, e)}",
+                "give a URL such as http://prometheus:9090",
             ) from None
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise UsageError(
-                f"{flag} {show(text)}: not an http:// or https:// URL with a host",
+                f"{flag} {show(redacted(text))}: not an http:// or https:// URL with a host",
                 "give the base URL of Prometheus, such as http://prometheus:9090",
             )
         if parts.query or parts.fragment:
             raise UsageError(
-                f"{flag} {show(text)}: a base URL has no ?query or #fragment",
+                f"{flag} {show(redacted(text))}: a base URL has no ?query or #fragment",
                 "give the URL without them; hangwatch adds /api/v1/query",
             )
         host = parts.hostname
@@ -71,7 +145,7 @@ class Endpoint:
             token = base64.b64encode(f"{user}:{password}".encode()).decode()
             authorization = f"Basic {token}"
             shown = urllib.parse.urlunsplit(
-                (parts.scheme, f"{parts.username}@{netloc}", parts.path.rstrip("/"), "", "")
+                (parts.scheme, f"{HIDDEN}{netloc}", parts.path.rstrip("/"), "", "")
             )
         return cls(base=base, shown=shown, authorization=authorization)
 
@@ -117,7 +191,8 @@ class Prometheus:
         request = urllib.request.Request(url, headers=headers)
         where = f"Prometheus at {self.endpoint.shown}"
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as answer:
+            opener = urllib.request.build_opener(SameOriginRedirects())
+            with opener.open(request, timeout=self.timeout_s) as answer:
                 body = answer.read(MAX_ANSWER_BYTES + 1)
                 status, ctype = answer.status, answer.headers.get("Content-Type", "")
         except urllib.error.HTTPError as e:

@@ -7,7 +7,7 @@ cursor nor pass for another. JSON keeps them exact (json escapes them all).
 
 JSON (`--json`); keys are an interface, added to, never renamed:
 
-    {"prometheus": URL (no password),
+    {"prometheus": URL (its userinfo shown as ***@),
      "jobs": [JOB, ...],            every job seen, as the list without --job shows them
      "job": JOB + {"ranks": [RANK, ...], "sites": [{"site", "ranks"}, ...]} or null
                                      the job shown; null when none was picked (exit 2)}

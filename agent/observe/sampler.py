@@ -41,7 +41,15 @@ from ..model import (
 from ..sources.procfs import MemMap, ProcessMemory, ProcFS, TcpSocket
 from ..sources.schedclock import SchedClock
 from ..sources.tcpinfo import TCP_ESTABLISHED, TCP_LISTEN
-from ..syscalls import FUTEX, SYS_FUTEX, SYS_FUTEX_WAIT, futex_private, syscall_wait, wait_kind
+from ..syscalls import (
+    FUTEX,
+    INPUT_READS,
+    SYS_FUTEX,
+    SYS_FUTEX_WAIT,
+    futex_private,
+    syscall_wait,
+    wait_kind,
+)
 from .sockets import SocketTables
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")  # /proc/PID/stat counts starttime in these
@@ -96,6 +104,21 @@ class _ThreadRead:
     @property
     def blocked(self) -> bool:
         return is_blocked(self.state)
+
+
+def sockets_read(reads: Mapping[int, _ThreadRead], sockets: Mapping[int, int]) -> frozenset[int]:
+    """Inodes of the process's sockets (``sockets``: inode -> fd) that one of its threads
+    (``reads``) is blocked reading: the fd in the registers of its read or recv."""
+    if not sockets:
+        return frozenset()  # a rank, a worker: no socket, no thread to look at
+    fds = {
+        r.syscall.args[0]
+        for r in reads.values()
+        if r.syscall is not None and r.syscall.nr in INPUT_READS and r.syscall.args
+    }
+    if not fds:
+        return frozenset()
+    return frozenset(inode for inode, fd in sockets.items() if fd in fds)
 
 
 class _KeptInfo(NamedTuple):
@@ -282,6 +305,11 @@ class Sampler:
             word_ids=word_ids,
             plumbing=self._plumbing_of(pid, key),
             age_s=max(0.0, self._uptime_s - st.start_ticks / CLK_TCK),
+            reading=(
+                kept.sample.reading
+                if kept is not None and reads is kept.reads and sockets is kept.sockets
+                else sockets_read(reads, sockets)
+            ),
         )
         if quiet and kept is not None and reads is kept.reads:  # not one read changed
             tids, proven, others = kept.tids, kept.proven, kept.others

@@ -147,6 +147,14 @@ def _(f: ev.WaitingForRequests) -> str:
 
 
 @render.register
+def _(f: ev.RequestIncomplete) -> str:
+    return (
+        f"{plural(f.requests, 'request')} incomplete from the client for {seconds(f.oldest_s)}: "
+        "the client's wait (the server read what came and waits for the rest)"
+    )
+
+
+@render.register
 def _(f: ev.WorkWaiting) -> str:
     pend = []
     if f.queued:

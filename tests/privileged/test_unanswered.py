@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import re
 import socket
+import time
 from collections.abc import Callable
+from pathlib import Path
 
-from scripts.fixturelib import Fixture
+from scripts.fixturelib import Fixture, tasks, thread_state, thread_syscall
+from tests.privileged.daemonlib import INTERVAL, free_port, running_daemon, value, wait_until
 from tests.privileged.harness import Diagnosis, RunningDiagnose
 
 Diagnose = Callable[..., Diagnosis]
@@ -86,3 +89,94 @@ def test_a_finished_stream_leaves_the_server_idle(diagnose: Diagnose) -> None:
             d = diagnose(fx.pid, threshold=1, duration=3)
     svc = d.service(fx.pid)
     assert svc.get("state") == "idle", d.explain("want idle: the stream ended")
+
+
+# A client, run as nobody, that opens a connection, sends the start of a request and holds the
+# connection open without ever finishing it (the blank line that ends the headers never comes).
+HALF_CLIENT = """
+import socket, sys
+s = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+s.sendall(sys.argv[2].encode())
+print("READY", flush=True)
+sys.stdin.read()
+"""
+HALF_REQUEST = "GET / HTTP/1.1\r\nHost: x\r\n"
+NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+
+
+def _half_client(port: int) -> Fixture:
+    """The tenant's client: the system's Python as nobody (the tests' own may be out of its
+    reach), holding a half-sent request until the test ends."""
+    return Fixture([*NOBODY, "/usr/bin/python3", "-c", HALF_CLIENT, port, HALF_REQUEST])
+
+
+def _reading(pid: int, timeout: float = 10) -> None:
+    """Wait until one of the server's threads sleeps in recvfrom (45): it has read the
+    half request and waits for the rest."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for tid in tasks(pid):
+            try:
+                if thread_state(pid, tid) == "S" and thread_syscall(pid, tid).split()[0] == "45":
+                    return
+            except OSError:
+                continue  # a thread that ended between the listing and the read
+        time.sleep(0.05)
+    raise AssertionError(f"server {pid}: no thread reading the half-sent request")
+
+
+def test_a_half_sent_request_is_the_clients_wait_not_a_stall(diagnose: Diagnose) -> None:
+    """An idle server that read half a request waits for its client: it cannot answer what
+    it has not been sent. Idle, with the incomplete request as a reason, never stalled."""
+    with Fixture.py("idle_http") as fx, _half_client(fx.info.get_int("port")):
+        _reading(fx.pid)
+        d = diagnose(fx.pid, threshold=1, duration=3)
+    svc = d.service(fx.pid)
+    words = " ".join(svc.get("reasons", []))
+    assert svc.get("state") == "idle", d.explain("want idle: the request is the client's to end")
+    assert re.search(r"1 request incomplete from the client for \d", words), d.explain("no reason")
+    assert "unanswered" not in words, d.explain("a half request counted as unanswered")
+
+
+def test_a_whole_request_beside_a_half_one_still_stalls(diagnose: Diagnose) -> None:
+    """The same half request, to a server that also holds a whole request it never answers:
+    stalled, on the whole request alone."""
+    with Fixture.py("hung_http") as fx:
+        port = fx.info.get_int("port")
+        with _half_client(port), socket.create_connection(("127.0.0.1", port)) as hung:
+            _reading(fx.pid)
+            _get(hung, "/hang")
+            fx.wait_for("HANGING")
+            d = diagnose(fx.pid, threshold=1, duration=3)
+    svc = d.service(fx.pid)
+    words = " ".join(svc.get("reasons", []))
+    assert svc.get("state") == "stalled", d.explain("want stalled: a whole request waits")
+    assert re.search(r"1 request unanswered for \d", words), d.explain("not the one request")
+
+
+def test_the_daemon_keeps_a_server_with_a_half_sent_request_idle(tmp_path: Path) -> None:
+    """The daemon, threshold 1 s: the same half request, held past the threshold by a
+    client run as nobody. The service stays idle with nothing unanswered; before, it turned
+    stalled once the request was older than the threshold."""
+    port = free_port()
+    cfg = tmp_path / "hangwatch.yaml"
+    cfg.write_text(
+        f'listen: "127.0.0.1:{port}"\ninterval_seconds: {INTERVAL}\n'
+        "park_threshold_seconds: 1\ntargets:\n"
+        '  - name: idle-http\n    cmdline: "fixtures/idle_http\\\\.py"\n'
+    )
+    svc = {"service": "idle-http"}
+    with (
+        running_daemon(cfg, port) as d,
+        Fixture.py("idle_http") as fx,
+        _half_client(fx.info.get_int("port")),
+    ):
+        _reading(fx.pid)
+        # Well past the threshold: the half request is older, the server parked longer.
+        s = wait_until(
+            d,
+            lambda s: (value(s, "hangwatch_service_seconds_since_progress", **svc) or 0) > 3,
+            "the server parked for 3 s with the half request held",
+        )
+        assert value(s, "hangwatch_service_state", state="idle", **svc) == 1, d.output()[-3000:]
+        assert value(s, "hangwatch_service_unanswered_requests", **svc) == 0
