@@ -18,12 +18,14 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
+import errno
 import hashlib
 import hmac
 import io
 import os
 import queue
 import re
+import resource
 import selectors
 import socket
 import ssl
@@ -61,8 +63,11 @@ _BCRYPT = re.compile(r"\$2[aby]\$(0[4-9]|1[0-5])\$[./A-Za-z0-9]{53}")
 # A connection's whole life, TLS handshake to the answer's last byte (a scrape takes
 # milliseconds; Prometheus gives up after its scrape_timeout, 10 s by default).
 CONNECTION_DEADLINE_S = 10.0
-MAX_CONNECTIONS = 256  # open at once: a socket and a request head (MAX_HEAD_BYTES) each
+# Open at once, each a socket and a request head (MAX_HEAD_BYTES); at most a quarter of the
+# file descriptors the process may open (systemd's default soft limit, 1024, allows 256).
+MAX_CONNECTIONS = 256
 MAX_HEAD_BYTES = 16 << 10  # request line and headers: a scrape sends a few hundred bytes
+ACCEPT_BACKOFF_S = 0.05  # out of file descriptors: wait this long before accepting again
 HTTP_WORKERS = 4  # threads answering requests whose head has arrived, started with the server
 # Why the server ended a connection: past its deadline; dropped, still sending its request,
 # for a newer one at MAX_CONNECTIONS; refused, every open one having sent its request.
@@ -409,6 +414,9 @@ class _Server(WSGIServer):
         self._stopped = threading.Event()
         self._stopped.set()
         self.dropped = dict.fromkeys(DROP_REASONS, 0)
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != resource.RLIM_INFINITY and soft > 0:  # a quarter of the fds, at most
+            self.max_connections = min(self.max_connections, max(1, soft // 4))
         self._threads: list[threading.Thread] = []
 
     def dropped_total(self) -> dict[str, int]:
@@ -455,7 +463,9 @@ class _Server(WSGIServer):
     def _accept(self) -> None:
         try:
             sock, address = self.socket.accept()
-        except OSError:
+        except OSError as e:
+            if e.errno in (errno.EMFILE, errno.ENFILE):
+                time.sleep(ACCEPT_BACKOFF_S)  # the connection stays queued: do not spin on it
             return
         sock.setblocking(False)
         with self._lock:

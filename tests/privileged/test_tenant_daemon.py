@@ -13,13 +13,16 @@ flight-record line), and drop the slow clients at their deadline.
 from __future__ import annotations
 
 import contextlib
+import re
 import secrets
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from scripts.fixturelib import Fixture
+from scripts import slowclients
+from scripts.fixturelib import REPO_ROOT, Fixture
+from scripts.slowclients import NOBODY, PYTHON
 from tests.privileged.daemonlib import (
     INTERVAL,
     free_port,
@@ -29,57 +32,11 @@ from tests.privileged.daemonlib import (
     wait_until,
 )
 
-PYTHON = "/usr/bin/python3"
-NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
-TASKS_MAX = 128  # deploy/systemd/hangwatch.service
+UNIT = REPO_ROOT / "deploy/systemd/hangwatch.service"
+TASKS_MAX = int(re.search(r"^TasksMax=(\d+)$", UNIT.read_text(), re.M).group(1))  # type: ignore[union-attr]
 SLOW_CLIENTS = 140
 BYTE_EVERY_S = 2.0
 MARK = "hangwatch-tenant-daemon-target"
-
-# Holds `n` connections, each sending the next byte of a request head that never ends every
-# `every` seconds; a connection the server closes is opened again (a determined client).
-SLOW_CLIENT = r"""
-import socket, sys, time
-port, n, every = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
-REQ = b"GET /metrics HTTP/1.1\r\nHost: x\r\n" + b"X-Slow: " + b"a" * 60000
-
-def open_one():
-    s = socket.socket()
-    s.settimeout(2)
-    try:
-        s.connect(("127.0.0.1", port))
-        s.send(REQ[:1])
-    except OSError:
-        s.close()
-        return None
-    s.setblocking(False)
-    return s
-
-def alive(s):
-    try:
-        return s.recv(1 << 16) != b""
-    except BlockingIOError:
-        return True
-    except OSError:
-        return False
-
-conns = [open_one() for _ in range(n)]
-sent = [1] * n
-print("READY held=%d" % sum(c is not None for c in conns), flush=True)
-while True:
-    time.sleep(every)
-    for i, s in enumerate(conns):
-        if s is not None and alive(s):
-            try:
-                s.send(REQ[sent[i] % len(REQ):][:1])
-                sent[i] += 1
-                continue
-            except OSError:
-                pass
-        if s is not None:
-            s.close()
-        conns[i], sent[i] = open_one(), 1
-"""
 
 TARGET = f"""
 # {MARK}
@@ -135,7 +92,7 @@ def test_slow_metrics_clients_under_tasks_max_neither_kill_nor_silence_the_daemo
         f'listen: "127.0.0.1:{port}"\ninterval_seconds: {INTERVAL}\n'
         f"park_threshold_seconds: 2\ntargets:\n  - name: tenant\n    cmdline: {MARK!r}\n"
     )
-    slow = [*NOBODY, PYTHON, "-c", SLOW_CLIENT, str(port), str(SLOW_CLIENTS), str(BYTE_EVERY_S)]
+    slow = slowclients.argv(port, SLOW_CLIENTS, BYTE_EVERY_S)
     with (
         running_daemon(cfg, port) as d,
         tasks_limited(d.pid, TASKS_MAX) as group,
