@@ -22,6 +22,7 @@ import errno
 import hashlib
 import hmac
 import io
+import logging
 import os
 import queue
 import re
@@ -40,6 +41,8 @@ import yaml
 
 from ..config import check_trusted, unknown_key
 from ..errors import UsageError, show
+
+log = logging.getLogger(__name__)
 
 TOP_KEYS = ("tls_server_config", "basic_auth_users")
 TLS_KEYS = ("cert_file", "key_file", "client_auth_type", "client_ca_file", "min_version")
@@ -437,10 +440,16 @@ class _Server(WSGIServer):
         try:
             while not self._stopping:
                 for key, _ in self._selector.select(poll_interval):
-                    if key.data is None:
-                        self._accept()
-                    elif not key.data.closed:  # not evicted earlier in this round
-                        self._advance(key.data)
+                    try:
+                        if key.data is None:
+                            self._accept()
+                        elif not key.data.closed:  # not evicted earlier in this round
+                            self._advance(key.data)
+                    except Exception:  # a fault of ours: this connection goes, /metrics stays
+                        log.exception("/metrics: a connection dropped on an internal error")
+                        if key.data is not None:
+                            with self._lock:
+                                self._close(key.data)
                 self._reap(time.monotonic())
         finally:
             self._selector.unregister(self.socket)
@@ -595,7 +604,7 @@ def serve(
 
     if web is not None and web.users:
         app = with_basic_auth(app, BasicAuth(web.users))
-    httpd = Server((str(sockaddr[0]), port), _Handler)
+    httpd = Server((str(sockaddr[0]), port), WSGIRequestHandler)  # unused: _work answers
     httpd.set_app(app)
     if web is not None and web.tls is not None:
         Server.tls = web.tls.context()
