@@ -58,6 +58,7 @@ from .settings import STACKS_BUDGET_S
 from .sources.procfs import ProcFS
 from .sources.protocols import GpuSource, ProbeSource
 from .sources.pystacks import SourceLines
+from .sources.tcpinfo import NETNS
 from .waiting import Park, SiteBook, read_site
 
 log = logging.getLogger(__name__)
@@ -206,10 +207,12 @@ class Daemon:
         self.http_dropped: Callable[[], Mapping[str, int]] = dict
 
     def start_workers(self) -> None:
-        """Start the threads the loop hands work to (the flight recorder, the site reader):
-        at start-up, so that no tick starts a thread. RuntimeError if one cannot start."""
+        """Start the threads the loop hands work to (the flight recorder, the site reader, the
+        network namespaces' socket maker): at start-up, so that no tick starts a thread.
+        RuntimeError if one cannot start."""
         self.flight.start()
         self.sites.start()
+        NETNS.start()  # sockets of other network namespaces (containers' tcp_info)
 
     @classmethod
     def with_sources(
