@@ -5,6 +5,8 @@ probe's ring buffer."""
 from __future__ import annotations
 
 import logging
+import signal
+import socket
 import threading
 import time
 from collections.abc import Iterable
@@ -14,9 +16,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from agent import daemon as daemon_mod
 from agent.analysis.classify import ProcessVerdict, ServiceVerdict
 from agent.config import validate
 from agent.daemon import DRAIN_SLICE_S, Daemon
+from agent.errors import HangwatchError
 from agent.export.exposition import STAGES
 from agent.observe import enrich
 from agent.sources.procfs import ProcFS
@@ -276,3 +280,29 @@ def test_the_workers_start_at_start_up_and_a_loop_without_them_still_closes(
     assert threading.active_count() == before
     d.stop.set()
     d.loop()  # returns: nothing to join
+
+
+def test_a_thread_that_cannot_start_is_a_clear_start_up_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Out of tasks at start-up: `hangwatch run` says so and exits 1 before it binds or
+    attaches anything, rather than failing later in a tick."""
+    cfg = tmp_path / "hangwatch.yaml"
+    with socket.socket() as s:  # a free port: the run must fail before it binds one
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg.write_text(f'listen: "127.0.0.1:{port}"\ntargets:\n  - name: x\n    cmdline: "^nothing$"\n')
+    cfg.chmod(0o600)
+
+    def cannot_start(self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    monkeypatch.setattr(threading.Thread, "start", cannot_start)
+    try:
+        with pytest.raises(HangwatchError, match="cannot start the daemon's threads") as e:
+            daemon_mod.run(str(cfg), None)
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    assert e.value.exit_code == 1 and "TasksMax" in str(e.value)
