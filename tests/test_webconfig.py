@@ -448,3 +448,13 @@ def test_at_the_cap_with_every_request_sent_a_newcomer_is_refused(
             first.settimeout(5)
             assert first.makefile("rb").read().endswith(b"hangwatch_up 1\n")
             first.close()
+
+
+def test_a_port_in_use_is_an_oserror_and_leaves_no_thread() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        before = threading.active_count()
+        with pytest.raises(OSError):
+            serve("127.0.0.1", taken.getsockname()[1], _app)
+        assert threading.active_count() == before

@@ -407,8 +407,8 @@ class _Server(WSGIServer):
     deadline_s = CONNECTION_DEADLINE_S
     workers = HTTP_WORKERS
 
-    def server_activate(self) -> None:
-        super().server_activate()
+    def __init__(self, address: tuple[str, int], handler: Any) -> None:
+        # Before binding: a bind that fails calls server_close(), which must find it all.
         self._lock = threading.Lock()
         self._conns: set[_Connection] = set()
         self._answers: queue.Queue[_Connection | None] = queue.Queue()
@@ -421,6 +421,7 @@ class _Server(WSGIServer):
         if soft != resource.RLIM_INFINITY and soft > 0:  # a quarter of the fds, at most
             self.max_connections = min(self.max_connections, max(1, soft // 4))
         self._threads: list[threading.Thread] = []
+        super().__init__(address, handler)
 
     def dropped_total(self) -> dict[str, int]:
         """Connections the server ended, by reason (DROP_REASONS), since it started."""
