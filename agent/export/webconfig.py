@@ -70,6 +70,7 @@ CONNECTION_DEADLINE_S = 10.0
 # file descriptors the process may open (systemd's default soft limit, 1024, allows 256).
 MAX_CONNECTIONS = 256
 MAX_HEAD_BYTES = 16 << 10  # request line and headers: a scrape sends a few hundred bytes
+CLOSE_JOIN_S = 1.0  # how long closing the server waits for each answering thread to end
 ACCEPT_BACKOFF_S = 0.05  # out of file descriptors: wait this long before accepting again
 HTTP_WORKERS = 4  # threads answering requests whose head has arrived, started with the server
 # Why the server ended a connection: past its deadline; dropped, still sending its request,
@@ -465,8 +466,15 @@ class _Server(WSGIServer):
 
     def server_close(self) -> None:
         super().server_close()
+        with self._lock:  # answers still being written end now, not at their deadline
+            for conn in self._conns:
+                if conn.answering:
+                    with contextlib.suppress(OSError):
+                        socket.socket.shutdown(conn.sock, socket.SHUT_RDWR)
         for _ in self._threads:
             self._answers.put(None)
+        for t in self._threads:
+            t.join(CLOSE_JOIN_S)
         self._threads = []
         self._selector.close()
 
