@@ -27,7 +27,7 @@ from .analysis.frontdoor import FrontDoorConfig
 from .analysis.lockwords import named_verdicts, words_wanted
 from .analysis.sites import leads_rank
 from .analysis.stacks import native_asks, stack_facts
-from .errors import UsageError
+from .errors import HangwatchError, UsageError
 from .export.exposition import (
     BPF_STATS,
     DISCOVERY,
@@ -58,6 +58,7 @@ from .settings import STACKS_BUDGET_S
 from .sources.procfs import ProcFS
 from .sources.protocols import GpuSource, ProbeSource
 from .sources.pystacks import SourceLines
+from .sources.tcpinfo import NETNS
 from .waiting import Park, SiteBook, read_site
 
 log = logging.getLogger(__name__)
@@ -148,6 +149,9 @@ def _process_status(
 # seen soon; a signal's ends the drain at once (it interrupts the poll, the main thread's).
 # Each drain wakes the daemon: at 0.1 s, ten wakeups a second cost 0.3% of a core here.
 DRAIN_SLICE_S = 0.5
+# A tick that raises is logged with its traceback at most once in this long (the count is
+# exported every time): one that fails each tick would otherwise fill the journal.
+TICK_ERROR_LOG_S = 60.0
 
 
 def _as_reported(reading: GpuReading) -> CollectorStatus:
@@ -196,6 +200,19 @@ class Daemon:
         # Change lines and stacks, beside the loop; only its thread uses source_lines.
         self.flight: FlightRecorder[Change] = FlightRecorder(self._record, self._record_at_once)
         self.sites = SiteBook(lambda pid: read_site(self.proc, pid))  # where parked ones wait
+        self.tick_errors = 0  # ticks that raised: counted, logged, and the loop went on
+        self._tick_error_logged: float | None = None  # monotonic time of the last one logged
+        self._tick_errors_unlogged = 0
+        # Connections /metrics ended, by reason (run() gives the server's count).
+        self.http_dropped: Callable[[], Mapping[str, int]] = dict
+
+    def start_workers(self) -> None:
+        """Start the threads the loop hands work to (the flight recorder, the site reader, the
+        network namespaces' socket maker): at start-up, so that no tick starts a thread.
+        RuntimeError if one cannot start."""
+        self.flight.start()
+        self.sites.start()
+        NETNS.start()  # sockets of other network namespaces (containers' tcp_info)
 
     @classmethod
     def with_sources(
@@ -209,6 +226,7 @@ class Daemon:
         """A daemon over given sources (tests: a fixture /proc, a fake NVML, a real probe)."""
         d = cls(cfg, proc, clock)
         d.session = Session(cfg.settings, d.scope, probe, gpu, proc)
+        d.start_workers()
         return d
 
     def _declared_doors(self, root: int) -> FrontDoorConfig | None:
@@ -337,6 +355,8 @@ class Daemon:
             gpu_errors_total=self.gpu_errors,
             last_tick_seconds=time.time(),
             park_threshold_seconds=self.cfg.park_threshold_seconds,
+            tick_errors_total=self.tick_errors,
+            http_connections_dropped=dict(self.http_dropped()),
         )
 
     def _log_changes(self, verdicts: list[ServiceVerdict], tick: Tick) -> None:
@@ -450,14 +470,46 @@ class Daemon:
         try:
             while not self.stop.is_set():
                 started = self.clock()
-                if self.reload_requested.is_set():
-                    self.reload_requested.clear()
-                    self.reload()
-                self.step()
+                self.tick()
                 self._wait_until(started + self.cfg.interval_seconds)
         finally:
             self.flight.close(STACKS_BUDGET_S)  # the changes seen before the stop, logged
             self.sites.close(0.0)  # a site read left is of no use once /metrics is gone
+
+    def tick(self) -> None:
+        """A reload if one was asked, then a step. Whatever either raises is counted
+        (hangwatch_tick_errors_total), logged, and survived: the next tick tries again, and
+        /metrics goes on serving the last verdicts with the count and their age."""
+        try:
+            if self.reload_requested.is_set():
+                self.reload_requested.clear()
+                self.reload()
+            self.step()
+        except Exception:
+            self._tick_failed()
+
+    def _tick_failed(self) -> None:
+        """Count the exception being handled; log it with its traceback unless one was
+        logged less than TICK_ERROR_LOG_S ago; export the count at once."""
+        self.tick_errors += 1
+        now = time.monotonic()
+        if self._tick_error_logged is not None and now - self._tick_error_logged < TICK_ERROR_LOG_S:
+            self._tick_errors_unlogged += 1
+        else:
+            log.exception(
+                "tick failed (%d since start, %d not logged since the last one logged); "
+                "the loop goes on",
+                self.tick_errors,
+                self._tick_errors_unlogged,
+            )
+            self._tick_error_logged, self._tick_errors_unlogged = now, 0
+        if self.exposition is not None:
+            agent = replace(
+                self.exposition.agent,
+                tick_errors_total=self.tick_errors,
+                http_connections_dropped=dict(self.http_dropped()),
+            )
+            self.exposition = replace(self.exposition, agent=agent)
 
     def _wait_until(self, deadline: float) -> None:
         """Sleep until the next step, draining the ring buffer meanwhile: drained once per
@@ -469,8 +521,12 @@ class Daemon:
                 return
             if probe is None:
                 self.stop.wait(left)
-            else:
+                continue
+            try:
                 probe.drain(min(left, DRAIN_SLICE_S))  # a slice, so that a stop is seen quickly
+            except Exception:
+                self._tick_failed()
+                self.stop.wait(min(left, DRAIN_SLICE_S))  # the wait still waits
 
 
 def run(config_path: str | None, listen: str | None, web_config: str | None = None) -> int:
@@ -504,10 +560,18 @@ def run(config_path: str | None, listen: str | None, web_config: str | None = No
     daemon.stop, daemon.reload_requested = stop, reload_requested
     registry = registry_for(lambda: daemon.exposition)
     host, port = cfg.listen
-    try:  # bind before attaching: a port in use must change nothing
+    try:  # every thread the daemon needs, started now: no tick starts one
+        daemon.start_workers()
+        # bind before attaching: a port in use must change nothing
         server, _ = webconfig.serve(host, port, make_wsgi_app(registry), web)
     except OSError as e:
         raise UsageError(f"listen {cfg.listen_text}: {e.strerror or e}") from None
+    except RuntimeError as e:
+        raise HangwatchError(
+            f"cannot start the daemon's threads: {e}",
+            "the unit's TasksMax (or the host's pid limit) leaves it none",
+        ) from None
+    daemon.http_dropped = server.dropped_total
     if web is not None and web.users and web.tls is None:
         log.warning("basic auth without TLS: passwords cross the network in the clear")
     try:

@@ -29,7 +29,8 @@ C = TypeVar("C")
 
 class FlightRecorder(Generic[C]):
     """Runs ``record(change)`` for each change submitted, one at a time, in a thread of its
-    own; ``at_once(change)`` instead when MAX_PENDING are already waiting."""
+    own (``start()``, before the first submit); ``at_once(change)`` instead when MAX_PENDING
+    are already waiting."""
 
     def __init__(
         self,
@@ -45,10 +46,19 @@ class FlightRecorder(Generic[C]):
         self._thread: threading.Thread | None = None
         self.dropped = 0  # changes logged without their flight record: the queue was full
 
+    def start(self) -> None:
+        """Start the recording thread. At start-up: a thread started at a change instead
+        could fail then (a host out of tasks), in the middle of the loop's tick. RuntimeError
+        when it cannot start; then nothing is started, and close() has nothing to end."""
+        if self._thread is not None:
+            return
+        thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+        thread.start()
+        self._thread = thread  # only once started: close() joins no thread that never ran
+
     def submit(self, change: C) -> None:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-            self._thread.start()
+            raise RuntimeError(f"{self._name}: submit() before start()")
         try:
             self._queue.put_nowait(change)
         except queue.Full:

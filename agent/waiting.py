@@ -96,6 +96,10 @@ class SiteBook:
             known = self._sites.get(park.pid)
         return known[1] if known is not None and known[0].same(park) else None
 
+    def start(self) -> None:
+        """Start the reading thread (at start-up: agent.flight says why)."""
+        self._reader.start()
+
     def flush(self, timeout: float) -> bool:
         return self._reader.flush(timeout)
 

@@ -11,6 +11,8 @@ Parts (``--only PART``, or ``--only WORKLOAD`` for one row group of the overhead
   detection  a two-mutex lock cycle forming to /metrics saying deadlocked
   stacks     reading the Python stacks of a pool of 100 and 2,000 parked threads (py-spy
              --nonblocking), against one /proc sample of the same process (a tick's read)
+  slowclients  /metrics scrape latency alone and while 140 slow clients (uid nobody) hold
+             connections open, and the daemon's threads and file descriptors meanwhile
   scaling    the daemon's CPU and tick time as the host grows: 200 / 1,600 / 6,400 parked
              threads, 100 / 1,000 / 10,000 idle connections, 1,600 threads + 1,000
              connections, each against the same daemon watching nothing in the same run
@@ -27,6 +29,7 @@ import random
 import statistics
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,6 +64,7 @@ PARTS = (
     "stacks",
     "schedclock",
     "scaling",
+    "slowclients",
 )
 # Programs that return at once on the same tracepoints, no daemon: what the tracepoints
 # themselves cost, the floor under any program attached there.
@@ -510,6 +514,67 @@ def schedclock(rep: Report, quick: bool) -> None:
     )
 
 
+# --- slow /metrics clients -------------------------------------------------------------------
+
+
+SLOW_CLIENTS = 140  # past the unit's TasksMax (128), as in the attack test
+
+
+def _scrape_ms(port: int, seconds: float) -> list[float]:
+    """Latencies (ms) of back-to-back scrapes of /metrics for ``seconds``, by a client that
+    sends its request at once; a scrape that fails ends the bench."""
+    out = []
+    url = f"http://127.0.0.1:{port}/metrics"
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        t0 = time.perf_counter()
+        with urllib.request.urlopen(url, timeout=30) as r:
+            r.read()
+        out.append((time.perf_counter() - t0) * 1e3)
+        time.sleep(0.02)
+    return out
+
+
+def _threads_and_fds(pid: int) -> tuple[int, int]:
+    status = Path(f"/proc/{pid}/status").read_text()
+    threads = int(next(ln.split()[1] for ln in status.splitlines() if ln.startswith("Threads:")))
+    return threads, len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def slowclients_part(rep: Report, quick: bool) -> None:
+    """What slow clients cost a scraper: back-to-back scrapes alone, then while 140 clients
+    trickle a byte every 2 s (dropped at their deadline, they open again), over 12 s so that
+    the deadline's drops and reconnects fall inside."""
+    from scripts import slowclients
+
+    seconds = 3.0 if quick else 12.0
+    rows = []
+    with Daemon(NOTHING, INTERVAL) as d:
+        d.wait_ready()
+        progress("slowclients: alone")
+        alone = _scrape_ms(d.port, seconds)
+        rows.append(["alone", *_latency_cells(alone), *map(str, _threads_and_fds(d.pid))])
+        with Fixture(slowclients.argv(d.port, SLOW_CLIENTS, 2.0), timeout=30):
+            progress(f"slowclients: {SLOW_CLIENTS} slow clients")
+            held = _scrape_ms(d.port, seconds)
+            counts = _threads_and_fds(d.pid)
+            s = d.scrape() or {}
+        dropped = value(s, "hangwatch_http_connections_dropped_total", reason="deadline")
+        rows.append([f"{SLOW_CLIENTS} slow clients", *_latency_cells(held), *map(str, counts)])
+    rep.table(
+        f"/metrics scrapes back to back for {seconds:g} s: alone, and while {SLOW_CLIENTS} slow "
+        f"clients hold connections ({dropped or 0:g} dropped at their deadline meanwhile)",
+        ["clients", "scrapes", "median ms", "p99 ms", "max ms", "daemon threads", "daemon fds"],
+        rows,
+    )
+
+
+def _latency_cells(ms: Sequence[float]) -> list[str]:
+    ordered = sorted(ms)
+    p99 = ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
+    return [str(len(ms)), f"{statistics.median(ms):.2f}", f"{p99:.2f}", f"{max(ms):.2f}"]
+
+
 # --- main ------------------------------------------------------------------------------------
 
 
@@ -554,6 +619,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "detection": lambda: detection(rep, args.quick),
         "stacks": lambda: stacks(rep, args.quick),
         "schedclock": lambda: schedclock(rep, args.quick),
+        "slowclients": lambda: slowclients_part(rep, args.quick),
         "scaling": lambda: rep.table(
             *scaling.table(*scaling.run(exe, args.quick, WATCH_WORKLOADS))
         ),

@@ -5,6 +5,8 @@ probe's ring buffer."""
 from __future__ import annotations
 
 import logging
+import signal
+import socket
 import threading
 import time
 from collections.abc import Iterable
@@ -14,9 +16,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from agent import daemon as daemon_mod
 from agent.analysis.classify import ProcessVerdict, ServiceVerdict
 from agent.config import validate
 from agent.daemon import DRAIN_SLICE_S, Daemon
+from agent.errors import HangwatchError
 from agent.export.exposition import STAGES
 from agent.observe import enrich
 from agent.sources.procfs import ProcFS
@@ -159,6 +163,7 @@ def test_a_site_is_read_once_per_park_from_half_the_threshold_and_only_for_a_ran
     reads: list[int] = []
     d = make(tmp_path, None)
     d.sites = SiteBook(lambda pid: reads.append(pid) or f"at (p{pid}.py:1)")
+    d.sites.start()
     half = d.cfg.park_threshold_seconds / 2
     rank = synth.process(10, synth.parked(10), comm="python")
     helper = synth.process(11, synth.parked(11), ppid=10, comm="pt_data_worker")
@@ -184,3 +189,120 @@ def test_a_site_is_read_once_per_park_from_half_the_threshold_and_only_for_a_ran
     assert tick_at(110 + half, half) == {} and reads == [10, 10]  # the next park, read anew
     d.cfg = replace(d.cfg, stacks=False)
     assert tick_at(200 + half, half) == {} and reads == [10, 10]
+
+
+def _tick_failures(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.getMessage().startswith("tick failed")]
+
+
+def test_a_tick_that_raises_is_counted_logged_once_and_the_loop_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rule that raises (here the verdicts of every tick) ends neither the tick's caller
+    nor the loop: each is counted and exported at once with the last verdicts, the first is
+    logged with its traceback and the next ones not within TICK_ERROR_LOG_S; once the rule
+    works again, so do the ticks."""
+    d = make(tmp_path, RecordingProbe())
+    d.step()
+    first = d.exposition
+    assert first is not None and first.agent.tick_errors_total == 0
+    assert d.session is not None
+    working = d.session.verdicts
+    calls: list[int] = []
+
+    def broken_rule() -> list[ServiceVerdict]:
+        calls.append(1)
+        raise ZeroDivisionError("a rule divided by zero")
+
+    monkeypatch.setattr(d.session, "verdicts", broken_rule)
+    with caplog.at_level(logging.ERROR, logger="agent.daemon"):
+        for _ in range(3):
+            d.tick()
+    assert d.tick_errors == 3 and len(calls) == 3
+    logged = _tick_failures(caplog)
+    assert len(logged) == 1 and logged[0].exc_info is not None
+    assert logged[0].exc_info[0] is ZeroDivisionError
+    assert d.exposition is not None and d.exposition.agent.tick_errors_total == 3
+    assert d.exposition.services == first.services  # the last verdicts, still served
+    assert d.exposition.agent.last_tick_seconds == first.agent.last_tick_seconds  # and dated
+
+    monkeypatch.setattr("agent.daemon.TICK_ERROR_LOG_S", 0.0)
+    with caplog.at_level(logging.ERROR, logger="agent.daemon"):
+        d.tick()
+    assert len(_tick_failures(caplog)) == 2 and "2 not logged since" in caplog.text
+
+    # The loop itself: ticks that raise, then a stop; it returns, no exception.
+    d.cfg = replace(d.cfg, interval_seconds=0.01)
+    d.session.probe = None
+
+    def broken_then_stop() -> list[ServiceVerdict]:
+        if len(calls) >= 6:
+            d.stop.set()
+        return broken_rule()
+
+    monkeypatch.setattr(d.session, "verdicts", broken_then_stop)
+    d.loop()
+    assert d.tick_errors == 4 + 3
+
+    monkeypatch.setattr(d.session, "verdicts", working)
+    d.stop.clear()
+    d.tick()
+    assert d.tick_errors == 7 and d.exposition.agent.tick_errors_total == 7
+    assert d.exposition.agent.last_tick_seconds > first.agent.last_tick_seconds
+
+
+def test_a_drain_that_raises_is_counted_and_the_wait_still_waits(tmp_path: Path) -> None:
+    probe = RecordingProbe()
+
+    def drain(timeout_s: float) -> None:
+        raise OSError("the ring buffer is gone")
+
+    probe.drain = drain  # type: ignore[method-assign]
+    d = make(tmp_path, probe)
+    t0 = time.monotonic()
+    d._wait_until(t0 + 0.2)
+    assert time.monotonic() - t0 >= 0.2 and d.tick_errors >= 1
+
+
+def test_the_workers_start_at_start_up_and_a_loop_without_them_still_closes(
+    tmp_path: Path,
+) -> None:
+    """No thread is started by a change: a daemon whose workers were never started (a
+    start-up that failed) refuses the change instead, counted as a failed tick, and its loop
+    still ends cleanly (close() joins no thread that never ran)."""
+    cfg = validate({"targets": [{"name": "x", "cmdline": "^nothing$"}]}, "test")
+    d = Daemon(cfg, ProcFS(str(tmp_path)))
+    tick = SimpleNamespace(snapshot=synth.snapshot(synth.process(10, synth.parked(10, 0xA0))))
+    verdict = ServiceVerdict(10, "stalled", [], [], [])
+    before = threading.active_count()
+    with pytest.raises(RuntimeError, match="before start"):
+        d._log_changes([verdict], tick)  # type: ignore[arg-type]
+    assert threading.active_count() == before
+    d.stop.set()
+    d.loop()  # returns: nothing to join
+
+
+def test_a_thread_that_cannot_start_is_a_clear_start_up_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Out of tasks at start-up: `hangwatch run` says so and exits 1 before it binds or
+    attaches anything, rather than failing later in a tick."""
+    cfg = tmp_path / "hangwatch.yaml"
+    with socket.socket() as s:  # a free port: the run must fail before it binds one
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg.write_text(f'listen: "127.0.0.1:{port}"\ntargets:\n  - name: x\n    cmdline: "^nothing$"\n')
+    cfg.chmod(0o600)
+
+    def cannot_start(self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    monkeypatch.setattr(threading.Thread, "start", cannot_start)
+    try:
+        with pytest.raises(HangwatchError, match="cannot start the daemon's threads") as e:
+            daemon_mod.run(str(cfg), None)
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    assert e.value.exit_code == 1 and "TasksMax" in str(e.value)

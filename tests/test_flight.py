@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 from agent.flight import FlightRecorder
 
 
@@ -19,6 +21,8 @@ def test_changes_are_recorded_in_order_beside_the_caller():
         done.append(n)
 
     rec: FlightRecorder[int] = FlightRecorder(record, lambda n: done.append(-n))
+
+    rec.start()
     for n in (1, 2, 3):
         rec.submit(n)  # returns while the first is still being recorded
     assert started.wait(10) and done == []
@@ -38,6 +42,8 @@ def test_beyond_the_bound_a_change_is_logged_at_once():
         done.append(n)
 
     rec: FlightRecorder[int] = FlightRecorder(record, lambda n: done.append(-n), max_pending=2)
+
+    rec.start()
     rec.submit(1)
     assert first.wait(10)  # 1 is being recorded: 2 and 3 wait, 4 and 5 do not fit
     for n in (2, 3, 4, 5):
@@ -57,6 +63,8 @@ def test_a_record_that_fails_is_logged_and_the_next_goes_on(caplog):
         done.append(n)
 
     rec: FlightRecorder[int] = FlightRecorder(record, lambda n: None)
+
+    rec.start()
     rec.submit(1)
     rec.submit(2)
     assert rec.flush(10) and done == [2]
@@ -67,7 +75,24 @@ def test_a_record_that_fails_is_logged_and_the_next_goes_on(caplog):
 def test_close_records_what_is_pending_first():
     done: list[int] = []
     rec: FlightRecorder[int] = FlightRecorder(done.append, lambda n: None)
+    rec.start()
     for n in range(5):
         rec.submit(n)
     rec.close(10)
     assert done == [0, 1, 2, 3, 4]
+
+
+def test_the_thread_starts_at_start_not_at_the_first_change(monkeypatch):
+    """A change is never the moment a thread is started (a host out of tasks would fail the
+    tick then); a start that fails leaves nothing for close() to join."""
+    rec: FlightRecorder[int] = FlightRecorder(lambda n: None, lambda n: None)
+    with pytest.raises(RuntimeError, match="before start"):
+        rec.submit(1)
+
+    def cannot_start(self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", cannot_start)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        rec.start()
+    rec.close(1)  # nothing started, nothing to join: no error

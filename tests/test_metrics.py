@@ -80,6 +80,8 @@ CONTRACT = {
     "hangwatch_last_tick_timestamp_seconds",
     "hangwatch_park_threshold_seconds",
     "hangwatch_build_info",
+    "hangwatch_tick_errors_total",
+    "hangwatch_http_connections_dropped_total",
 }
 
 
@@ -161,6 +163,8 @@ AGENT = AgentStatus(
     ),
     gpu_errors_total=3,
     park_threshold_seconds=60.0,
+    tick_errors_total=1,
+    http_connections_dropped={"deadline": 140, "evicted": 0, "full": 0},
 )
 EXPOSITION = Exposition((SGLANG, PINNED, HTTP), AGENT)
 

@@ -116,7 +116,9 @@ def book_reading(sites: dict[int, str | None]) -> tuple[SiteBook, list[int]]:
         asked.append(pid)
         return sites.get(pid)
 
-    return SiteBook(read), asked
+    book = SiteBook(read)
+    book.start()
+    return book, asked
 
 
 def test_a_park_is_read_once_when_due_and_its_site_holds_until_it_ends():
@@ -154,6 +156,7 @@ def test_a_read_that_ends_after_its_park_does_not_name_the_next_one():
         return "old (x.py:1)"
 
     book = SiteBook(read)
+    book.start()
     first, second = Park(7, 100, 0), Park(7, 100, 3 * 10**9)
     book.update([first], lambda p: True)
     book.update([second], lambda p: False)  # the first park ended while it was read
@@ -172,6 +175,7 @@ def test_reads_past_the_queue_are_asked_again_on_the_next_tick():
         return f"at ({pid}.py:1)"
 
     book = SiteBook(read, max_pending=1)
+    book.start()
     parks = [Park(pid, 1, 0) for pid in (1, 2, 3, 4)]
     book.update(parks, lambda p: True)  # one read runs, one waits, two find the queue full
     assert book.reads == 0

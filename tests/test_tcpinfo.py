@@ -44,7 +44,7 @@ from agent.observe.sampler import Sampler
 from agent.report.sentences import reasons
 from agent.sources import tcpinfo
 from agent.sources.procfs import ProcFS
-from agent.sources.tcpinfo import read_tcp_info
+from agent.sources.tcpinfo import NETNS, read_tcp_info
 from scripts.fixturelib import Fixture
 from tests.synth import parked, process
 from tests.test_procfs_sockets import CountingProcFS, make_job
@@ -538,8 +538,9 @@ def test_hung_http_fixture_waits_and_keep_alive_does_not():
 
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root")
 def test_reader_enters_another_network_namespace():
-    """A server in its own network namespace (a container's view): read through setns in a
-    helper thread; this process's namespace does not have the socket."""
+    """A server in its own network namespace (a container's view): read through a socket
+    made by the namespace thread (setns there, then back); this process's namespace does not
+    have the socket. The thread is started once, not per read, and goes back to ours."""
     script = (
         "import os, socket, time\n"
         "s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen()\n"
@@ -557,9 +558,16 @@ def test_reader_enters_another_network_namespace():
             pytest.skip("no network namespace here (unshare --net or ip failed)")
         port, ino = int(line[0]), int(line[1])
         assert ProcFS().net_namespace(child.pid) != ProcFS().net_namespace("self")
-        got = ProcFS().tcp_info(child.pid, [("tcp", port)])
-        assert ino in got and got[ino].bytes_received == 5
+        NETNS.start()
+        threads = threading.active_count()
+        for _ in range(3):
+            got = ProcFS().tcp_info(child.pid, [("tcp", port)])
+            assert ino in got and got[ino].bytes_received == 5
+        assert threading.active_count() == threads
         assert ino not in read_tcp_info([("tcp", port)])
+        worker = next(t for t in threading.enumerate() if t.name == "hangwatch-netns")
+        own = os.readlink("/proc/self/ns/net")
+        assert os.readlink(f"/proc/self/task/{worker.native_id}/ns/net") == own
     finally:
         child.kill()
         child.wait()

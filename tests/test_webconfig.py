@@ -6,20 +6,32 @@ No root needed: a throwaway certificate from openssl, a server on a free loopbac
 from __future__ import annotations
 
 import base64
+import contextlib
 import shutil
 import socket
 import ssl
 import struct
 import subprocess
+import threading
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import bcrypt
 import pytest
 
 from agent.errors import UsageError
-from agent.export.webconfig import BasicAuth, listen_backlog, load, parse, serve, with_basic_auth
+from agent.export.webconfig import (
+    HTTP_WORKERS,
+    BasicAuth,
+    _Server,
+    listen_backlog,
+    load,
+    parse,
+    serve,
+    with_basic_auth,
+)
 
 PASSWORD = b"s3cret-scrape"
 HASH = bcrypt.hashpw(PASSWORD, bcrypt.gensalt(rounds=4)).decode()
@@ -312,3 +324,137 @@ def test_server_with_tls_and_basic_auth(certs: Path) -> None:
     finally:
         httpd.shutdown()
         httpd.server_close()
+
+
+# --- the server's caps: threads, connections, a deadline per connection ----------------------
+
+
+@contextlib.contextmanager
+def capped_server(
+    monkeypatch: pytest.MonkeyPatch, app=_app, deadline_s: float = 30.0, max_connections: int = 256
+) -> Iterator[tuple[_Server, int]]:
+    monkeypatch.setattr(_Server, "deadline_s", deadline_s)
+    monkeypatch.setattr(_Server, "max_connections", max_connections)
+    httpd, _ = serve("127.0.0.1", 0, app)
+    try:
+        yield httpd, httpd.server_address[1]
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def scrape_body(port: int) -> bytes:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        return r.read()
+
+
+def trickling(port: int, n: int) -> list[socket.socket]:
+    """``n`` connections that each sent the first byte of a request and nothing more."""
+    out = []
+    for _ in range(n):
+        s = socket.create_connection(("127.0.0.1", port), timeout=5)
+        s.sendall(b"G")
+        out.append(s)
+    return out
+
+
+def closed_by_server(s: socket.socket, timeout: float = 5) -> bool:
+    s.settimeout(timeout)
+    try:
+        return s.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_held_connections_cost_no_thread_and_scrapes_get_through(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The answering threads start with the server; 100 connections that never finish their
+    request start none, and a scrape among them is answered."""
+    before = set(threading.enumerate())
+    with capped_server(monkeypatch) as (httpd, port):
+        started = set(threading.enumerate()) - before
+        assert len(started) == HTTP_WORKERS + 1  # and the accept loop
+        held = trickling(port, 100)
+        try:
+            assert scrape_body(port) == b"hangwatch_up 1\n"
+            assert set(threading.enumerate()) - before == started
+        finally:
+            for s in held:
+                s.close()
+        assert httpd.dropped_total() == {"deadline": 0, "evicted": 0, "full": 0}
+
+
+def test_a_client_that_trickles_its_request_is_dropped_at_its_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The deadline is the connection's, not each receive's: a byte every 0.1 s does not
+    keep a 1 s connection open."""
+    with capped_server(monkeypatch, deadline_s=1.0) as (httpd, port):
+        s = socket.create_connection(("127.0.0.1", port), timeout=5)
+        request = b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 1000
+        closed = False
+        for i in range(100):  # 10 s of trickling if it were never dropped
+            try:
+                s.sendall(request[i : i + 1])
+            except OSError:
+                closed = True
+                break
+            if closed_by_server(s, timeout=0.1):
+                closed = True
+                break
+        s.close()
+        assert closed and httpd.dropped_total()["deadline"] == 1
+
+
+def test_at_the_cap_the_oldest_connection_still_sending_makes_room(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with capped_server(monkeypatch, max_connections=3) as (httpd, port):
+        held = trickling(port, 3)
+        try:
+            assert scrape_body(port) == b"hangwatch_up 1\n"  # the fourth: the oldest goes
+            assert closed_by_server(held[0])
+            assert httpd.dropped_total()["evicted"] == 1
+        finally:
+            for s in held:
+                s.close()
+
+
+def test_at_the_cap_with_every_request_sent_a_newcomer_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Requests already sent are answered first: the connection beyond the cap is closed at
+    once, and counted."""
+    release, answering = threading.Event(), threading.Event()
+
+    def slow_app(environ, start_response):
+        answering.set()
+        release.wait(10)
+        return _app(environ, start_response)
+
+    with capped_server(monkeypatch, app=slow_app, max_connections=1) as (httpd, port):
+        first = socket.create_connection(("127.0.0.1", port), timeout=5)
+        first.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+        try:
+            assert answering.wait(5)
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+                assert closed_by_server(s)
+            assert httpd.dropped_total() == {"deadline": 0, "evicted": 0, "full": 1}
+        finally:
+            release.set()
+            first.settimeout(5)
+            assert first.makefile("rb").read().endswith(b"hangwatch_up 1\n")
+            first.close()
+
+
+def test_a_port_in_use_is_an_oserror_and_leaves_no_thread() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        before = set(threading.enumerate())
+        with pytest.raises(OSError):
+            serve("127.0.0.1", taken.getsockname()[1], _app)
+        assert not set(threading.enumerate()) - before

@@ -91,6 +91,9 @@ class AgentStatus:
     last_tick_seconds: float = 0.0
     # The park threshold its verdicts use: job rules compare parks with it (deploy/prometheus).
     park_threshold_seconds: float | None = None
+    tick_errors_total: int = 0  # ticks of the loop that raised (logged; the loop went on)
+    # Connections /metrics ended before answering, by reason (agent.export.webconfig)
+    http_connections_dropped: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -363,6 +363,24 @@ FAMILIES: tuple[_Family, ...] = (
         ("collector",),
     ),
     _Family(
+        "tick_errors",
+        COUNTER,
+        "hangwatch_tick_errors",
+        "Ticks of the agent's loop that failed with an unexpected error (logged, its "
+        "traceback at most once a minute); the loop goes on, and the verdicts exported are "
+        "those of the last tick that completed.",
+        (),
+    ),
+    _Family(
+        "http_dropped",
+        COUNTER,
+        "hangwatch_http_connections_dropped",
+        'Connections to /metrics the agent ended without an answer: reason="deadline" '
+        '(not done within 10 s), "evicted" (still sending its request when 256 were open), '
+        '"full" (refused: 256 were open, each with its request sent).',
+        ("reason",),
+    ),
+    _Family(
         "build_info",
         GAUGE,
         "hangwatch_build_info",
@@ -452,6 +470,10 @@ class _Families:
         self.counter["events_dropped"].add_metric([], agent.events_dropped_total)
         self.counter["maps_full"].add_metric([], agent.maps_full_total)
         self.gauge["last_tick"].add_metric([], agent.last_tick_seconds)
+        self.counter["tick_errors"].add_metric([], agent.tick_errors_total)
+        for reason in sorted(agent.http_connections_dropped):
+            n = agent.http_connections_dropped[reason]
+            self.counter["http_dropped"].add_metric([reason], n)
         if agent.park_threshold_seconds is not None:
             self.gauge["park_threshold"].add_metric([], agent.park_threshold_seconds)
         for name in sorted(agent.programs):

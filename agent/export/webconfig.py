@@ -17,23 +17,32 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
+import errno
 import hashlib
 import hmac
+import io
+import logging
 import os
+import queue
 import re
+import resource
+import selectors
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from socketserver import ThreadingMixIn
 from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 import yaml
 
 from ..config import check_trusted, unknown_key
 from ..errors import UsageError, show
+
+log = logging.getLogger(__name__)
 
 TOP_KEYS = ("tls_server_config", "basic_auth_users")
 TLS_KEYS = ("cert_file", "key_file", "client_auth_type", "client_ca_file", "min_version")
@@ -54,7 +63,19 @@ CLIENT_AUTH = {
 TLS_VERSIONS = {"TLS12": ssl.TLSVersion.TLSv1_2, "TLS13": ssl.TLSVersion.TLSv1_3}
 # Cost at most 15: every check costs 2**cost rounds, and a scrape must not wait seconds.
 _BCRYPT = re.compile(r"\$2[aby]\$(0[4-9]|1[0-5])\$[./A-Za-z0-9]{53}")
-REQUEST_TIMEOUT_S = 30.0  # a client that stalls in the handshake or the request is dropped
+# A connection's whole life, TLS handshake to the answer's last byte (a scrape takes
+# milliseconds; Prometheus gives up after its scrape_timeout, 10 s by default).
+CONNECTION_DEADLINE_S = 10.0
+# Open at once, each a socket and a request head (MAX_HEAD_BYTES); at most a quarter of the
+# file descriptors the process may open (systemd's default soft limit, 1024, allows 256).
+MAX_CONNECTIONS = 256
+MAX_HEAD_BYTES = 16 << 10  # request line and headers: a scrape sends a few hundred bytes
+CLOSE_JOIN_S = 1.0  # how long closing the server waits for each answering thread to end
+ACCEPT_BACKOFF_S = 0.05  # out of file descriptors: wait this long before accepting again
+HTTP_WORKERS = 4  # threads answering requests whose head has arrived, started with the server
+# Why the server ended a connection: past its deadline; dropped, still sending its request,
+# for a newer one at MAX_CONNECTIONS; refused, every open one having sent its request.
+DROP_REASONS = ("deadline", "evicted", "full")
 SOMAXCONN_PATH = "/proc/sys/net/core/somaxconn"
 CACHE_SIZE = 64  # verified credentials kept, so a scrape costs no bcrypt round after the first
 
@@ -336,38 +357,253 @@ def listen_backlog(path: str = SOMAXCONN_PATH) -> int:
 
 
 class _Handler(WSGIRequestHandler):
-    timeout = REQUEST_TIMEOUT_S  # per connection: a stalled client cannot hold a thread
+    """Answers one request whose head the server has already read (``head``)."""
+
+    timeout = None  # the server set the socket's timeout from the connection's deadline
+
+    def __init__(self, request: Any, client_address: Any, server: Any, head: bytes) -> None:
+        self.head = head
+        super().__init__(request, client_address, server)
+
+    def setup(self) -> None:
+        super().setup()
+        self.rfile.close()
+        # The request line and headers, read by the accept loop; a GET has no body to follow.
+        self.rfile = io.BytesIO(self.head)
 
     def log_message(self, format: str, *args: Any) -> None:
         """No access log: scrapes every few seconds would drown the state changes."""
 
 
-class _Server(ThreadingMixIn, WSGIServer):
-    daemon_threads = True
-    tls: ssl.SSLContext | None = None
+class _Connection:
+    """One accepted connection: its socket (an SSLSocket once wrapped), the bytes of its
+    request head so far, the monotonic time it must be done by, and where it stands."""
 
-    def finish_request(self, request: Any, client_address: Any) -> None:
-        # The TLS handshake runs here, in the connection's own thread, not in the accept
-        # loop: a client that never completes it cannot block every other scrape.
-        if self.tls is None:
-            super().finish_request(request, client_address)
-            return
-        request.settimeout(REQUEST_TIMEOUT_S)
+    def __init__(self, sock: socket.socket, address: Any, deadline: float) -> None:
+        self.sock = sock
+        self.address = address
+        self.deadline = deadline
+        self.head = bytearray()
+        self.handshaking = False
+        self.answering = False  # its head is read: queued for a worker, or being answered
+        self.dropped = False
+        self.closed = False
+
+
+def _head_complete(head: bytearray, before: int) -> bool:
+    at = max(0, before - 3)  # only the new bytes and the three before them: no rescans
+    return head.find(b"\r\n\r\n", at) >= 0 or head.find(b"\n\n", at) >= 0
+
+
+class _Server(WSGIServer):
+    """/metrics without a thread per connection: the accept loop reads every request head
+    (and does the TLS handshake) without blocking, in one thread; HTTP_WORKERS threads,
+    started with the server, answer the requests whose head has arrived, in order. A
+    connection that trickles its request costs a socket and a buffer, never a thread, and is
+    dropped at its deadline; at MAX_CONNECTIONS the oldest still sending is dropped for the
+    newcomer. ``dropped`` counts connections ended by the server, by reason."""
+
+    tls: ssl.SSLContext | None = None
+    max_connections = MAX_CONNECTIONS
+    deadline_s = CONNECTION_DEADLINE_S
+    workers = HTTP_WORKERS
+
+    def __init__(self, address: tuple[str, int], handler: Any) -> None:
+        # Before binding: a bind that fails calls server_close(), which must find it all.
+        self._lock = threading.Lock()
+        self._conns: set[_Connection] = set()
+        self._answers: queue.Queue[_Connection | None] = queue.Queue()
+        self._selector = selectors.DefaultSelector()
+        self._stopping = False
+        self._stopped = threading.Event()
+        self._stopped.set()
+        self.dropped = dict.fromkeys(DROP_REASONS, 0)
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != resource.RLIM_INFINITY and soft > 0:  # a quarter of the fds, at most
+            self.max_connections = min(self.max_connections, max(1, soft // 4))
+        self._threads: list[threading.Thread] = []
+        super().__init__(address, handler)
+
+    def dropped_total(self) -> dict[str, int]:
+        """Connections the server ended, by reason (DROP_REASONS), since it started."""
+        with self._lock:
+            return dict(self.dropped)
+
+    def start_workers(self) -> None:
+        """Start the answering threads: at start-up, so that none is needed later."""
+        for i in range(self.workers):
+            t = threading.Thread(target=self._work, name=f"metrics-http-{i}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def serve_forever(self, poll_interval: float = 0.5) -> None:
+        self._stopped.clear()
+        self._selector.register(self.socket, selectors.EVENT_READ, None)
         try:
-            conn = self.tls.wrap_socket(request, server_side=True)
-        except (OSError, ssl.SSLError):
-            return  # plain HTTP, a client certificate refused, a reset: drop it
-        try:
-            super().finish_request(conn, client_address)
+            while not self._stopping:
+                for key, _ in self._selector.select(poll_interval):
+                    try:
+                        if key.data is None:
+                            self._accept()
+                        elif not key.data.closed:  # not evicted earlier in this round
+                            self._advance(key.data)
+                    except Exception:  # a fault of ours: this connection goes, /metrics stays
+                        log.exception("/metrics: a connection dropped on an internal error")
+                        if key.data is not None:
+                            with self._lock:
+                                self._close(key.data)
+                self._reap(time.monotonic())
         finally:
-            conn.close()
+            self._selector.unregister(self.socket)
+            with self._lock:
+                for conn in [c for c in self._conns if not c.answering]:
+                    self._close(conn)
+            self._stopped.set()
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        self._stopped.wait()
+
+    def server_close(self) -> None:
+        super().server_close()
+        with self._lock:  # answers still being written end now, not at their deadline
+            for conn in self._conns:
+                if conn.answering:
+                    with contextlib.suppress(OSError):
+                        socket.socket.shutdown(conn.sock, socket.SHUT_RDWR)
+        for _ in self._threads:
+            self._answers.put(None)
+        for t in self._threads:
+            t.join(CLOSE_JOIN_S)
+        self._threads = []
+        self._selector.close()
+
+    def _accept(self) -> None:
+        try:
+            sock, address = self.socket.accept()
+        except OSError as e:
+            if e.errno in (errno.EMFILE, errno.ENFILE):
+                time.sleep(ACCEPT_BACKOFF_S)  # the connection stays queued: do not spin on it
+            return
+        sock.setblocking(False)
+        with self._lock:
+            if len(self._conns) >= self.max_connections:
+                waiting = (c for c in self._conns if not c.answering)
+                oldest = min(waiting, key=lambda c: c.deadline, default=None)
+                if oldest is None:  # every one has sent its request: they are served first
+                    self.dropped["full"] += 1
+                    sock.close()
+                    return
+                self._drop(oldest, "evicted")
+            conn = _Connection(sock, address, time.monotonic() + self.deadline_s)
+            self._conns.add(conn)
+        if self.tls is not None:
+            try:
+                conn.sock = self.tls.wrap_socket(
+                    sock, server_side=True, do_handshake_on_connect=False
+                )
+            except (OSError, ValueError):
+                with self._lock:
+                    self._close(conn)
+                return
+            conn.handshaking = True
+        self._selector.register(conn.sock, selectors.EVENT_READ, conn)
+
+    def _advance(self, conn: _Connection) -> None:
+        """The handshake and the request head, as far as the bytes that came allow."""
+        try:
+            if conn.handshaking:
+                conn.sock.do_handshake()  # type: ignore[attr-defined]
+                conn.handshaking = False
+            while True:
+                before = len(conn.head)
+                data = conn.sock.recv(MAX_HEAD_BYTES + 1 - before)
+                if not data:
+                    raise ConnectionResetError("closed before its request ended")
+                conn.head += data
+                if _head_complete(conn.head, before) or len(conn.head) > MAX_HEAD_BYTES:
+                    break  # too long: the handler answers it with an error
+        except ssl.SSLWantReadError:
+            self._selector.modify(conn.sock, selectors.EVENT_READ, conn)
+            return
+        except ssl.SSLWantWriteError:
+            self._selector.modify(conn.sock, selectors.EVENT_WRITE, conn)
+            return
+        except BlockingIOError:
+            return
+        except (OSError, ValueError):  # a reset, plain HTTP on TLS, a refused certificate
+            with self._lock:
+                self._close(conn)
+            return
+        self._selector.unregister(conn.sock)
+        with self._lock:
+            conn.answering = True
+        self._answers.put(conn)
+
+    def _reap(self, now: float) -> None:
+        with self._lock:
+            late = [c for c in self._conns if c.deadline <= now and not c.dropped]
+            for conn in late:
+                self._drop(conn, "deadline")
+
+    def _drop(self, conn: _Connection, reason: str) -> None:
+        """End ``conn`` for the server's reason (under the lock, in the accept loop): one still
+        sending is closed here; one being answered is shut down, its worker then closes it."""
+        self.dropped[reason] += 1
+        conn.dropped = True
+        if not conn.answering:
+            self._close(conn)
+            return
+        # The socket's own shutdown: SSLSocket's would tear its TLS state from the writer.
+        with contextlib.suppress(OSError):
+            socket.socket.shutdown(conn.sock, socket.SHUT_RDWR)
+
+    def _close(self, conn: _Connection) -> None:
+        """Close ``conn`` once (under the lock)."""
+        if conn.closed:
+            return
+        conn.closed = True
+        self._conns.discard(conn)
+        if not conn.answering:
+            with contextlib.suppress(KeyError, ValueError):
+                self._selector.unregister(conn.sock)
+        conn.sock.close()
+
+    def _work(self) -> None:
+        while True:
+            conn = self._answers.get()
+            if conn is None:
+                return
+            try:
+                self._answer(conn)
+            finally:
+                with self._lock:
+                    self._close(conn)
+
+    def _answer(self, conn: _Connection) -> None:
+        left = conn.deadline - time.monotonic()
+        if left <= 0 or conn.dropped:
+            with self._lock:  # it waited for a worker past its deadline
+                if not conn.dropped:
+                    conn.dropped = True
+                    self.dropped["deadline"] += 1
+            return
+        try:
+            conn.sock.settimeout(left)  # each send bounded; the reaper bounds them all
+            _Handler(conn.sock, conn.address, self, bytes(conn.head))
+            conn.sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass  # the client went away, or was too slow to take the answer
+        except Exception:
+            self.handle_error(conn.sock, conn.address)
 
 
 def serve(
     host: str, port: int, app: WsgiApp, web: WebConfig | None = None
-) -> tuple[WSGIServer, threading.Thread]:
+) -> tuple[_Server, threading.Thread]:
     """Bind ``host:port`` and serve ``app`` (behind TLS and basic auth if ``web`` says so)
-    from a daemon thread. OSError when the address does not resolve or cannot be bound."""
+    from a daemon thread, its HTTP_WORKERS threads started now. OSError when the address does
+    not resolve or cannot be bound; RuntimeError when a thread cannot start."""
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     family, _, _, _, sockaddr = infos[0]
 
@@ -377,9 +613,15 @@ def serve(
 
     if web is not None and web.users:
         app = with_basic_auth(app, BasicAuth(web.users))
-    httpd = make_server(str(sockaddr[0]), port, app, Server, handler_class=_Handler)
+    httpd = Server((str(sockaddr[0]), port), WSGIRequestHandler)  # unused: _work answers
+    httpd.set_app(app)
     if web is not None and web.tls is not None:
         Server.tls = web.tls.context()
     thread = threading.Thread(target=httpd.serve_forever, name="metrics-http", daemon=True)
-    thread.start()
+    try:
+        httpd.start_workers()
+        thread.start()
+    except BaseException:
+        httpd.server_close()
+        raise
     return httpd, thread

@@ -17,9 +17,10 @@ into dicts; this reader took 4.4 ms, reading the inode and four fields of tcp_in
 fixed offsets (the uapi layout, which the kernel only ever extends at the end).
 
 Network namespaces: a netlink socket reads the namespace it was created in. For a process in
-another one (a container), the socket is made in a short-lived thread that first joins that
-namespace (setns(CLONE_NEWNET) affects the calling thread only; needs CAP_SYS_ADMIN, which the
-agent has as root); the agent's other threads never leave theirs.
+another one (a container), the socket is made by a thread of its own (``NETNS``, started with
+the daemon) that joins that namespace and comes back (setns(CLONE_NEWNET) affects the calling
+thread only; needs CAP_SYS_ADMIN, which the agent has as root); the agent's other threads
+never leave theirs.
 
 Every failure (netlink refused, no permission, a namespace gone, a dump that does not end)
 gives an empty answer, never an exception: the verdict then does without this evidence.
@@ -27,10 +28,13 @@ gives an empty answer, never an exception: the verdict then does without this ev
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import errno
 import functools
 import logging
 import os
+import queue
 import socket
 import struct
 import threading
@@ -124,9 +128,7 @@ def read_tcp_info(
     established socket of both families. ``netns``: the path of the namespace to read
     (``/proc/PID/ns/net``); None: the caller's own. Empty on any failure."""
     try:
-        if netns is None:
-            return _read(ports)
-        return _in_netns(netns, lambda: _read(ports))
+        return _read(ports, netns)
     except (OSError, TimeoutError) as e:
         log.debug("tcp_info not read (netns %s): %r", netns, e)
         return {}
@@ -325,9 +327,10 @@ def _attr(data: bytes, pos: int, end: int, kind: int) -> tuple[int, int] | None:
     return None
 
 
-def _read(ports: Iterable[tuple[str, int]] | None) -> dict[int, TcpInfo]:
+def _read(ports: Iterable[tuple[str, int]] | None, netns: str | None) -> dict[int, TcpInfo]:
     out: dict[int, TcpInfo] = {}
-    _dump(_requests(ports), 1 << TCP_ESTABLISHED, 1 << (INET_DIAG_INFO - 1), parse_dump, out)
+    info = 1 << (INET_DIAG_INFO - 1)
+    _dump(_requests(ports), 1 << TCP_ESTABLISHED, info, parse_dump, out, netns)
     return out
 
 
@@ -352,11 +355,7 @@ def read_sockets(
     seen: dict[bytes, tuple[int, bytes, TcpSocket]] = {}
     parse = parse_sockets if ext else _bare_parser(_BARE_LAST.get(memo, {}), seen)
     try:
-        requests = _requests(ports)
-        if netns is None:
-            _dump(requests, states, ext, parse, out)
-        else:
-            _in_netns(netns, lambda: _dump(requests, states, ext, parse, out))
+        _dump(_requests(ports), states, ext, parse, out, netns)
     except (OSError, TimeoutError) as e:
         log.debug("sockets not read over netlink (netns %s): %r", netns, e)
         return None
@@ -374,11 +373,12 @@ def _dump(
     ext: int,
     parse: Callable[[bytes, T], bool],
     out: T,
+    netns: str | None = None,
 ) -> None:
     """Ask for each dump of ``requests`` in turn and ``parse`` each read into ``out``."""
     if not requests:
         return
-    with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_SOCK_DIAG) as nl:
+    with _netlink(netns) as nl:
         nl.settimeout(NETNS_TIMEOUT_S)  # the kernel answers at once; never hang a tick on it
         for af, wanted in requests:
             nl.send(_request(af, states, ext, wanted))
@@ -396,10 +396,7 @@ def lookup_sockets(
     failure."""
     out: list[TcpSocket] = []
     try:
-        if netns is None:
-            _lookups(sockets, out, info)
-        else:
-            _in_netns(netns, lambda: _lookups(sockets, out, info))
+        _lookups(sockets, out, info, netns)
     except (OSError, TimeoutError, ValueError) as e:
         log.debug("sockets not looked up (netns %s): %r", netns, e)
         return None
@@ -423,10 +420,12 @@ def _lookup_request(s: TcpSocket, seq: int, info: bool = True) -> bytes:
     )
 
 
-def _lookups(sockets: Sequence[TcpSocket], out: list[TcpSocket], info: bool) -> None:
+def _lookups(
+    sockets: Sequence[TcpSocket], out: list[TcpSocket], info: bool, netns: str | None = None
+) -> None:
     """Each lookup is answered by one message, the socket or an error (ENOENT: gone):
     asked LOOKUPS_PER_SEND at a time, so that the answers fit the receive buffer."""
-    with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_SOCK_DIAG) as nl:
+    with _netlink(netns) as nl:
         nl.settimeout(NETNS_TIMEOUT_S)
         for at in range(0, len(sockets), LOOKUPS_PER_SEND):
             batch = sockets[at : at + LOOKUPS_PER_SEND]
@@ -465,30 +464,86 @@ def _setns(fd: int, nstype: int) -> None:
         raise OSError(err, os.strerror(err))
 
 
-def _in_netns(path: str, fn: Callable[[], T]) -> T:
-    """``fn()`` run in a fresh thread that has joined the network namespace at ``path``."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)  # opened here: a missing one raises here
-    result: list[T] = []
-    error: list[BaseException] = []
+def _netlink(netns: str | None) -> socket.socket:
+    """A sock_diag socket of the namespace at path ``netns`` (None: our own)."""
+    if netns is None:
+        return socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_SOCK_DIAG)
+    return NETNS.socket(netns)
 
-    def run() -> None:
+
+class _Job:
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.done = threading.Event()
+        self.sock: socket.socket | None = None
+        self.error: BaseException | None = None
+        self.abandoned = False  # the caller stopped waiting: a socket made late is closed
+
+
+class NetnsSockets:
+    """Sock_diag sockets made in other network namespaces by one thread of its own: it
+    joins the namespace, makes the socket, and goes back to its own (setns(CLONE_NEWNET)
+    affects the calling thread only, and a socket reads the namespace it was made in). Making
+    a socket never blocks, so one thread serves every read; the reads run in the caller's
+    thread, under the socket's timeout. The daemon starts it at start-up (``start()``), so
+    that no tick starts a thread; a one-shot command's first use starts it."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        """Start the thread; RuntimeError if it cannot start."""
+        with self._lock:
+            if self._thread is not None:
+                return
+            thread = threading.Thread(target=self._run, name="hangwatch-netns", daemon=True)
+            thread.start()
+            self._thread = thread
+
+    def socket(self, path: str) -> socket.socket:
+        """A sock_diag socket of the namespace at ``path``; OSError when it cannot be made."""
         try:
-            _setns(fd, CLONE_NEWNET)
-            result.append(fn())
-        except BaseException as e:
-            error.append(e)
-        finally:
-            os.close(fd)
+            self.start()
+        except RuntimeError as e:  # no task left for it: this read fails, not the caller
+            raise OSError(errno.EAGAIN, f"no thread to enter {path}: {e}") from None
+        job = _Job(os.open(path, os.O_RDONLY | os.O_CLOEXEC))  # a missing one raises here
+        self._jobs.put(job)
+        if not job.done.wait(NETNS_TIMEOUT_S):
+            with self._lock:
+                job.abandoned = True
+                late = job.sock
+            if late is not None:
+                late.close()
+            raise TimeoutError(f"no socket in {path} within {NETNS_TIMEOUT_S} s")
+        if job.error is not None:
+            raise job.error
+        assert job.sock is not None
+        return job.sock
 
-    t = threading.Thread(target=run, name="hangwatch-tcpinfo", daemon=True)
-    try:
-        t.start()
-    except BaseException:
-        os.close(fd)
-        raise
-    t.join(NETNS_TIMEOUT_S)
-    if error:
-        raise error[0]
-    if not result:
-        raise TimeoutError(f"tcp_info in {path}: no answer within {NETNS_TIMEOUT_S} s")
-    return result[0]
+    def _run(self) -> None:
+        home = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        while True:
+            job = self._jobs.get()
+            try:
+                _setns(job.fd, CLONE_NEWNET)
+                try:
+                    sock = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_SOCK_DIAG)
+                finally:
+                    # Back home, so that no namespace is kept alive by this thread.
+                    with contextlib.suppress(OSError):
+                        _setns(home, CLONE_NEWNET)
+                with self._lock:
+                    if job.abandoned:
+                        sock.close()
+                    else:
+                        job.sock = sock
+            except Exception as e:
+                job.error = e
+            finally:
+                os.close(job.fd)
+                job.done.set()
+
+
+NETNS = NetnsSockets()

@@ -63,5 +63,7 @@ def test_bench_suite_quick_reports_every_row() -> None:
     others = "50 other processes \\(not watched\\)"
     for what in ("200 parked threads \\(1 x 200\\)", "100 idle connections", others):
         assert re.search(rf"^{what}\s+{NUM}\s+[+-]{NUM}\s+{NUM}\s+{NUM}", out, re.M), msg
+    for who in ("alone", "140 slow clients"):  # slowclients: scrapes, latencies, threads, fds
+        assert re.search(rf"^{who}\s+\d+\s+{NUM}\s+{NUM}\s+{NUM}\s+\d+\s+\d+$", out, re.M), msg
     target = r"^1,600 parked threads \(8 x 200\) \+ 1,000 idle connections\s.*\s(met|NOT met)$"
     assert re.search(target, out, re.M), msg
