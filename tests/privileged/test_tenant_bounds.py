@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts.fixturelib import REPO_ROOT, Fixture
+from scripts.fixturelib import FIXTURES_DIR, REPO_ROOT, Fixture
 from tests.privileged.daemonlib import (
     INTERVAL,
     Daemon,
@@ -41,31 +41,7 @@ from tests.privileged.test_confinement import NOBODY, PYTHON
 
 MAPPINGS = 62_000
 PATH_CHARS = 4_000
-MARK = "hangwatch-huge-maps-target"  # in the command line, for the daemon's selector
-HUGE_MAPS = f"""
-# {MARK}
-import ctypes, os, sys, threading
-base = sys.argv[1]
-d = base
-while len(d) < {PATH_CHARS} - 300:
-    d = os.path.join(d, "d" * 200)
-    os.makedirs(d, exist_ok=True)
-path = os.path.join(d, "f" * ({PATH_CHARS} - len(d) - 1))
-fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-os.ftruncate(fd, 4096)
-libc = ctypes.CDLL(None, use_errno=True)
-libc.mmap.restype = ctypes.c_void_p
-libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                      ctypes.c_int, ctypes.c_long]
-for i in range({MAPPINGS}):
-    # PROT_READ, then PROT_READ|PROT_WRITE: no two neighbours alike, none merged
-    if libc.mmap(None, 4096, 1 if i % 2 else 3, 1, fd, 0) == ctypes.c_void_p(-1).value:
-        raise OSError(ctypes.get_errno(), "mmap")
-print("READY", len(path), flush=True)
-wake = threading.Event()
-while True:
-    wake.wait(0.05)  # a timed futex wait, shorter than a tick: it runs between every two
-"""
+HUGE_MAPS = FIXTURES_DIR / "huge_maps.py"
 
 
 def unit_memory_max() -> int:
@@ -123,12 +99,16 @@ def test_a_huge_maps_costs_the_daemon_bounded_memory_and_time(
     cfg = tmp_path / "hangwatch.yaml"
     cfg.write_text(
         f'listen: "127.0.0.1:{port}"\ninterval_seconds: {INTERVAL}\nstacks: false\n'
-        f"park_threshold_seconds: 2\ntargets:\n  - name: huge-maps\n    cmdline: {MARK!r}\n"
+        "park_threshold_seconds: 2\ntargets:\n  - name: huge-maps\n    cmdline: 'huge_maps[.]py'\n"
     )
     limit = unit_memory_max()
-    target = Fixture([*NOBODY, PYTHON, "-c", HUGE_MAPS, str(owned_dir)], timeout=60)
+    # Its text, not its path: nobody may not be able to search the checkout's directories.
+    code = HUGE_MAPS.read_text()  # names huge_maps.py: the command line the selector matches
+    argv = [*NOBODY, PYTHON, "-c", code, str(owned_dir), str(MAPPINGS), str(PATH_CHARS)]
+    target = Fixture(argv, timeout=60)
     with running_daemon(cfg, port) as d, target as t:
-        maps = sum(1 for _ in open(f"/proc/{t.pid}/maps", "rb"))
+        with open(f"/proc/{t.pid}/maps", "rb") as f:
+            maps = sum(1 for _ in f)
         assert maps >= MAPPINGS, f"the target has {maps} mappings, not {MAPPINGS}"
         wait_until(
             d,
