@@ -15,7 +15,7 @@ import os
 import re
 import socket
 import struct
-from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from ..model import (
@@ -56,6 +56,7 @@ MAPS_LINE_MAX = 4096 + 128
 PATH_TOO_LONG = "[path too long]"
 # A namespace's /proc/net/{tcp,tcp6,unix} where sock_diag cannot be asked: 100,000 sockets.
 NET_TABLE_MAX_BYTES = 16 << 20
+READ_CHUNK = 1 << 16  # bytes a streamed read asks for at a time
 NET_LINE_MAX = 512  # a TCP line is 150 bytes, a unix one 50 and a path of at most 108
 FDS_WALKED_MAX = 1 << 16  # fds of one process looked at per walk (RLIMIT_NOFILE may be 1M)
 # PROCMAP_QUERY (Linux 6.11, include/uapi/linux/fs.h): the mapping that holds an address,
@@ -413,10 +414,11 @@ class MappingsAt:
 
 
 class BoundedLines:
-    """The lines of a file a target controls, read one at a time and never whole: at most
-    ``max_bytes`` in all (the read's time), a line at most ``line_max`` bytes (the rest of
-    it skipped: the read's memory). Iterates (line, whether it was cut); ``cut`` says
-    afterwards whether the read stopped at ``max_bytes`` before the file's end. A file that
+    """The lines of a file a target controls, read a chunk at a time and never whole: at
+    most ``max_bytes`` in all (the read's time), a line kept to its first ``line_max``
+    bytes (the rest skipped: the read's memory). Iterates (line without its newline,
+    whether it was longer); ``cut`` says afterwards whether the read stopped at
+    ``max_bytes`` before the file's end (the unfinished line there is dropped). A file that
     cannot be opened, or fails mid-read (the process exited), gives what was read."""
 
     def __init__(self, path: str, max_bytes: int, line_max: int) -> None:
@@ -424,27 +426,36 @@ class BoundedLines:
         self.cut = False
 
     def __iter__(self) -> Iterator[tuple[str, bool]]:
+        head, long = b"", False  # the line read so far (at most line_max), and if longer
         try:
-            with open(self.path, "rb", buffering=1 << 16) as f:
+            with open(self.path, "rb", buffering=0) as f:
                 total = 0
-                while True:
-                    if total >= self.max_bytes:
-                        self.cut = bool(f.read(1))
-                        return
-                    line = f.readline(self.line_max)
-                    if not line:
-                        return
-                    total += len(line)
-                    long = not line.endswith(b"\n") and len(line) == self.line_max
-                    while long and total < self.max_bytes:  # skip the rest of the line
-                        rest = f.readline(self.line_max)
-                        total += len(rest)
-                        if not rest or rest.endswith(b"\n"):
-                            break
-                    # Not UTF-8 strict: a path may hold any bytes.
-                    yield line.decode(errors="replace"), long
+                while total < self.max_bytes:
+                    chunk = f.read(min(READ_CHUNK, self.max_bytes - total))
+                    if not chunk:
+                        break
+                    total += len(chunk)
+                    pieces = chunk.split(b"\n")
+                    for piece in pieces[:-1]:
+                        if not long:
+                            head += piece
+                        # Not UTF-8 strict: a path may hold any bytes.
+                        yield (
+                            head[: self.line_max].decode(errors="replace"),
+                            long or len(head) > self.line_max,
+                        )
+                        head, long = b"", False
+                    if not long:
+                        head += pieces[-1]
+                        if len(head) > self.line_max:
+                            head, long = head[: self.line_max + 1], True
+                if total >= self.max_bytes and f.read(1):
+                    self.cut = True
+                    return
         except OSError:
             return  # ESRCH and the like: the process is exiting
+        if head:  # a last line without its newline
+            yield head[: self.line_max].decode(errors="replace"), long or len(head) > self.line_max
 
 
 def maps_cut_reason(max_bytes: int = MAPS_MAX_BYTES) -> str:
@@ -827,31 +838,26 @@ class ProcFS:
         MAPS_MAX_BYTES (counted in ``maps_cut``)."""
         return self.maps_read(pid).maps
 
-    def maps_read(self, pid: int | str, keep: Callable[[MemMap], bool] | None = None) -> MapsRead:
-        """/proc/PID/maps streamed line by line, never whole: at most MAPS_MAX_BYTES read
-        (a target that maps one file 62,000 times under a 4,000-character path makes it
-        250 MB), a line of at most MAPS_LINE_MAX kept (a longer one's path is
-        PATH_TOO_LONG), the mappings ``keep`` accepts kept (all by default), and the same
-        path, permissions and device held once however many mappings name them."""
+    def maps_read(self, pid: int | str, holding: Sequence[int] | None = None) -> MapsRead:
+        """/proc/PID/maps streamed, never whole: at most MAPS_MAX_BYTES read (a target that
+        maps one file 62,000 times under a 4,000-character path makes it 250 MB), a line
+        of at most MAPS_LINE_MAX kept (a longer one's path is PATH_TOO_LONG), only the
+        mappings that hold one of ``holding`` (sorted addresses) if given, and a path held
+        once however many mappings name it."""
         lines = BoundedLines(self._path(pid, "maps"), MAPS_MAX_BYTES, MAPS_LINE_MAX)
-        names: dict[str, str] = {}
+        paths: dict[str, str] = {}
         out: list[MemMap] = []
         for line, long in lines:
+            if holding is not None and not _holds_one(line, holding):
+                continue  # told from its first field alone: most lines, most of the time
             m = parse_maps_line(line)
-            if m is None or (keep is not None and not keep(m)):
+            if m is None:
                 continue
             path = PATH_TOO_LONG if long else m.path
-            out.append(
-                MemMap(
-                    m.start,
-                    m.end,
-                    names.setdefault(m.perms, m.perms),
-                    m.offset,
-                    names.setdefault(m.dev, m.dev),
-                    m.inode,
-                    names.setdefault(path, path),
-                )
-            )
+            known = paths.setdefault(path, path)
+            if known is not m.path:
+                m = MemMap(m.start, m.end, m.perms, m.offset, m.dev, m.inode, known)
+            out.append(m)
         if lines.cut:
             self.maps_cut += 1
         return MapsRead(out, maps_cut_reason() if lines.cut else None)
@@ -869,12 +875,7 @@ class ProcFS:
             if got is not None:
                 return got
         wanted = sorted(addrs)
-
-        def holds_one(m: MemMap) -> bool:
-            i = bisect.bisect_left(wanted, m.start)
-            return i < len(wanted) and wanted[i] < m.end
-
-        read = self.maps_read(pid, holds_one)
+        read = self.maps_read(pid, wanted)
         starts = [m.start for m in read.maps]
         found = {}
         for a in wanted:
@@ -920,6 +921,16 @@ class ProcFS:
             return ProcessMemory(os.open(os.path.join(self.root, str(pid), "mem"), os.O_RDONLY))
         except OSError:
             return None
+
+
+def _holds_one(line: str, addrs: Sequence[int]) -> bool:
+    """Whether the maps line's range (its first field) holds one of ``addrs`` (sorted)."""
+    start_hex, _, rest = line.partition("-")
+    start, end = _uint(start_hex, 16), _uint(rest.partition(" ")[0], 16)
+    if start is None or end is None:
+        return False
+    i = bisect.bisect_left(addrs, start)
+    return i < len(addrs) and addrs[i] < end
 
 
 def _queried_mapping(arg: bytearray) -> MemMap:
