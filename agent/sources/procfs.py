@@ -458,8 +458,10 @@ class BoundedLines:
             yield head[: self.line_max].decode(errors="replace"), long or len(head) > self.line_max
 
 
-def maps_cut_reason(max_bytes: int = MAPS_MAX_BYTES) -> str:
-    return f"its memory map (/proc/PID/maps) is larger than {max_bytes >> 20} MiB: read to there"
+def maps_cut_reason() -> str:
+    """Why a read of the maps stopped short, in words a log line can show."""
+    size = f"{MAPS_MAX_BYTES >> 20} MiB" if MAPS_MAX_BYTES >= 1 << 20 else f"{MAPS_MAX_BYTES} bytes"
+    return f"its memory map (/proc/PID/maps) is larger than {size}: read to there"
 
 
 class ProcFS:
@@ -496,8 +498,9 @@ class ProcFS:
         return os.path.join(self.root, *map(str, parts))
 
     def _read(self, *parts: object) -> str | None:
-        """The file's text, its first READ_MAX_BYTES at most; None where it cannot be read."""
-        raw = self._read_bytes(*parts)
+        """The file's text, its whole lines within its first READ_MAX_BYTES; None where it
+        cannot be read."""
+        raw = self._read_bytes(*parts, sep=b"\n")
         # Not UTF-8 strict: a comm or a path may hold any bytes.
         return raw.decode(errors="replace") if raw is not None else None
 
@@ -549,15 +552,21 @@ class ProcFS:
         got = parse_port_range(text) if text else None
         return got[0] if got else DEFAULT_EPHEMERAL_FROM
 
-    def _read_bytes(self, *parts: object, limit: int = READ_MAX_BYTES) -> bytes | None:
+    def _read_bytes(
+        self, *parts: object, limit: int = READ_MAX_BYTES, sep: bytes = b"\0"
+    ) -> bytes | None:
         """The file's first ``limit`` bytes at most (a command line, an environment, an epoll
-        set's fdinfo are as long as the process makes them); None where it cannot be read
-        (gone: ESRCH and the like)."""
+        set's fdinfo are as long as the process makes them), up to the last ``sep`` in them
+        where the file is longer: a record cut in two would read as another (a port of 80
+        for 8000); None where it cannot be read (gone: ESRCH and the like)."""
         try:
             with open(os.path.join(self.root, *map(str, parts)), "rb") as f:
-                return f.read(limit)
+                data = f.read(limit + 1)
         except OSError:
             return None
+        if len(data) <= limit:
+            return data
+        return data[: data.rfind(sep, 0, limit) + 1]
 
     def tids(self, pid: int) -> list[int]:
         try:
@@ -720,7 +729,7 @@ class ProcFS:
         """Whether the process holds a POSIX timer (/proc/PID/timers lists one per timer):
         one could send it a signal and end a wait that nothing else can. Only the start of
         the file is read: a process may hold many thousands."""
-        return bool((self._read_bytes(pid, "timers", limit=64) or b"").strip())
+        return bool((self._read_bytes(pid, "timers", limit=64, sep=b"\n") or b"").strip())
 
     def exe(self, pid: int) -> str | None:
         """The path of the process's executable (its /proc/PID/exe link)."""
