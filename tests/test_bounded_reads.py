@@ -88,6 +88,16 @@ def test_maps_past_the_cap_are_cut_and_say_so(tmp_path: Path, monkeypatch) -> No
     assert set(got.found) == {0x1000} and got.cut == read.cut  # past the cut: not found, said
 
 
+def test_maps_past_the_line_cap_are_cut_and_say_so(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(procfs, "MAPS_MAX_LINES", 100)
+    proc = tree(
+        tmp_path, {"maps": "".join(maps_line(i << 12, (i + 1) << 12) for i in range(1, 300))}
+    )
+    read = proc.maps_read(7)
+    assert len(read.maps) == 100 and read.cut is not None and "100 mappings" in read.cut
+    assert proc.maps_cut == 1
+
+
 def test_a_line_past_path_max_keeps_its_mapping_not_its_path(tmp_path: Path) -> None:
     long_path = "/" + "d" * 200 + ("/" + "d" * 200) * 30
     assert len(long_path) > MAPS_LINE_MAX

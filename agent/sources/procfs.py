@@ -50,6 +50,7 @@ U64 = 1 << 64
 READ_MAX_BYTES = 1 << 20  # any whole-file read (cmdline, environ, an epoll set's fdinfo)
 # /proc/PID/maps: past the default vm.max_map_count (65,530) lines of 256 bytes each.
 MAPS_MAX_BYTES = 16 << 20
+MAPS_MAX_LINES = 1 << 17  # mappings: twice the default vm.max_map_count
 # One line of maps: PATH_MAX and the fixed fields. The kernel prints a path longer than
 # PATH_MAX whole (nested directories); such a line is kept with PATH_TOO_LONG as its path.
 MAPS_LINE_MAX = 4096 + 128
@@ -458,9 +459,15 @@ class BoundedLines:
             yield head[: self.line_max].decode(errors="replace"), long or len(head) > self.line_max
 
 
-def maps_cut_reason() -> str:
-    """Why a read of the maps stopped short, in words a log line can show."""
-    size = f"{MAPS_MAX_BYTES >> 20} MiB" if MAPS_MAX_BYTES >= 1 << 20 else f"{MAPS_MAX_BYTES} bytes"
+def maps_cut_reason(lines: int | None = None) -> str:
+    """Why a read of the maps stopped short (at ``lines`` mappings, else at its bytes), in
+    words a log line can show."""
+    if lines is not None:
+        size = f"{lines:,} mappings"
+    elif MAPS_MAX_BYTES >= 1 << 20:
+        size = f"{MAPS_MAX_BYTES >> 20} MiB"
+    else:
+        size = f"{MAPS_MAX_BYTES} bytes"
     return f"its memory map (/proc/PID/maps) is larger than {size}: read to there"
 
 
@@ -848,15 +855,18 @@ class ProcFS:
         return self.maps_read(pid).maps
 
     def maps_read(self, pid: int | str, holding: Sequence[int] | None = None) -> MapsRead:
-        """/proc/PID/maps streamed, never whole: at most MAPS_MAX_BYTES read (a target that
-        maps one file 62,000 times under a 4,000-character path makes it 250 MB), a line
-        of at most MAPS_LINE_MAX kept (a longer one's path is PATH_TOO_LONG), only the
-        mappings that hold one of ``holding`` (sorted addresses) if given, and a path held
-        once however many mappings name it."""
+        """/proc/PID/maps streamed, never whole: at most MAPS_MAX_BYTES and MAPS_MAX_LINES
+        read (a target that maps one file 62,000 times under a 4,000-character path makes
+        it 250 MB), a line of at most MAPS_LINE_MAX kept (a longer one's path is
+        PATH_TOO_LONG), only the mappings that hold one of ``holding`` (sorted addresses)
+        if given, and a path held once however many mappings name it."""
         lines = BoundedLines(self._path(pid, "maps"), MAPS_MAX_BYTES, MAPS_LINE_MAX)
         paths: dict[str, str] = {}
         out: list[MemMap] = []
-        for line, long in lines:
+        for n, (line, long) in enumerate(lines):
+            if n >= MAPS_MAX_LINES:
+                self.maps_cut += 1
+                return MapsRead(out, maps_cut_reason(MAPS_MAX_LINES))
             if holding is not None and not _holds_one(line, holding):
                 continue  # told from its first field alone: most lines, most of the time
             m = parse_maps_line(line)
