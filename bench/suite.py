@@ -13,6 +13,10 @@ Parts (``--only PART``, or ``--only WORKLOAD`` for one row group of the overhead
              --nonblocking), against one /proc sample of the same process (a tick's read)
   slowclients  /metrics scrape latency alone and while 140 slow clients (uid nobody) hold
              connections open, and the daemon's threads and file descriptors meanwhile
+  maps       placing a process's waits and stacks in its memory maps (the sampler, each tick
+             the process ran): the whole file read and parsed (before), streamed keeping
+             only the mappings asked for, and asked of the kernel (PROCMAP_QUERY), for a
+             pool of 200 threads and for 62,000 mappings under a 4,000-character path
   scaling    the daemon's CPU and tick time as the host grows: 200 / 1,600 / 6,400 parked
              threads, 100 / 1,000 / 10,000 idle connections, 1,600 threads + 1,000
              connections, each against the same daemon watching nothing in the same run
@@ -63,6 +67,7 @@ PARTS = (
     "detection",
     "stacks",
     "schedclock",
+    "maps",
     "scaling",
     "slowclients",
 )
@@ -569,6 +574,103 @@ def slowclients_part(rep: Report, quick: bool) -> None:
     )
 
 
+# --- maps ------------------------------------------------------------------------------------
+
+
+def _wait_addresses(pid: int) -> set[int]:
+    """What the sampler asks the maps about: each blocked thread's stack pointer and the
+    first argument of its syscall (a futex word, for a futex wait)."""
+    from agent.sources.procfs import ProcFS
+
+    proc = ProcFS()
+    out = set()
+    for tid in proc.tids(pid):
+        sc = proc.thread_syscall(pid, tid)
+        if sc is not None and sc.sp:
+            out.add(sc.sp)
+            if sc.args:
+                out.add(sc.args[0])
+    return out
+
+
+def _whole_file(pid: int, addrs: set[int]) -> int:
+    """The sampler's read before: the whole file in one string, every line parsed."""
+    import bisect
+
+    from agent.sources.procfs import parse_maps_line
+
+    with open(f"/proc/{pid}/maps", errors="replace") as f:
+        text = f.read()
+    maps = sorted((m for m in map(parse_maps_line, text.splitlines()) if m), key=lambda m: m.start)
+    starts = [m.start for m in maps]
+    return sum(
+        1 for a in addrs if (i := bisect.bisect_right(starts, a) - 1) >= 0 and a < maps[i].end
+    )
+
+
+def _timed_and_peak(fn: Callable[[], object], reps: int) -> tuple[float, float]:
+    """Median seconds of ``reps`` calls, and the peak of Python memory one call allocates (MiB)."""
+    import tracemalloc
+
+    took = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        took.append(time.perf_counter() - t0)
+    tracemalloc.start()
+    try:
+        fn()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    return statistics.median(took), peak / (1 << 20)
+
+
+def _maps_rows(name: str, pid: int, reps: int) -> list[list[str]]:
+    from agent.sources.procfs import ProcFS
+
+    addrs = _wait_addresses(pid)
+    deadline = time.monotonic() + 10
+    while not addrs and time.monotonic() < deadline:  # READY is printed before its first wait
+        time.sleep(0.1)
+        addrs = _wait_addresses(pid)
+    with open(f"/proc/{pid}/maps", "rb") as f:
+        lines = sum(1 for _ in f)
+    streamed = ProcFS()
+    streamed._procmap_query = False  # as on a kernel before 6.11
+    progress(f"maps: {name}, {lines} mappings, {len(addrs)} addresses, {reps} reps")
+    ways = (
+        ("whole file (before)", lambda: _whole_file(pid, addrs)),
+        ("streamed, capped", lambda: streamed.mappings_at(pid, addrs)),
+        ("PROCMAP_QUERY", lambda: ProcFS().mappings_at(pid, addrs)),
+    )
+    rows = []
+    for way, fn in ways:
+        took, peak = _timed_and_peak(fn, reps)
+        rows.append([name, f"{lines}", f"{len(addrs)}", way, f"{took * 1e3:.2f}", f"{peak:.1f}"])
+    return rows
+
+
+def maps(rep: Report, quick: bool) -> None:
+    """What placing waits in the maps costs, three ways, for a pool of 200 parked threads
+    and for a target whose maps are 62,000 lines of a 4,000-character path."""
+    import tempfile
+
+    rows = []
+    with Fixture.py("py_pool", "200", timeout=90) as fx:
+        rows += _maps_rows("pool of 200 threads", fx.pid, 5 if quick else 25)
+    with (
+        tempfile.TemporaryDirectory(prefix="hangwatch-bench-maps-") as d,
+        Fixture.py("huge_maps", d, timeout=90) as fx,
+    ):
+        rows += _maps_rows("62,000 mappings", fx.pid, 1 if quick else 3)
+    rep.table(
+        "Placing waits in the memory maps (median; peak Python memory of one read)",
+        ["target", "mappings", "addresses", "read", "ms", "peak MiB"],
+        rows,
+    )
+
+
 def _latency_cells(ms: Sequence[float]) -> list[str]:
     ordered = sorted(ms)
     p99 = ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
@@ -620,6 +722,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "stacks": lambda: stacks(rep, args.quick),
         "schedclock": lambda: schedclock(rep, args.quick),
         "slowclients": lambda: slowclients_part(rep, args.quick),
+        "maps": lambda: maps(rep, args.quick),
         "scaling": lambda: rep.table(
             *scaling.table(*scaling.run(exe, args.quick, WATCH_WORKLOADS))
         ),

@@ -6,6 +6,7 @@ import os
 import socket
 import struct
 import threading
+from collections.abc import Collection
 from pathlib import Path
 
 from hypothesis import given
@@ -15,6 +16,7 @@ from agent.model import FUTEX_WAIT, ProbeReading
 from agent.observe.discovery import descendants
 from agent.observe.sampler import Sampler
 from agent.sources.procfs import (
+    MappingsAt,
     ProcFS,
     parse_epoll_fds,
     parse_exec_start_ms,
@@ -203,6 +205,10 @@ class CountingProcFS(ProcFS):
         name = "/".join(map(str, parts)) if parts[0] == "thread-self" else str(parts[-1])
         self.reads[name] = self.reads.get(name, 0) + 1
         return super()._read(*parts)
+
+    def mappings_at(self, pid: int, addrs: Collection[int]) -> MappingsAt:
+        self.reads["maps"] = self.reads.get("maps", 0) + 1
+        return super().mappings_at(pid, addrs)
 
 
 def test_a_thread_that_did_not_run_is_not_read_again(tmp_path):
@@ -395,7 +401,7 @@ def test_parse_net_unix_keeps_bound_paths_by_inode():
         "0000000012345678: 00000002 00000000 00010000 0001 01 31021 @hidden\n"
         "garbage\n"
     )
-    assert parse_net_unix(text) == {31020: "/tmp/run/scheduler", 31021: "hidden"}
+    assert parse_net_unix(text.splitlines()) == {31020: "/tmp/run/scheduler", 31021: "hidden"}
 
 
 def test_parse_epoll_fds_reads_each_tfd_line():

@@ -10,7 +10,7 @@ agent.report.fds says it in words.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 from ..model import FdLink, FdWait, ProcessSample, SocketPeer
 from ..sources.procfs import ProcFS
@@ -43,26 +43,62 @@ def fd_name(target: str | None, fd: int) -> str:
     return f"{target} (fd {fd})"
 
 
-def sockets(proc: ProcFS, pid: int) -> dict[int, SocketPeer]:
-    """Inode -> what each socket of the process's network namespace is: TCP by peer or
-    listening port, unix sockets by their bound path (the side that connected has none)."""
-    out: dict[int, SocketPeer] = {}
-    for s in proc.tcp_sockets(pid):
-        if s.state == TCP_LISTEN:
-            out[s.inode] = SocketPeer("listening", port=s.port)
-        elif s.remote_port:
-            out[s.inode] = SocketPeer("tcp", port=s.remote_port, address=s.remote_address)
-    for inode, path in proc.unix_socket_paths(pid).items():
-        out[inode] = SocketPeer("unix", path=path)
-    return out
+class SocketPeers(Mapping[int, SocketPeer]):
+    """Inode -> what a socket of a process's network namespace is: TCP by peer or listening
+    port (the namespace's table, read once), a unix socket by its bound path (the side that
+    connected has none), looked up by inode when first asked: a namespace may hold 100,000
+    unix sockets, and a report asks about a few."""
+
+    def __init__(self, proc: ProcFS, pid: int) -> None:
+        self.proc, self.pid = proc, pid
+        self.tcp: dict[int, SocketPeer] = {}
+        for s in proc.tcp_sockets(pid):
+            if s.state == TCP_LISTEN:
+                self.tcp[s.inode] = SocketPeer("listening", port=s.port)
+            elif s.remote_port:
+                self.tcp[s.inode] = SocketPeer("tcp", port=s.remote_port, address=s.remote_address)
+        self.unix: dict[int, SocketPeer | None] = {}
+
+    def look_up(self, inodes: Iterable[int]) -> None:
+        """Look up the unix paths of ``inodes`` not yet known, in one read."""
+        new = {i for i in inodes if i not in self.tcp and i not in self.unix}
+        if not new:
+            return
+        paths = self.proc.unix_socket_paths(self.pid, new)
+        for i in new:
+            self.unix[i] = SocketPeer("unix", path=paths[i]) if i in paths else None
+
+    def __getitem__(self, inode: int) -> SocketPeer:
+        self.look_up([inode])
+        peer = self.tcp.get(inode) or self.unix.get(inode)
+        if peer is None:
+            raise KeyError(inode)
+        return peer
+
+    def __iter__(self) -> Iterator[int]:
+        yield from self.tcp
+        yield from (i for i, p in self.unix.items() if p is not None and i not in self.tcp)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+def sockets(proc: ProcFS, pid: int) -> SocketPeers:
+    """What the sockets of the process's network namespace are (SocketPeers)."""
+    return SocketPeers(proc, pid)
+
+
+def _socket_inode(target: str | None) -> int | None:
+    if target is None or not target.startswith("socket:["):
+        return None
+    inner = target[8:-1]
+    return int(inner) if inner.isascii() and inner.isdigit() else None
 
 
 def fd_link(target: str | None, fd: int, known: Mapping[int, SocketPeer] | None = None) -> FdLink:
     """One fd, with its socket's peer where ``known`` (inode -> peer, see sockets) has it."""
-    peer = None
-    if target is not None and target.startswith("socket:["):
-        inner = target[8:-1]
-        peer = (known or {}).get(int(inner)) if inner.isdigit() else None
+    inode = _socket_inode(target)
+    peer = known.get(inode) if known is not None and inode is not None else None
     return FdLink(fd, fd_name(target, fd), peer)
 
 
@@ -117,7 +153,10 @@ def waited_on(
     fds = [fd for fd in fds if 0 <= fd < 1 << 31]
     if not fds:
         return None
-    links = tuple(fd_link(proc.fd_target(pid, fd), fd, known) for fd in fds[:MAX_FDS])
+    targets = [(fd, proc.fd_target(pid, fd)) for fd in fds[:MAX_FDS]]
+    if isinstance(known, SocketPeers):  # the unix sockets among them, in one lookup
+        known.look_up(i for _, t in targets if (i := _socket_inode(t)) is not None)
+    links = tuple(fd_link(target, fd, known) for fd, target in targets)
     return FdWait(links, max(0, len(fds) - MAX_FDS))
 
 
@@ -126,7 +165,7 @@ def waits_on(proc: ProcFS, samples: Iterable[ProcessSample]) -> dict[tuple[int, 
     ``samples`` that is (a futex wait has no fd)."""
     out = {}
     for p in samples:
-        known: dict[int, SocketPeer] | None = None
+        known: SocketPeers | None = None
         for t in p.threads:
             if t.blocked and t.syscall is not None and wait_kind(t.syscall) != FUTEX:
                 if known is None:

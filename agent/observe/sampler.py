@@ -7,7 +7,7 @@ service to date it, a proven process's POSIX timers), so the analysis is handed 
 
 from __future__ import annotations
 
-import bisect
+import logging
 import os
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping
@@ -38,7 +38,7 @@ from ..model import (
     is_blocked,
     thread_ids,
 )
-from ..sources.procfs import MemMap, ProcessMemory, ProcFS, TcpSocket
+from ..sources.procfs import ProcessMemory, ProcFS, TcpSocket
 from ..sources.schedclock import SchedClock
 from ..sources.tcpinfo import TCP_ESTABLISHED, TCP_LISTEN
 from ..syscalls import (
@@ -51,6 +51,8 @@ from ..syscalls import (
     wait_kind,
 )
 from .sockets import SocketTables
+
+log = logging.getLogger(__name__)
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")  # /proc/PID/stat counts starttime in these
 
@@ -226,6 +228,7 @@ class Sampler:
         self._ns_reads: dict[str, _NsRead] = {}  # network namespace -> its last read
         self.infos_read = 0  # how many tcp_info were read from the kernel (tests, the bench)
         self.tables_reused = 0  # namespaces handed out as the last tick read them (tests)
+        self._maps_cut: set[int] = set()  # processes whose maps read was cut, and logged
 
     def snapshot(self, pids: Iterable[int], probe: ProbeReading | None = None) -> Snapshot:
         probe = probe or ProbeReading()
@@ -258,6 +261,7 @@ class Sampler:
         }
         self._plumbing = self._next_plumbing
         self._kept = self._next_kept
+        self._maps_cut &= processes.keys()
         known = {tid for p in processes.values() for tid in thread_ids(p.threads)}
         foreign = {}
         for tid in owner_candidates(processes.values()) - known:
@@ -498,32 +502,32 @@ class Sampler:
     def _place_in_maps(
         self, pid: int, threads: list[ThreadSample], stack_ptrs: dict[int, int]
     ) -> tuple[list[ThreadSample], dict[int, tuple]]:
-        """One read of /proc/PID/maps, for processes with waits, gives two things:
-        each blocked thread's stack mapping (validates pthread_join edges), and the
-        identity of futex words in shared mappings, as (device, inode, offset), so that
-        one barrier in shared memory is one word in every process that maps it."""
+        """The mappings that hold its waits' words and its blocked threads' stack pointers,
+        for processes with waits, give two things: each blocked thread's stack mapping
+        (validates pthread_join edges), and the identity of futex words in shared mappings,
+        as (device, inode, offset), so that one barrier in shared memory is one word in
+        every process that maps it. Only those mappings are asked for (ProcFS.mappings_at:
+        a process that runs between ticks is asked again each tick, and its maps may hold
+        62,000 lines); a read of the maps cut short is logged once per process."""
         addrs = {t.wait.uaddr for t in threads if t.wait and not t.wait.vector}
         addrs |= {t.refused.uaddr for t in threads if t.refused}
         if not addrs:
             return threads, {}
-        maps = sorted(self.proc.maps(pid), key=lambda m: m.start)
-        starts = [m.start for m in maps]
-
-        def mapping_of(addr: int) -> MemMap | None:
-            # Mappings do not overlap: a bisection, since a big pool has thousands of
-            # thread stacks and as many mappings.
-            i = bisect.bisect_right(starts, addr) - 1
-            return maps[i] if i >= 0 and addr < maps[i].end else None
-
+        at = self.proc.mappings_at(pid, addrs | set(stack_ptrs.values()))
+        if at.cut is not None and pid not in self._maps_cut:
+            self._maps_cut.add(pid)
+            log.warning(
+                "process %d: %s; its waits and stacks past that are not placed", pid, at.cut
+            )
         word_ids = {}
         for a in addrs:
-            m = mapping_of(a)
+            m = at.found.get(a)
             if m is not None and "s" in m.perms:
                 word_ids[a] = ("shared", m.dev, m.inode, m.offset + (a - m.start))
         placed = []
         for t in threads:
             sp = stack_ptrs.get(t.tid)
-            stack = mapping_of(sp) if sp is not None else None
+            stack = at.found.get(sp) if sp is not None else None
             placed.append(replace(t, stack=(stack.start, stack.end)) if stack else t)
         return placed, word_ids
 

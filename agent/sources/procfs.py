@@ -8,6 +8,9 @@ chose (prctl PR_SET_NAME), so nothing here may trust a file to be UTF-8 or well 
 
 from __future__ import annotations
 
+import bisect
+import errno
+import fcntl
 import os
 import re
 import socket
@@ -34,10 +37,34 @@ from .tcpinfo import (
     read_sockets,
     read_tcp_info,
 )
+from .unixdiag import UnixPathsRead, read_unix_paths
 
 # The kernel's ceiling for kernel.pid_max (PID_MAX_LIMIT on 64-bit): no PID is larger.
 PID_MAX_LIMIT = 1 << 22
 U64 = 1 << 64
+
+# What one read of a file a target controls may cost (docs/security.md, "Every read
+# bounded"). A process chooses how long its maps, its command line and environment, its
+# epoll sets and timers and its namespace's socket tables are; these caps keep each read's
+# time and memory bounded whatever it chooses.
+READ_MAX_BYTES = 1 << 20  # any whole-file read (cmdline, environ, an epoll set's fdinfo)
+# /proc/PID/maps: past the default vm.max_map_count (65,530) lines of 256 bytes each.
+MAPS_MAX_BYTES = 16 << 20
+MAPS_MAX_LINES = 1 << 17  # mappings: twice the default vm.max_map_count
+# One line of maps: PATH_MAX and the fixed fields. The kernel prints a path longer than
+# PATH_MAX whole (nested directories); such a line is kept with PATH_TOO_LONG as its path.
+MAPS_LINE_MAX = 4096 + 128
+PATH_TOO_LONG = "[path too long]"
+# A namespace's /proc/net/{tcp,tcp6,unix} where sock_diag cannot be asked: 100,000 sockets.
+NET_TABLE_MAX_BYTES = 16 << 20
+READ_CHUNK = 1 << 16  # bytes a streamed read asks for at a time
+NET_LINE_MAX = 512  # a TCP line is 150 bytes, a unix one 50 and a path of at most 108
+FDS_WALKED_MAX = 1 << 16  # fds of one process looked at per walk (RLIMIT_NOFILE may be 1M)
+# PROCMAP_QUERY (Linux 6.11, include/uapi/linux/fs.h): the mapping that holds an address,
+# asked of /proc/PID/maps by ioctl, with no text.
+PROCMAP_QUERY = 0xC0686611  # _IOWR('f', 17, struct procmap_query), 104 bytes
+PROCMAP_QUERY_ARG = struct.Struct("=9Q4I2Q")
+PROCMAP_READ, PROCMAP_WRITE, PROCMAP_EXEC, PROCMAP_SHARED = 1, 2, 4, 8
 
 
 def printable(text: str, limit: int = 1024) -> str:
@@ -162,8 +189,13 @@ def _addr(hexaddr: str, family: str) -> str | None:
 
 def parse_net_tcp(text: str, family: str) -> list[TcpSocket]:
     """/proc/PID/net/tcp{,6}. For a LISTEN socket rx_queue is the accept queue's length."""
-    out = []
-    for line in text.splitlines()[1:]:
+    return list(parse_net_tcp_lines(text.splitlines(), family))
+
+
+def parse_net_tcp_lines(lines: Iterable[str], family: str) -> Iterator[TcpSocket]:
+    """parse_net_tcp, one line at a time (the header, or any line not of the format, is
+    skipped)."""
+    for line in lines:
         f = line.split()
         if len(f) < 10:
             continue
@@ -178,18 +210,40 @@ def parse_net_tcp(text: str, family: str) -> list[TcpSocket]:
             continue  # not a line of this format: skip it, keep the rest
         if inode is None or raddr is None or rport is None:
             continue
-        out.append(TcpSocket(family, addr, port, st, tx, rx, inode, raddr, rport))
-    return out
+        yield TcpSocket(family, addr, port, st, tx, rx, inode, raddr, rport)
 
 
-def parse_net_unix(text: str) -> dict[int, str]:
+# A record of /proc/net/unix (net/unix/af_unix.c, unix_seq_show): the socket's address (%pK,
+# zeros for most readers), refcount, protocol, flags, type, state, inode, and its bound name
+# if it has one, printed raw: the last field, and the only one a process chooses.
+_UNIX_RECORD = re.compile(
+    r"[0-9a-f]{8,16}: [0-9A-F]{8} [0-9A-F]{8} [0-9A-F]{8} [0-9A-F]{4} [0-9A-F]{2} +([0-9]{1,10})"
+    r"(?: (.{1,108}))?"
+)
+
+
+def parse_net_unix(lines: Iterable[str], inodes: Collection[int] | None = None) -> dict[int, str]:
     """/proc/PID/net/unix: inode -> bound path of the unix sockets that have one (an
-    abstract name without its leading @); the side that connected has none."""
+    abstract name without its leading @), those of ``inodes`` only if given; the side that
+    connected has none. The kernel prints a name's bytes raw, newlines included, so a name
+    can hold a line that reads as a record of another socket: an inode listed twice (the
+    socket's own record and a forged one) is believed in neither, and a line that is not a
+    whole record is skipped."""
     out: dict[int, str] = {}
-    for line in text.splitlines()[1:]:
-        parts = line.split()
-        if len(parts) >= 8 and parts[6].isdigit():
-            out[int(parts[6])] = printable(parts[7].lstrip("@"))
+    seen: set[int] = set()
+    twice: set[int] = set()
+    for line in lines:
+        m = _UNIX_RECORD.fullmatch(line.rstrip("\n"))
+        if m is None:
+            continue
+        inode = int(m.group(1))
+        if inode in seen:
+            twice.add(inode)
+        seen.add(inode)
+        if m.group(2) and (inodes is None or inode in inodes):
+            out[inode] = printable(m.group(2).removeprefix("@"))
+    for inode in twice:
+        out.pop(inode, None)
     return out
 
 
@@ -327,6 +381,7 @@ def _named_ports(argv: Sequence[str]) -> tuple[int, ...]:
 
 
 def parse_maps_line(line: str) -> MemMap | None:
+    """One line of /proc/PID/maps; None where it is not one."""
     f = line.split(maxsplit=5)
     if len(f) < 5:
         return None
@@ -342,6 +397,80 @@ def parse_maps_line(line: str) -> MemMap | None:
     return MemMap(start, end, f[1], offset, f[3], inode, f[5].strip() if len(f) > 5 else "")
 
 
+@dataclass(frozen=True)
+class MapsRead:
+    """What one read of /proc/PID/maps kept, and why it stopped short if it did."""
+
+    maps: list[MemMap]
+    cut: str | None = None  # a reason to show: the read stopped before the end of the file
+
+
+@dataclass(frozen=True)
+class MappingsAt:
+    """The mappings that hold some addresses of a process: address -> its mapping (an
+    address in none is absent), and why some could not be looked for if so."""
+
+    found: dict[int, MemMap]
+    cut: str | None = None
+
+
+class BoundedLines:
+    """The lines of a file a target controls, read a chunk at a time and never whole: at
+    most ``max_bytes`` in all (the read's time), a line kept to its first ``line_max``
+    bytes (the rest skipped: the read's memory). Iterates (line without its newline,
+    whether it was longer); ``cut`` says afterwards whether the read stopped at
+    ``max_bytes`` before the file's end (the unfinished line there is dropped). A file that
+    cannot be opened, or fails mid-read (the process exited), gives what was read."""
+
+    def __init__(self, path: str, max_bytes: int, line_max: int) -> None:
+        self.path, self.max_bytes, self.line_max = path, max_bytes, line_max
+        self.cut = False
+
+    def __iter__(self) -> Iterator[tuple[str, bool]]:
+        head, long = b"", False  # the line read so far (at most line_max), and if longer
+        try:
+            with open(self.path, "rb", buffering=0) as f:
+                total = 0
+                while total < self.max_bytes:
+                    chunk = f.read(min(READ_CHUNK, self.max_bytes - total))
+                    if not chunk:
+                        break
+                    total += len(chunk)
+                    pieces = chunk.split(b"\n")
+                    for piece in pieces[:-1]:
+                        if not long:
+                            head += piece
+                        # Not UTF-8 strict: a path may hold any bytes.
+                        yield (
+                            head[: self.line_max].decode(errors="replace"),
+                            long or len(head) > self.line_max,
+                        )
+                        head, long = b"", False
+                    if not long:
+                        head += pieces[-1]
+                        if len(head) > self.line_max:
+                            head, long = head[: self.line_max + 1], True
+                if total >= self.max_bytes and f.read(1):
+                    self.cut = True
+                    return
+        except OSError:
+            return  # ESRCH and the like: the process is exiting
+        if head:  # a last line without its newline
+            yield head[: self.line_max].decode(errors="replace"), long or len(head) > self.line_max
+
+
+def maps_cut_reason(lines: int | None = None) -> str:
+    """Why a read of the maps stopped short (at ``lines`` mappings, else at its bytes), in
+    words a log line can show."""
+    if lines is not None:
+        size = f"{lines:,} mappings"
+    elif MAPS_MAX_BYTES >= 1 << 20:
+        size = f"{MAPS_MAX_BYTES >> 20} MiB"
+    else:
+        size = f"{MAPS_MAX_BYTES} bytes"
+    return f"its memory map (/proc/PID/maps) is larger than {size}: read to there"
+
+
 class ProcFS:
     """Reads one /proc tree. Every method returns None (or empty) when the entry vanished.
 
@@ -353,29 +482,34 @@ class ProcFS:
         root: str = "/proc",
         tcp_info: TcpInfoRead | None = read_tcp_info,
         sockets: SocketsRead | None = None,
+        unix_paths: UnixPathsRead | None = None,
     ) -> None:
         """``tcp_info`` reads the kernel's sock_diag (None: not at all). ``sockets`` lists a
         namespace's sockets; by default, the kernel's sock_diag where ``root`` is the real
-        /proc, and none elsewhere (a fixture tree lists its own in net/tcp)."""
+        /proc, and none elsewhere (a fixture tree lists its own in net/tcp). ``unix_paths``
+        looks unix sockets up by inode, the same way (agent.sources.unixdiag)."""
         self.root = root
         self._tcp_info = tcp_info
         if sockets is None and root == "/proc":
             sockets = read_sockets
         self._sockets = sockets
         self._lookup: SocketsLookup | None = lookup_sockets if sockets is read_sockets else None
+        if unix_paths is None and root == "/proc":
+            unix_paths = read_unix_paths
+        self._unix_paths = unix_paths
+        self._procmap_query = True  # until the kernel says it has no PROCMAP_QUERY (ENOTTY)
+        self.maps_cut = 0  # reads of maps stopped at MAPS_MAX_BYTES (tests, the bench)
+        self.fd_walks_cut = 0  # fd walks stopped at FDS_WALKED_MAX
 
     def _path(self, *parts: object) -> str:
         return os.path.join(self.root, *map(str, parts))
 
     def _read(self, *parts: object) -> str | None:
-        try:
-            # Not UTF-8 strict: a comm or a path may hold any bytes.
-            with open(os.path.join(self.root, *map(str, parts)), errors="replace") as f:
-                return f.read()
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            return None
-        except OSError:
-            return None  # ESRCH and the like: the thread is exiting
+        """The file's text, its whole lines within its first READ_MAX_BYTES; None where it
+        cannot be read."""
+        raw = self._read_bytes(*parts, sep=b"\n")
+        # Not UTF-8 strict: a comm or a path may hold any bytes.
+        return raw.decode(errors="replace") if raw is not None else None
 
     def pids(self) -> list[int]:
         return [int(n) for n in os.listdir(self.root) if n.isascii() and n.isdigit()]
@@ -425,12 +559,21 @@ class ProcFS:
         got = parse_port_range(text) if text else None
         return got[0] if got else DEFAULT_EPHEMERAL_FROM
 
-    def _read_bytes(self, *parts: object) -> bytes | None:
+    def _read_bytes(
+        self, *parts: object, limit: int = READ_MAX_BYTES, sep: bytes = b"\0"
+    ) -> bytes | None:
+        """The file's first ``limit`` bytes at most (a command line, an environment, an epoll
+        set's fdinfo are as long as the process makes them), up to the last ``sep`` in them
+        where the file is longer: a record cut in two would read as another (a port of 80
+        for 8000); None where it cannot be read (gone: ESRCH and the like)."""
         try:
             with open(os.path.join(self.root, *map(str, parts)), "rb") as f:
-                return f.read()
+                data = f.read(limit + 1)
         except OSError:
             return None
+        if len(data) <= limit:
+            return data
+        return data[: data.rfind(sep, 0, limit) + 1]
 
     def tids(self, pid: int) -> list[int]:
         try:
@@ -491,13 +634,25 @@ class ProcFS:
         text = self._read(pid, "io")
         return parse_io_wchar(text) if text else None
 
+    def _fd_names(self, pid: int) -> list[str]:
+        """The process's fds, the first FDS_WALKED_MAX of them (a process may hold a
+        million); a walk stopped there is counted in ``fd_walks_cut``."""
+        names: list[str] = []
+        try:
+            with os.scandir(os.path.join(self.root, str(pid), "fd")) as entries:
+                for e in entries:
+                    if len(names) >= FDS_WALKED_MAX:
+                        self.fd_walks_cut += 1
+                        break
+                    names.append(e.name)
+        except OSError:
+            pass
+        return names
+
     def _fd_inodes(self, pid: int, kind: str) -> Iterator[tuple[str, int]]:
         """(fd, inode) of each fd of the process whose link reads 'KIND:[inode]'."""
         fd_dir = os.path.join(self.root, str(pid), "fd")
-        try:
-            names = os.listdir(fd_dir)
-        except OSError:
-            return
+        names = self._fd_names(pid)
         prefix = f"{kind}:["
         for name in names:
             try:
@@ -548,12 +703,8 @@ class ProcFS:
         """(fd, its target) of the fds written_fds reports: the fd walk, which only the
         process itself can change."""
         fd_dir = os.path.join(self.root, str(pid), "fd")
-        try:
-            names = os.listdir(fd_dir)
-        except OSError:
-            return []
         out = []
-        for name in names:
+        for name in self._fd_names(pid):
             try:
                 link = os.readlink(os.path.join(fd_dir, name))
             except OSError:
@@ -583,8 +734,9 @@ class ProcFS:
 
     def has_posix_timers(self, pid: int) -> bool:
         """Whether the process holds a POSIX timer (/proc/PID/timers lists one per timer):
-        one could send it a signal and end a wait that nothing else can."""
-        return bool((self._read(pid, "timers") or "").strip())
+        one could send it a signal and end a wait that nothing else can. Only the start of
+        the file is read: a process may hold many thousands."""
+        return bool((self._read_bytes(pid, "timers", limit=64, sep=b"\n") or b"").strip())
 
     def exe(self, pid: int) -> str | None:
         """The path of the process's executable (its /proc/PID/exe link)."""
@@ -621,9 +773,24 @@ class ProcFS:
             ports, None if own else os.path.join(self.root, str(pid), "ns", "net")
         )
 
-    def unix_socket_paths(self, pid: int) -> dict[int, str]:
-        """Inode -> bound path of the unix sockets of the process's network namespace."""
-        return parse_net_unix(self._read(pid, "net", "unix") or "")
+    def unix_socket_paths(self, pid: int, inodes: Collection[int]) -> dict[int, str]:
+        """Inode -> bound path of those of the unix sockets ``inodes`` of the process's
+        network namespace that have one. Looked up by inode with sock_diag (no text: a name
+        cannot pass for another socket's record) where this reads the real /proc, else,
+        or where that fails, from /proc/PID/net/unix, streamed and capped (parse_net_unix
+        says how a forged line is told)."""
+        if not inodes:
+            return {}
+        if self._unix_paths is not None:
+            theirs = self.net_namespace(pid)
+            if theirs is None:
+                return {}
+            netns = None if theirs == self.net_namespace("self") else self._path(pid, "ns", "net")
+            got = self._unix_paths(inodes, netns)
+            if got is not None:
+                return {i: printable(p.removeprefix("@")) for i, p in got.items()}
+        lines = BoundedLines(self._path(pid, "net", "unix"), NET_TABLE_MAX_BYTES, NET_LINE_MAX)
+        return parse_net_unix((line for line, long in lines if not long), set(inodes))
 
     def epoll_fds(self, pid: int, epfd: int) -> list[int]:
         """The fds in the process's epoll set ``epfd``."""
@@ -656,14 +823,16 @@ class ProcFS:
                 return got
         out: list[TcpSocket] = []
         for family in ("tcp", "tcp6"):
-            text = self._read(pid, "net", family)
-            if text:
-                out.extend(parse_net_tcp(text, family))
-        return [
-            s
-            for s in out
-            if (wanted is None or s.port in wanted) and (not listening or s.state == TCP_LISTEN)
-        ]
+            # Streamed, capped, and only the sockets asked for kept: 100,000 of them are the
+            # process's namespace's to open.
+            path = self._path(pid, "net", family)
+            lines = BoundedLines(path, NET_TABLE_MAX_BYTES, NET_LINE_MAX)
+            for s in parse_net_tcp_lines((line for line, long in lines if not long), family):
+                if (wanted is None or s.port in wanted) and (
+                    not listening or s.state == TCP_LISTEN
+                ):
+                    out.append(s)
+        return out
 
     def tcp_lookup(
         self, pid: int, sockets: Sequence[TcpSocket], info: bool = True
@@ -681,16 +850,118 @@ class ProcFS:
         return self._lookup(sockets, netns, info)
 
     def maps(self, pid: int | str) -> list[MemMap]:
-        text = self._read(pid, "maps")
-        if not text:
-            return []
-        return [m for m in map(parse_maps_line, text.splitlines()) if m is not None]
+        """The process's mappings, in address order: ``maps_read``'s, cut at
+        MAPS_MAX_BYTES (counted in ``maps_cut``)."""
+        return self.maps_read(pid).maps
+
+    def maps_read(self, pid: int | str, holding: Sequence[int] | None = None) -> MapsRead:
+        """/proc/PID/maps streamed, never whole: at most MAPS_MAX_BYTES and MAPS_MAX_LINES
+        read (a target that maps one file 62,000 times under a 4,000-character path makes
+        it 250 MB), a line of at most MAPS_LINE_MAX kept (a longer one's path is
+        PATH_TOO_LONG), only the mappings that hold one of ``holding`` (sorted addresses)
+        if given, and a path held once however many mappings name it."""
+        lines = BoundedLines(self._path(pid, "maps"), MAPS_MAX_BYTES, MAPS_LINE_MAX)
+        paths: dict[str, str] = {}
+        out: list[MemMap] = []
+        for n, (line, long) in enumerate(lines):
+            if n >= MAPS_MAX_LINES:
+                self.maps_cut += 1
+                return MapsRead(out, maps_cut_reason(MAPS_MAX_LINES))
+            if holding is not None and not _holds_one(line, holding):
+                continue  # told from its first field alone: most lines, most of the time
+            m = parse_maps_line(line)
+            if m is None:
+                continue
+            path = PATH_TOO_LONG if long else m.path
+            known = paths.setdefault(path, path)
+            if known is not m.path:
+                m = MemMap(m.start, m.end, m.perms, m.offset, m.dev, m.inode, known)
+            out.append(m)
+        if lines.cut:
+            self.maps_cut += 1
+        return MapsRead(out, maps_cut_reason() if lines.cut else None)
+
+    def mappings_at(self, pid: int, addrs: Collection[int]) -> MappingsAt:
+        """The mapping that holds each of ``addrs`` (those in none left out), without the
+        maps' text where the kernel can be asked (PROCMAP_QUERY, Linux 6.11: one ioctl per
+        mapping, whatever the maps hold; their paths are not asked for, and are ""), else
+        from ``maps_read`` keeping only those mappings (then ``cut`` says if it stopped
+        short: an address past the cut is not found)."""
+        if not addrs:
+            return MappingsAt({})
+        if self._procmap_query:
+            got = self._query_mappings(pid, addrs)
+            if got is not None:
+                return got
+        wanted = sorted(addrs)
+        read = self.maps_read(pid, wanted)
+        starts = [m.start for m in read.maps]
+        found = {}
+        for a in wanted:
+            i = bisect.bisect_right(starts, a) - 1
+            if i >= 0 and a < read.maps[i].end:
+                found[a] = read.maps[i]
+        return MappingsAt(found, read.cut)
+
+    def _query_mappings(self, pid: int, addrs: Collection[int]) -> MappingsAt | None:
+        """``mappings_at`` by PROCMAP_QUERY; None where the kernel (or a fixture tree's
+        plain file) does not know the ioctl."""
+        try:
+            fd = os.open(self._path(pid, "maps"), os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return MappingsAt({})
+        found: dict[int, MemMap] = {}
+        last: MemMap | None = None
+        try:
+            for a in sorted(addrs):
+                if last is not None and last.start <= a < last.end:
+                    found[a] = last  # many waits in one mapping: asked once
+                    continue
+                arg = bytearray(PROCMAP_QUERY_ARG.pack(PROCMAP_QUERY_ARG.size, 0, a, *[0] * 12))
+                try:
+                    fcntl.ioctl(fd, PROCMAP_QUERY, arg, True)
+                except OSError as e:
+                    if e.errno == errno.ENOTTY:
+                        self._procmap_query = False
+                        return None
+                    if e.errno == errno.ENOENT:
+                        continue  # nothing mapped there
+                    return MappingsAt(found)  # ESRCH: gone
+                except OverflowError:
+                    continue  # not an address
+                last = _queried_mapping(arg)
+                found[a] = last
+        finally:
+            os.close(fd)
+        return MappingsAt(found)
 
     def open_memory(self, pid: int) -> ProcessMemory | None:
         try:
             return ProcessMemory(os.open(os.path.join(self.root, str(pid), "mem"), os.O_RDONLY))
         except OSError:
             return None
+
+
+def _holds_one(line: str, addrs: Sequence[int]) -> bool:
+    """Whether the maps line's range (its first field) holds one of ``addrs`` (sorted)."""
+    start_hex, _, rest = line.partition("-")
+    start, end = _uint(start_hex, 16), _uint(rest.partition(" ")[0], 16)
+    if start is None or end is None:
+        return False
+    i = bisect.bisect_left(addrs, start)
+    return i < len(addrs) and addrs[i] < end
+
+
+def _queried_mapping(arg: bytearray) -> MemMap:
+    """The mapping a PROCMAP_QUERY answered, as its maps line reads (without its path)."""
+    _, _, _, start, end, flags, _, offset, inode, major, minor, _, _, _, _ = (
+        PROCMAP_QUERY_ARG.unpack(arg)
+    )
+    perms = "".join(
+        c if flags & bit else "-"
+        for c, bit in (("r", PROCMAP_READ), ("w", PROCMAP_WRITE), ("x", PROCMAP_EXEC))
+    ) + ("s" if flags & PROCMAP_SHARED else "p")
+    return MemMap(start, end, perms, offset, f"{major:02x}:{minor:02x}", inode)
 
 
 class ProcessMemory:
