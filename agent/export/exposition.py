@@ -91,6 +91,8 @@ class AgentStatus:
     last_tick_seconds: float = 0.0
     # The park threshold its verdicts use: job rules compare parks with it (deploy/prometheus).
     park_threshold_seconds: float | None = None
+    # Per target: the services its selectors match beyond its max_services, not watched.
+    services_excess: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
