@@ -330,8 +330,8 @@ class Discovery:
             if n and name not in self._excess_told:
                 self._excess_told.add(name)
                 log.warning(
-                    "target %s selects %d more services than its max_services allows: the "
-                    "rest are not watched (hangwatch_services_excess counts them)",
+                    "target %s: %d services beyond max_services (its own or the global one) "
+                    "are not watched; hangwatch_services_excess counts them",
                     name,
                     n,
                 )
@@ -345,9 +345,8 @@ class Discovery:
         names by uid, cgroup or unit), then what no tenant can start outside its own session
         (a system service, a container, the operator's), then the rest; in each, the oldest
         first: a tenant can start processes at will, but none older than those running."""
-        if target.uids is not None or target.cgroup is not None or target.units:
-            trust = 0
-        elif self._uid(pid, k) == 0:
+        named = target.uids is not None or target.cgroup is not None or bool(target.units)
+        if named or self._uid(pid, k) == 0:
             trust = 0
         else:
             path = self._cgroup(pid, k)

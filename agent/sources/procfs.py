@@ -108,14 +108,16 @@ def parse_cgroup_path(text: str) -> str | None:
     """The process's cgroup v2 path from /proc/PID/cgroup (the ``0::`` line), or on a host
     with only cgroup v1, systemd's own hierarchy (``name=systemd``: the same paths)."""
     v1 = None
-    for line in text.splitlines():
+    # Lines end at "\n" only, which the kernel refuses in a cgroup's name; a user names the
+    # cgroups it was delegated, and \r, \x1c or \u2028 in one must not start a line.
+    for line in text.split("\n"):
         hid, _, rest = line.partition(":")
         controllers, sep, path = rest.partition(":")
         if not sep or not path.startswith("/"):
             continue
         if hid == "0" and controllers == "":
             return path
-        if controllers == "name=systemd":
+        if controllers == "name=systemd" and v1 is None:
             v1 = path
     return v1
 
@@ -123,7 +125,9 @@ def parse_cgroup_path(text: str) -> str | None:
 def parse_real_uid(text: str) -> int | None:
     """The real uid (the first field of ``Uid:``) from /proc/PID/status: who started the
     process; a setuid image changes only the effective one."""
-    for line in text.splitlines():
+    # Split at "\n" only: the Name line above holds the comm, escaped by the kernel for
+    # "\n" but not for \x1c or U+2028, where str.splitlines() would start a forged line.
+    for line in text.split("\n"):
         if line.startswith("Uid:"):
             fields = line.split()
             return _uint(fields[1], limit=1 << 32) if len(fields) > 1 else None
