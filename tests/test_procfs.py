@@ -531,3 +531,9 @@ def test_a_comm_cannot_forge_the_uid_or_the_cgroup():
             parse_cgroup_path(forged)
             == f"/user.slice/u/x{sep}1:name=systemd:/system.slice/v.service"
         )
+
+
+def test_a_thread_name_cannot_forge_its_tgid(tmp_path):
+    root = tmp_path / "proc"
+    write(root / "501/status", "Name:\t\x1cTgid:\t1\nUmask:\t0022\nState:\tS\nTgid:\t500\n")
+    assert ProcFS(str(root)).tgid_of(501) == 500

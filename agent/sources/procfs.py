@@ -521,7 +521,7 @@ class ProcFS:
         text = self._read(tid, "status")
         if text is None:
             return None
-        for line in text.splitlines():
+        for line in text.split("\n"):  # as parse_real_uid: a thread's name cannot add a line
             if line.startswith("Tgid:"):
                 parts = line.split()
                 return (_uint(parts[1], limit=1 << 31) or None) if len(parts) == 2 else None
