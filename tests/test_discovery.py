@@ -244,6 +244,19 @@ def test_a_service_process_re_parented_by_an_exit_leaves_the_service(tmp_path):
     assert 401 not in {p for s in services.values() for p in s.pids}
 
 
+def test_an_orphan_does_not_join_the_process_that_reuses_its_parents_pid(tmp_path):
+    """401's parent 400 exits (401 goes to init) and a new process, a target, gets PID 400:
+    401, not read again (nothing of its own changed), must not join its service."""
+    root = tree(tmp_path)
+    add(root, 400, 200, "bash", "bash")
+    add(root, 401, 400, "python3", "python3 helper.py")
+    d = told(root)
+    assert 400 not in d.scan()
+    write(root / "401/stat", stat_line(401, "python3", ppid=1, start=100))
+    replaced(root, 400, 1, "python3", "python3 -m sglang.launch_server", start=900)
+    assert d.scan()[400] == Service("sglang", 400, (400,))
+
+
 def test_a_service_process_turning_zombie_leaves_it(tmp_path):
     root = tree(tmp_path)
     d = told(root)
@@ -263,13 +276,17 @@ OPS = st.lists(
 
 
 @settings(max_examples=60, deadline=None)
-@given(ops=OPS)
-def test_told_of_changes_scans_as_a_full_read_would(tmp_path_factory, ops):
+@given(ops=OPS, cap=st.sampled_from([1, 2, 32]))
+def test_told_of_changes_scans_as_a_full_read_would(tmp_path_factory, ops, cap):
     """Whatever processes do between scans (fork, exit and re-parent, turn zombie, exec,
     rename, a PID reused), a discovery told of every exec and rename finds the services
-    that one reading every process afresh finds."""
+    that one reading every process afresh finds, also when a cap leaves some out (those are
+    not read again until they are to be kept)."""
     root = tree(tmp_path_factory.mktemp("ops"))
-    targets = (*TARGETS, Target("eng", comm=re.compile("engine")))
+    targets = (
+        *(Target(t.name, cmdline=t.cmdline, max_services=cap) for t in TARGETS),
+        Target("eng", comm=re.compile("engine")),
+    )
     d = Discovery(ProcFS(str(root)), targets)
     d.changes_reported = True
     live = {1: 0, 100: 1, 101: 100, 102: 100, 103: 101, 200: 1, 300: 1, 301: 300}  # pid: ppid
@@ -277,9 +294,10 @@ def test_told_of_changes_scans_as_a_full_read_would(tmp_path_factory, ops):
     comms |= {200: "bash", 300: "torchrun", 301: "python3"}
     zombies: set[int] = set()
     next_pid, start = 600, 200
+    starts = dict.fromkeys(live, 100)  # a process keeps its start time for its life
 
     def put(pid: int, cmdline: str | None = None, state: str = "S") -> None:
-        write(root / f"{pid}/stat", stat_line(pid, comms[pid], state, live[pid], start))
+        write(root / f"{pid}/stat", stat_line(pid, comms[pid], state, live[pid], starts[pid]))
         if cmdline is not None:
             write(root / f"{pid}/cmdline", cmdline.replace(" ", "\0").encode() + b"\0")
 
@@ -295,7 +313,7 @@ def test_told_of_changes_scans_as_a_full_read_would(tmp_path_factory, ops):
         cmdline = "python3 -m sglang.launch_server" if flag else "python3 worker.py"
         if op == "spawn" or not alive:
             parent = sorted(p for p in live if p not in zombies)[pick % (len(live) - len(zombies))]
-            live[next_pid], comms[next_pid] = parent, "python3"
+            live[next_pid], comms[next_pid], starts[next_pid] = parent, "python3", start
             put(next_pid, cmdline)
             next_pid += 1
             continue
@@ -314,7 +332,7 @@ def test_told_of_changes_scans_as_a_full_read_would(tmp_path_factory, ops):
             d.exec_seen([pid])
         else:  # reuse: the process exits, another comes on its PID under init
             orphan(pid)
-            live[pid], comms[pid] = 1, "python3"
+            live[pid], comms[pid], starts[pid] = 1, "python3", start
             replaced(root, pid, 1, "python3", cmdline, start)
     assert d.scan() == Discovery(ProcFS(str(root)), targets).scan()
 

@@ -115,6 +115,7 @@ class _Known:
     uid: int | None = UNREAD  # real uid (None: unreadable)
     cgroup: str | None = None
     cgroup_read: bool = False
+    trust: int = UNREAD  # its rank's first key, from its uid and cgroup (see _rank)
 
 
 def env_labels(environ: bytes) -> dict[str, str]:
@@ -154,6 +155,12 @@ def descendants(proc: ProcFS, roots: Iterable[int]) -> dict[int, list[int]]:
     return {root: subtree(children, root) for root in roots}
 
 
+def _gpu_only(targets: Iterable[Target]) -> frozenset[str]:
+    return frozenset(
+        t.name for t in targets if t.gpu and t.cmdline is None and t.comm is None and not t.pids
+    )
+
+
 class Discovery:
     def __init__(
         self,
@@ -172,6 +179,7 @@ class Discovery:
         # Per target: the services it selects beyond its cap (or the global one), not watched.
         self.excess: dict[str, int] = {t.name: 0 for t in self.targets}
         self._excess_told: set[str] = set()  # targets whose excess was logged (once each)
+        self._gpu_only = _gpu_only(self.targets)
         self._known: dict[int, _Known] = {}
         # Whether every exec and rename since the last scan was reported (exec_seen): then a
         # process outside the services whose /proc entry is the one seen last needs no read
@@ -188,7 +196,7 @@ class Discovery:
             k = self._known.get(pid)
             if k is not None:
                 k.cmdline = k.labels = None
-                k.uid, k.cgroup_read = UNREAD, False
+                k.uid, k.cgroup_read, k.trust = UNREAD, False, UNREAD
                 k.checked = False
 
     def set_targets(self, targets: Iterable[Target], max_services: int | None = None) -> None:
@@ -196,6 +204,7 @@ class Discovery:
         if max_services is not None:
             self.max_services = max_services
         self.excess = {t.name: 0 for t in self.targets}
+        self._gpu_only = _gpu_only(self.targets)
         for k in self._known.values():
             k.checked = False  # match again against the new selectors
 
@@ -250,6 +259,8 @@ class Discovery:
         """Services by root PID, as /proc shows them now."""
         gpu = self.gpu_pids() if any(t.gpu for t in self.targets) else set()
         seen: dict[int, _Known] = {}
+        read: set[int] = set()  # whose stat was read this scan
+        arrived: set[int] = set()  # new /proc entries: new processes, or PIDs reused
         listed = self.proc.pid_inodes()
         known = self._known
         for pid, ino in listed.items():
@@ -261,21 +272,26 @@ class Discovery:
                 and k is not None
                 and k.ino == ino
                 and k.checked
-                and k.matched is None
+                and k.matched not in self._gpu_only
                 and pid not in self._members
                 and pid not in gpu
             ):
                 # The same process (its /proc entry is; a reused PID gets a new one), not
                 # exec'd nor renamed (it would be unchecked): its start and comm are as read,
-                # and it matches no target as before. Most of a host's processes, every
-                # tick. A service's processes are read each time: one turning zombie, or
-                # re-parented away by an exit, leaves it. Re-parenting cannot bring one of
-                # these into a service: its new parent (init, or a subreaper) is an ancestor
-                # of its old one, and was in no service either.
+                # and it matches as before: no target, or one whose cap left it out (a
+                # tenant's flood: checked again only if it is to be kept, in _capped). Most
+                # of a host's processes, every tick. A service's processes are read each
+                # time: one turning zombie, or re-parented away by an exit, leaves it.
+                # Re-parenting cannot bring one of these into a service: its new parent
+                # (init, or a subreaper) is an ancestor of its old one, and was in no service
+                # either.
                 seen[pid] = k
                 continue
             st = self.proc.main_stat(pid)
             self.stats_read += 1
+            read.add(pid)
+            if k is None or k.ino != ino:
+                arrived.add(pid)
             if st is None or st.state in ("Z", "X"):
                 continue
             # A new comm means an exec (or a prctl): read and match it afresh.
@@ -283,10 +299,12 @@ class Discovery:
                 k = _Known(st.start_ticks, st.comm, st.ppid)
             k.ppid = st.ppid  # re-parenting happens
             k.ino = ino
-            if not k.checked or pid in gpu or (k.matched and self._gpu_only(k.matched)):
+            if not k.checked or pid in gpu or k.matched in self._gpu_only:
                 k.matched = self._match(pid, k, gpu)
                 k.checked = True
             seen[pid] = k
+        if arrived:
+            self._reparented(seen, read, arrived)
         self._known = seen  # forget exited processes: bounded by live ones
         children: dict[int, list[int]] = {}
         for pid, k in seen.items():
@@ -298,15 +316,30 @@ class Discovery:
             if k.matched is None or self._matched_ancestor(pid, seen):
                 continue
             services[pid] = Service(k.matched, pid, tuple(subtree(children, pid)))
-        services = self._capped(services, seen)
+        services = self._capped(services, seen, read)
         self._members = {p for svc in services.values() for p in svc.pids}
         return services
 
+    def _reparented(self, seen: dict[int, _Known], read: set[int], arrived: set[int]) -> None:
+        """Read again the unread processes whose parent, as last read, is a PID that a new
+        process now has: their parent exited (they were re-parented) and its PID was reused,
+        and a stale parent would put them in the new process's service."""
+        for pid in [p for p, k in seen.items() if p not in read and k.ppid in arrived]:
+            st = self.proc.main_stat(pid)
+            self.stats_read += 1
+            read.add(pid)
+            if st is None or st.state in ("Z", "X") or st.start_ticks != seen[pid].start:
+                del seen[pid]  # gone, or another process: read afresh next scan
+            else:
+                seen[pid].ppid = st.ppid
+
     def _capped(
-        self, services: dict[int, Service], seen: Mapping[int, _Known]
+        self, services: dict[int, Service], seen: dict[int, _Known], read: set[int]
     ) -> dict[int, Service]:
         """At most each target's ``max_services``, and ``self.max_services`` in all; the
-        rest counted in ``excess``. Which are kept is not the tenant's choice (``_rank``)."""
+        rest counted in ``excess``. Which are kept is not the tenant's choice (``_rank``).
+        One left out before and not read this scan is read before it is kept: it may have
+        exited or turned zombie since."""
         roots: dict[str, list[int]] = {}
         for pid, svc in services.items():
             roots.setdefault(svc.name, []).append(pid)
@@ -318,8 +351,14 @@ class Discovery:
             cap = caps.get(name, len(pids))
             if len(pids) > cap:
                 pids.sort(key=lambda p: self._rank(p, seen[p], by_name[name]))
-                excess[name] += len(pids) - cap
-            kept += pids[:cap]
+            taken = 0
+            for i, p in enumerate(pids):
+                if taken == cap:
+                    excess[name] += len(pids) - i
+                    break
+                if p in read or self._still_there(p, seen):
+                    kept.append(p)
+                    taken += 1
         if len(kept) > self.max_services:
             kept.sort(key=lambda p: self._rank(p, seen[p], by_name[services[p].name]))
             for p in kept[self.max_services :]:
@@ -340,23 +379,29 @@ class Discovery:
         keep = set(kept)
         return {p: s for p, s in services.items() if p in keep}
 
+    def _still_there(self, pid: int, seen: dict[int, _Known]) -> bool:
+        st = self.proc.main_stat(pid)
+        self.stats_read += 1
+        k = seen[pid]
+        if st is None or st.state in ("Z", "X") or st.start_ticks != k.start:
+            del seen[pid]  # read afresh next scan, as a new process
+            return False
+        return True
+
     def _rank(self, pid: int, k: _Known, target: Target) -> tuple[int, int, int]:
         """Over a cap, first what no tenant can be (root's processes, or ones the config
         names by uid, cgroup or unit), then what no tenant can start outside its own session
         (a system service, a container, the operator's), then the rest; in each, the oldest
         first: a tenant can start processes at will, but none older than those running."""
-        named = target.uids is not None or target.cgroup is not None or bool(target.units)
-        if named or self._uid(pid, k) == 0:
-            trust = 0
-        else:
+        if target.uids is not None or target.cgroup is not None or target.units:
+            return (0, k.start, pid)
+        if k.trust == UNREAD:
             path = self._cgroup(pid, k)
-            trust = 2 if path is None or origin_of(path, self.operator) == "user" else 1
-        return (trust, k.start, pid)
-
-    def _gpu_only(self, name: str) -> bool:
-        """A match by GPU memory alone is re-checked: the process may release the GPU."""
-        t = next((t for t in self.targets if t.name == name), None)
-        return t is not None and t.gpu and t.cmdline is None and t.comm is None and not t.pids
+            if self._uid(pid, k) == 0:
+                k.trust = 0
+            else:
+                k.trust = 2 if path is None or origin_of(path, self.operator) == "user" else 1
+        return (k.trust, k.start, pid)
 
     def _matched_ancestor(self, pid: int, seen: Mapping[int, _Known]) -> bool:
         p = seen[pid].ppid
