@@ -4,10 +4,12 @@ Starts 2,000 ``sleep`` processes as ``nobody`` whose command line names vLLM, ei
 caller's own cgroup or in a login session of their own (``user.slice/user-65534.slice``),
 and times ``Discovery.scan`` on the real /proc with the built-in default config: the first
 scan (every process read), then steady scans, told of every exec (as the daemon is) and not.
-Prints one Markdown row per placement. Runs against whatever ``agent`` package is first on
-the path, so the same file measures an older tree too:
+Prints one Markdown row per placement. With ``--daemon``: a real ``hangwatch run`` with the
+built-in default config (interval 1 s) and the 2,000 in the caller's cgroup; the services
+it exports, the size and time of a scrape, and its discovery and /proc stages. Runs against
+whatever ``agent`` package is first on the path, so the same file measures an older tree:
 
-    sudo .venv/bin/python -m bench.selection
+    sudo .venv/bin/python -m bench.selection [--daemon]
     cd OLD_TREE && sudo PYTHONPATH=. NEW_TREE/.venv/bin/python NEW_TREE/bench/selection.py
 """
 
@@ -109,7 +111,53 @@ def measure(where: str) -> str:
     )
 
 
+def daemon_row(tmp: Path) -> str:
+    import urllib.request
+
+    import yaml
+
+    from agent.config import default_text
+    from scripts.daemonproc import DaemonProcess, free_port, first_tick_done, parse, value
+
+    port = free_port()
+    raw = yaml.safe_load(default_text()) | {"listen": f"127.0.0.1:{port}"}
+    cfg = tmp / "hangwatch.yaml"
+    cfg.write_text(yaml.safe_dump(raw))
+    with DaemonProcess(cfg, port) as d:
+        d.wait_for(first_tick_done, "the first tick", 300, poll=0.5)
+        time.sleep(5)  # a few ticks with every service known
+        sizes, times, discovery, proc = [], [], [], []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60) as r:
+                text = r.read()
+            times.append(time.perf_counter() - t0)
+            sizes.append(len(text))
+            samples = parse(text.decode())
+            discovery.append(
+                value(samples, "hangwatch_collector_duration_seconds", collector="discovery") or 0
+            )
+            proc.append(
+                value(samples, "hangwatch_collector_duration_seconds", collector="proc") or 0
+            )
+            time.sleep(1)
+        services = {dict(ls)["pid"] for (n, ls) in samples if n == "hangwatch_service_state"}
+    med = statistics.median
+    return (
+        f"| {len(services)} | {len(samples)} | {med(sizes) / 1e6:.2f} | {med(times):.2f} "
+        f"| {med(discovery) * 1e3:.1f} | {med(proc) * 1e3:.1f} |"
+    )
+
+
 def main() -> int:
+    if "--daemon" in sys.argv[1:]:
+        import tempfile
+
+        print("| services | series | scrape MB | scrape s | discovery ms | /proc stage ms |")
+        print("| --- | --- | --- | --- | --- | --- |")
+        with spoofs(None), tempfile.TemporaryDirectory() as tmp:
+            print(daemon_row(Path(tmp)), flush=True)
+        return 0
     session = cgroup2_root() / "user.slice" / "user-65534.slice" / f"session-b{os.getpid()}.scope"
     print(
         "| 2,000 spoofed vLLM processes | services | excess | first scan ms "
