@@ -117,7 +117,7 @@ def daemon_row(tmp: Path) -> str:
     import yaml
 
     from agent.config import default_text
-    from scripts.daemonproc import DaemonProcess, free_port, first_tick_done, parse, value
+    from scripts.daemonproc import DaemonProcess, first_tick_done, free_port, parse, value
 
     port = free_port()
     raw = yaml.safe_load(default_text()) | {"listen": f"127.0.0.1:{port}"}
