@@ -81,11 +81,10 @@ def operator_slice(own_path: str | None) -> tuple[str, ...] | None:
 def origin_of(path: str, operator: tuple[str, ...] | None = None) -> str:
     """Who started a process, from its cgroup: ``user`` (a login session or a user's own
     manager, under ``user.slice``), ``operator`` (the user slice hangwatch was started from,
-    or root's),
-    ``container`` (a runtime's container or a pod) or ``system`` (any other: a system
-    service). Only root and the runtimes create cgroups outside ``user.slice``; inside it, a
-    user names its own (``systemd-run --user``, rootless podman), so nothing there counts as
-    a container or a service."""
+    or root's), ``container`` (a runtime's container or a pod) or ``system`` (any other: a
+    system service). Only root and the runtimes create cgroups outside ``user.slice``;
+    inside it, a user names its own (``systemd-run --user``, rootless podman), so nothing
+    there counts as a container or a service."""
     parts = cgroup_parts(path)
     if parts[:1] == ["user.slice"] or (parts and _USER_SLICE.fullmatch(parts[0])):
         mine = operator is not None and tuple(parts[: len(operator)]) == operator
@@ -396,10 +395,10 @@ class Discovery:
         if target.uids is not None or target.cgroup is not None or target.units:
             return (0, k.start, pid)
         if k.trust == UNREAD:
-            path = self._cgroup(pid, k)
             if self._uid(pid, k) == 0:
                 k.trust = 0
             else:
+                path = self._cgroup(pid, k)
                 k.trust = 2 if path is None or origin_of(path, self.operator) == "user" else 1
         return (k.trust, k.start, pid)
 
