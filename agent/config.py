@@ -7,8 +7,10 @@ keys are errors, so a typo never silently turns a setting off.
 from __future__ import annotations
 
 import difflib
+import fnmatch
 import ipaddress
 import os
+import pwd
 import re
 import stat
 from collections.abc import Mapping
@@ -27,13 +29,43 @@ DEFAULT_PORT = 9817
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")  # becomes a label value
 MAX_REGEX = 1024  # characters: a selector is a short pattern, not a document
 MAX_CONFIG_BYTES = 1 << 20  # a config is a page of YAML; more is a wrong file
-TOP_KEYS = ("listen", INTERVAL.key, PARK_THRESHOLD.key, "bpf_stats", "stacks", "targets")
-TARGET_KEYS = ("name", "cmdline", "comm", "pids", "gpu", "front_door_ports", "front_door")
+TOP_KEYS = (
+    "listen",
+    INTERVAL.key,
+    PARK_THRESHOLD.key,
+    "bpf_stats",
+    "stacks",
+    "max_services",
+    "targets",
+)
+# What a process is (tenant-chosen: a command line, a comm, GPU memory) and who started it and
+# where (not the tenant's to choose: its real uid, the cgroup its launcher put it in).
+WHAT_KEYS = ("cmdline", "comm", "pids", "gpu")
+ORIGIN_KEYS = ("uids", "cgroup", "units", "started_by")
+TARGET_KEYS = (
+    "name",
+    *WHAT_KEYS,
+    *ORIGIN_KEYS,
+    "max_services",
+    "front_door_ports",
+    "front_door",
+)
+# started_by: a system service (a cgroup outside user.slice, not a container's), a
+# container runtime's container or pod, or the user slice of whoever started hangwatch.
+ORIGINS = ("system", "container", "operator")
+# Services per target, and in all: each costs a few dozen series and a sample a tick.
+MAX_SERVICES_PER_TARGET = 32
+MAX_SERVICES = 128
+MAX_SERVICES_LIMIT = 4096
+_UNIT = re.compile(r"[A-Za-z0-9:_.\\@*?\[\]-]{1,256}\.(service|scope)")
+MAX_UID = (1 << 32) - 2  # (uid_t)-1 means "no uid"
 
 
 @dataclass(frozen=True)
 class Target:
-    """A selector: a process matching any of its fields is watched, with its descendants."""
+    """A selector: a process matching any of its what-fields (cmdline, comm, pids, gpu) and
+    every origin field given (uids, cgroup, units, started_by) is watched, with its
+    descendants. The what-fields are the process's to choose; the origin fields are not."""
 
     name: str
     cmdline: re.Pattern[str] | None = None  # searched in the space-joined /proc/PID/cmdline
@@ -42,6 +74,22 @@ class Target:
     gpu: bool = False  # any process that holds GPU memory
     # Its front-door ports as declared (empty: it has none); None: found from its connections
     front_doors: FrontDoorConfig | None = None
+    uids: frozenset[int] | None = None  # its real uid, one of these
+    cgroup: re.Pattern[str] | None = None  # matched from the start of its cgroup v2 path
+    units: tuple[str, ...] = ()  # globs on the systemd unit its cgroup path names
+    started_by: frozenset[str] = frozenset()  # ORIGINS: where its cgroup says it came from
+    max_services: int = MAX_SERVICES_PER_TARGET
+
+    @property
+    def selects_by_what(self) -> bool:
+        return bool(self.cmdline or self.comm or self.pids or self.gpu)
+
+    @property
+    def selects_by_origin(self) -> bool:
+        return bool(self.uids is not None or self.cgroup or self.units or self.started_by)
+
+    def unit_matches(self, unit: str) -> bool:
+        return any(fnmatch.fnmatchcase(unit, u) for u in self.units)
 
 
 @dataclass(frozen=True)
@@ -57,6 +105,7 @@ class Config:
     # Python stacks of a service's processes, logged when it turns stalled or deadlocked:
     # read with py-spy --nonblocking (never stops the target), only at those changes.
     stacks: bool = True
+    max_services: int = MAX_SERVICES  # in all targets together
 
     @property
     def settings(self) -> Settings:
@@ -152,9 +201,81 @@ def _target(raw: object, i: int, src: str) -> Target:
     gpu = raw.get("gpu", False)
     if not isinstance(gpu, bool):
         raise _err(src, f"{where}.gpu", f"want true or false, got {show(gpu)}")
-    if cmdline is None and comm is None and not pids and not gpu:
-        raise _err(src, where, f"target {name!r} selects nothing: give cmdline, comm, pids or gpu")
-    return Target(name, cmdline, comm, frozenset(pids), gpu, _front_doors(raw, where, src))
+    target = Target(
+        name,
+        cmdline,
+        comm,
+        frozenset(pids),
+        gpu,
+        _front_doors(raw, where, src),
+        uids=_uids(raw["uids"], f"{where}.uids", src) if "uids" in raw else None,
+        cgroup=_regex(raw["cgroup"], f"{where}.cgroup", src) if "cgroup" in raw else None,
+        units=_units(raw["units"], f"{where}.units", src) if "units" in raw else (),
+        started_by=_started_by(raw["started_by"], f"{where}.started_by", src)
+        if "started_by" in raw
+        else frozenset(),
+        max_services=_max_services(raw, f"{where}.max_services", src, MAX_SERVICES_PER_TARGET),
+    )
+    if not target.selects_by_what and not target.selects_by_origin:
+        raise _err(
+            src,
+            where,
+            f"target {name!r} selects nothing: give {', '.join(WHAT_KEYS + ORIGIN_KEYS[:-1])} "
+            f"or {ORIGIN_KEYS[-1]}",
+        )
+    return target
+
+
+def _nonempty_list(value: object, key: str, src: str, what: str) -> list[Any]:
+    if not isinstance(value, list) or not value:
+        raise _err(src, key, f"want a non-empty list of {what}, got {show(value)}")
+    return value
+
+
+def _uids(value: object, key: str, src: str) -> frozenset[int]:
+    """Uids, or user names resolved now (at load and at each reload): a name the host does
+    not know is an error, never a selector that silently matches nobody."""
+    out = set()
+    for u in _nonempty_list(value, key, src, "uids or user names"):
+        if isinstance(u, int) and not isinstance(u, bool):
+            if not 0 <= u <= MAX_UID:
+                raise _err(src, key, f"{show(u)} is not a uid (0-{MAX_UID})")
+            out.add(u)
+        elif isinstance(u, str) and _NAME.fullmatch(u):
+            try:
+                out.add(pwd.getpwnam(u).pw_uid)
+            except KeyError:
+                raise _err(src, key, f"no user {u!r} on this host") from None
+        else:
+            raise _err(src, key, f"{show(u)} is not a uid or a user name")
+    return frozenset(out)
+
+
+def _units(value: object, key: str, src: str) -> tuple[str, ...]:
+    units = _nonempty_list(value, key, src, "systemd unit names")
+    for u in units:
+        if not isinstance(u, str) or not _UNIT.fullmatch(u):
+            raise _err(
+                src, key, f"{show(u)} is not a unit name ending in .service or .scope (* globs)"
+            )
+    return tuple(units)
+
+
+def _started_by(value: object, key: str, src: str) -> frozenset[str]:
+    origins = _nonempty_list(value, key, src, f"origins ({', '.join(ORIGINS)})")
+    for o in origins:
+        if o not in ORIGINS:
+            raise _err(src, key, f"{show(o)} is not one of {', '.join(ORIGINS)}")
+    return frozenset(origins)
+
+
+def _max_services(raw: Mapping[Any, Any], key: str, src: str, default: int) -> int:
+    value = raw.get(key.rsplit(".", 1)[-1], default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _err(src, key, f"want a whole number of services, got {show(value)}")
+    if not 1 <= value <= MAX_SERVICES_LIMIT:
+        raise _err(src, key, f"{value} is out of range 1-{MAX_SERVICES_LIMIT}")
+    return value
 
 
 def _front_doors(raw: Mapping[Any, Any], where: str, src: str) -> FrontDoorConfig | None:
@@ -205,7 +326,8 @@ def validate(raw: object, source: str) -> Config:
     dup = next((n for n in names if names.count(n) > 1), None)
     if dup:
         raise _err(source, "targets", f"name {dup!r} is used twice")
-    return Config(listen, interval, threshold, targets, source, bpf_stats, stacks)
+    max_services = _max_services(raw, "max_services", source, MAX_SERVICES)
+    return Config(listen, interval, threshold, targets, source, bpf_stats, stacks, max_services)
 
 
 def _flag(raw: Mapping[Any, Any], key: str, default: bool, source: str) -> bool:

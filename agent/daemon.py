@@ -182,7 +182,13 @@ class Daemon:
         self.session: Session | None = None
         self.gpus: tuple[GpuDevice, ...] = ()  # devices of the last good NVML reading
         self.gpu_errors = 0
-        self.discovery = Discovery(proc, cfg.targets, gpu_pids=self._gpu_pids, self_pid=os.getpid())
+        self.discovery = Discovery(
+            proc,
+            cfg.targets,
+            gpu_pids=self._gpu_pids,
+            self_pid=os.getpid(),
+            max_services=cfg.max_services,
+        )
         self.services: dict[int, Service] = {}
         # Discovery's services, as found at the start of each step; gone processes dropped.
         self.scope = Scope(
@@ -357,6 +363,7 @@ class Daemon:
             park_threshold_seconds=self.cfg.park_threshold_seconds,
             tick_errors_total=self.tick_errors,
             http_connections_dropped=dict(self.http_dropped()),
+            services_excess=dict(self.discovery.excess),
         )
 
     def _log_changes(self, verdicts: list[ServiceVerdict], tick: Tick) -> None:
@@ -460,7 +467,7 @@ class Daemon:
                 "bpf_stats %s needs a restart; keeping %s", new.bpf_stats, self.cfg.bpf_stats
             )
             new = replace(new, bpf_stats=self.cfg.bpf_stats)
-        self.discovery.set_targets(new.targets)
+        self.discovery.set_targets(new.targets, new.max_services)
         if self.session is not None:
             self.session.reconfigure(new.settings)
         self.cfg = new

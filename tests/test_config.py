@@ -204,7 +204,9 @@ _yamlish = st.recursive(
     ),
     max_leaves=12,
 )
-_keys = st.sampled_from(["listen", "interval_seconds", "park_threshold_seconds", "targets"])
+_keys = st.sampled_from(
+    ["listen", "interval_seconds", "park_threshold_seconds", "max_services", "targets"]
+)
 
 
 @given(st.dictionaries(_keys, _yamlish, max_size=4) | _yamlish)
@@ -215,7 +217,9 @@ def test_validate_raises_only_usage_errors(raw):
         assert str(e).startswith("config fuzz: ")
 
 
-_target_keys = st.sampled_from(["name", "cmdline", "comm", "pids", "gpu", "other"])
+_target_keys = st.sampled_from(
+    ["name", "cmdline", "comm", "pids", "gpu", "uids", "cgroup", "units", "started_by", "other"]
+)
 _targets = st.lists(
     st.dictionaries(_target_keys, _yamlish | st.text(max_size=8), max_size=5), max_size=3
 )
@@ -377,3 +381,105 @@ def test_a_config_owned_by_another_user_is_refused(tmp_path):
     os.chown(cfg, 4242, 4242)
     with pytest.raises(UsageError, match="is owned by uid 4242, not by root"):
         load(str(cfg))
+
+
+# --- origin selectors and caps -------------------------------------------------------------
+
+
+def test_origin_selectors_load():
+    c = load_text(
+        "max_services: 10\n"
+        "targets:\n"
+        "  - {name: a, cmdline: vllm, uids: [0, root, 1000], max_services: 4}\n"
+        "  - {name: b, units: ['sglang@*.service', vllm.service]}\n"
+        "  - {name: c, cgroup: '/kubepods', started_by: [container]}\n"
+        "  - {name: d, gpu: true, started_by: [system, container, operator]}\n",
+        "x",
+    )
+    a, b, cg, d = c.targets
+    assert c.max_services == 10
+    assert (a.uids, a.max_services) == ({0, 1000}, 4)
+    assert b.unit_matches("sglang@3.service") and not b.unit_matches("sglang.service")
+    assert cg.cgroup is not None and cg.cgroup.match("/kubepods.slice/x")
+    assert not cg.cgroup.match("/user.slice/kubepods")  # from the start of the path
+    assert d.started_by == {"system", "container", "operator"}
+    assert (b.max_services, load_text("targets: [{name: a, pids: [1]}]", "x").max_services) == (
+        32,
+        128,
+    )
+
+
+def test_the_default_config_wants_an_origin_no_tenant_can_choose():
+    """Every target of the built-in default, and of the shipped host and cluster configs,
+    says who must have started the process: a command line or GPU memory alone is anyone's."""
+    from pathlib import Path
+
+    deploy = Path(__file__).resolve().parent.parent / "deploy"
+    for c in (
+        load(None),
+        load(str(deploy / "systemd" / "hangwatch.yaml")),
+        load(str(deploy / "kubernetes" / "config" / "hangwatch.yaml")),
+    ):
+        for t in c.targets:
+            assert t.started_by == {"system", "container", "operator"}, (c.source, t.name)
+        assert c.max_services == 128
+
+
+def test_the_commented_examples_of_the_host_config_load():
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "deploy/systemd/hangwatch.yaml").read_text()
+    examples = "\n".join(
+        "  " + line[4:] for line in text.splitlines() if line.startswith(("  # - ", "  #   "))
+    )
+    c = load_text("targets:\n" + examples, "examples")
+    assert {t.name for t in c.targets} >= {"team-vllm", "sglang-units", "slurm-jobs"}
+
+
+@pytest.mark.parametrize(
+    ("target", "names"),
+    [
+        ("uids: []", "targets[0].uids: want a non-empty list of uids or user names"),
+        ("uids: 0", "targets[0].uids: want a non-empty list"),
+        ("uids: [-1]", "targets[0].uids: -1 is not a uid (0-4294967294)"),
+        ("uids: [4294967295]", "targets[0].uids: 4294967295 is not a uid"),
+        ("uids: [true]", "targets[0].uids: True is not a uid or a user name"),
+        ("uids: [no-such-user-hw]", "targets[0].uids: no user 'no-such-user-hw' on this host"),
+        ("uids: ['a b']", "targets[0].uids: 'a b' is not a uid or a user name"),
+        ("cgroup: '('", "targets[0].cgroup: invalid regular expression"),
+        ("cgroup: ''", "targets[0].cgroup: want a regular expression string"),
+        ("units: [vllm]", "targets[0].units: 'vllm' is not a unit name ending in .service"),
+        ("units: ['a/b.service']", "targets[0].units: 'a/b.service' is not a unit name"),
+        ("units: vllm.service", "targets[0].units: want a non-empty list of systemd unit names"),
+        ("started_by: [root]", "targets[0].started_by: 'root' is not one of system, container,"),
+        ("started_by: system", "targets[0].started_by: want a non-empty list of origins"),
+        ("max_services: 0", "targets[0].max_services: 0 is out of range 1-4096"),
+        ("max_services: 1.5", "targets[0].max_services: want a whole number of services"),
+        ("max_services: true", "targets[0].max_services: want a whole number"),
+        (
+            "started_bye: [system]",
+            "targets[0].started_bye: unknown key (did you mean 'started_by'?)",
+        ),
+        ("uid: [0]", "targets[0].uid: unknown key (did you mean 'uids'?)"),
+    ],
+)
+def test_bad_origin_selector_names_the_key(target, names):
+    with pytest.raises(UsageError) as e:
+        load_text(f"targets: [{{name: a, cmdline: x, {target}}}]", "bad.yaml")
+    assert str(e.value).startswith("config bad.yaml: "), e.value
+    assert names in str(e.value), e.value
+    assert e.value.exit_code == 2
+
+
+def test_bad_global_cap_names_the_key():
+    with pytest.raises(UsageError, match=r"config bad.yaml: max_services: 99999 is out of range"):
+        load_text("max_services: 99999\ntargets: [{name: a, pids: [1]}]", "bad.yaml")
+
+
+def test_a_target_that_selects_nothing_lists_every_selector():
+    with pytest.raises(UsageError) as e:
+        load_text("targets: [{name: a, max_services: 3}]", "bad.yaml")
+    assert str(e.value) == (
+        "config bad.yaml: targets[0]: target 'a' selects nothing: give cmdline, comm, pids, "
+        "gpu, uids, cgroup, units or started_by"
+    )

@@ -10,7 +10,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agent.config import Target
-from agent.observe.discovery import Discovery, Service, env_labels
+from agent.observe.discovery import (
+    Discovery,
+    Service,
+    env_labels,
+    operator_slice,
+    origin_of,
+    unit_of,
+)
 from agent.sources.procfs import ProcFS
 from tests.test_procfs import stat_line, write
 
@@ -237,6 +244,19 @@ def test_a_service_process_re_parented_by_an_exit_leaves_the_service(tmp_path):
     assert 401 not in {p for s in services.values() for p in s.pids}
 
 
+def test_an_orphan_does_not_join_the_process_that_reuses_its_parents_pid(tmp_path):
+    """401's parent 400 exits (401 goes to init) and a new process, a target, gets PID 400:
+    401, not read again (nothing of its own changed), must not join its service."""
+    root = tree(tmp_path)
+    add(root, 400, 200, "bash", "bash")
+    add(root, 401, 400, "python3", "python3 helper.py")
+    d = told(root)
+    assert 400 not in d.scan()
+    write(root / "401/stat", stat_line(401, "python3", ppid=1, start=100))
+    replaced(root, 400, 1, "python3", "python3 -m sglang.launch_server", start=900)
+    assert d.scan()[400] == Service("sglang", 400, (400,))
+
+
 def test_a_service_process_turning_zombie_leaves_it(tmp_path):
     root = tree(tmp_path)
     d = told(root)
@@ -256,13 +276,17 @@ OPS = st.lists(
 
 
 @settings(max_examples=60, deadline=None)
-@given(ops=OPS)
-def test_told_of_changes_scans_as_a_full_read_would(tmp_path_factory, ops):
+@given(ops=OPS, cap=st.sampled_from([1, 2, 32]))
+def test_told_of_changes_scans_as_a_full_read_would(tmp_path_factory, ops, cap):
     """Whatever processes do between scans (fork, exit and re-parent, turn zombie, exec,
     rename, a PID reused), a discovery told of every exec and rename finds the services
-    that one reading every process afresh finds."""
+    that one reading every process afresh finds, also when a cap leaves some out (those are
+    not read again until they are to be kept)."""
     root = tree(tmp_path_factory.mktemp("ops"))
-    targets = (*TARGETS, Target("eng", comm=re.compile("engine")))
+    targets = (
+        *(Target(t.name, cmdline=t.cmdline, max_services=cap) for t in TARGETS),
+        Target("eng", comm=re.compile("engine")),
+    )
     d = Discovery(ProcFS(str(root)), targets)
     d.changes_reported = True
     live = {1: 0, 100: 1, 101: 100, 102: 100, 103: 101, 200: 1, 300: 1, 301: 300}  # pid: ppid
@@ -270,9 +294,10 @@ def test_told_of_changes_scans_as_a_full_read_would(tmp_path_factory, ops):
     comms |= {200: "bash", 300: "torchrun", 301: "python3"}
     zombies: set[int] = set()
     next_pid, start = 600, 200
+    starts = dict.fromkeys(live, 100)  # a process keeps its start time for its life
 
     def put(pid: int, cmdline: str | None = None, state: str = "S") -> None:
-        write(root / f"{pid}/stat", stat_line(pid, comms[pid], state, live[pid], start))
+        write(root / f"{pid}/stat", stat_line(pid, comms[pid], state, live[pid], starts[pid]))
         if cmdline is not None:
             write(root / f"{pid}/cmdline", cmdline.replace(" ", "\0").encode() + b"\0")
 
@@ -288,7 +313,7 @@ def test_told_of_changes_scans_as_a_full_read_would(tmp_path_factory, ops):
         cmdline = "python3 -m sglang.launch_server" if flag else "python3 worker.py"
         if op == "spawn" or not alive:
             parent = sorted(p for p in live if p not in zombies)[pick % (len(live) - len(zombies))]
-            live[next_pid], comms[next_pid] = parent, "python3"
+            live[next_pid], comms[next_pid], starts[next_pid] = parent, "python3", start
             put(next_pid, cmdline)
             next_pid += 1
             continue
@@ -307,6 +332,224 @@ def test_told_of_changes_scans_as_a_full_read_would(tmp_path_factory, ops):
             d.exec_seen([pid])
         else:  # reuse: the process exits, another comes on its PID under init
             orphan(pid)
-            live[pid], comms[pid] = 1, "python3"
+            live[pid], comms[pid], starts[pid] = 1, "python3", start
             replaced(root, pid, 1, "python3", cmdline, start)
     assert d.scan() == Discovery(ProcFS(str(root)), targets).scan()
+
+
+# --- origin selectors: who started a process, not what it calls itself ----------------------
+
+SPOOF = "python3 -m sglang.launch_server"  # anyone can run a process under this name
+
+
+def with_origin(root: Path, pid: int, uid: int, cgroup: str | None) -> None:
+    """Give a fixture process a real uid (Uid: real effective saved fs) and a cgroup."""
+    write(root / f"{pid}/status", f"Name:\tx\nUid:\t{uid}\t0\t0\t0\nGid:\t{uid}\t0\t0\t0\n")
+    if cgroup is not None:
+        write(root / f"{pid}/cgroup", f"2:cpu:/\n1:name=systemd:{cgroup}\n0::{cgroup}\n")
+
+
+def hosted(tmp_path: Path) -> Path:
+    """A shared host: the operator's SGLang as a system service (root, 100 with ranks) and a
+    torchrun in a pod; a tenant's login session running two processes named like SGLang
+    (700, 701) and one in its own user manager's "service" (702); hangwatch itself (900) run
+    by a system service."""
+    root = tree(tmp_path)
+    with_origin(root, 100, 0, "/system.slice/sglang.service")
+    pod = "/kubepods.slice/kubepods-pod1.slice/cri-containerd-" + "a" * 64 + ".scope"
+    with_origin(root, 300, 1000, pod)
+    for pid, cg in (
+        (700, "/user.slice/user-1001.slice/session-4.scope"),
+        (701, "/user.slice/user-1001.slice/session-4.scope"),
+        (702, "/user.slice/user-1001.slice/user@1001.service/app.slice/sglang.service"),
+    ):
+        add(root, pid, 1, "sleep", SPOOF, start=50 + pid)
+        with_origin(root, pid, 1001, cg)
+    add(root, 900, 1, "hangwatch", "hangwatch run")
+    with_origin(root, 900, 0, "/system.slice/hangwatch.service")
+    return root
+
+
+def roots(d: Discovery) -> dict[int, str]:
+    return {pid: s.name for pid, s in d.scan().items()}
+
+
+def target(**kw: object) -> Target:
+    return Target("sglang", cmdline=re.compile(r"sglang\.launch_server"), **kw)  # type: ignore[arg-type]
+
+
+def test_a_command_line_alone_selects_a_tenants_spoofs(tmp_path):
+    assert roots(Discovery(ProcFS(str(hosted(tmp_path))), (target(),))) == {
+        100: "sglang",
+        700: "sglang",
+        701: "sglang",
+        702: "sglang",
+    }
+
+
+def test_uids_and_the_command_line_together(tmp_path):
+    d = Discovery(ProcFS(str(hosted(tmp_path))), (target(uids=frozenset({0})),))
+    assert roots(d) == {100: "sglang"}
+    # By uid alone: every process of 1001's, each a service (no parent of theirs matches).
+    d.set_targets((Target("tenant", uids=frozenset({1001})),))
+    assert set(roots(d)) == {700, 701, 702}
+
+
+def test_started_by_reads_the_cgroup_not_the_name(tmp_path):
+    root = hosted(tmp_path)
+    d = Discovery(ProcFS(str(root)), (target(started_by=frozenset({"system"})),), self_pid=900)
+    assert roots(d) == {100: "sglang"}
+    d.set_targets((Target("pods", started_by=frozenset({"container"})),))
+    assert roots(d) == {300: "pods"}
+    # The tenant's "sglang.service" lives under its own user manager: a user's, not a unit's.
+    d.set_targets((target(started_by=frozenset({"system", "container", "operator"})),))
+    assert roots(d) == {100: "sglang"}
+
+
+def test_operator_is_the_login_hangwatch_was_started_from(tmp_path):
+    """sudo hangwatch run from user 1001's own session: their servers are the operator's."""
+    root = hosted(tmp_path)
+    with_origin(root, 900, 0, "/user.slice/user-1001.slice/session-9.scope")
+    d = Discovery(ProcFS(str(root)), (target(started_by=frozenset({"operator"})),), self_pid=900)
+    assert set(roots(d)) == {700, 701, 702}
+    with_origin(root, 900, 0, "/user.slice/user-1002.slice/session-9.scope")
+    d = Discovery(ProcFS(str(root)), (target(started_by=frozenset({"operator"})),), self_pid=900)
+    assert roots(d) == {}
+
+
+def test_units_and_cgroup_regexes(tmp_path):
+    root = hosted(tmp_path)
+    d = Discovery(ProcFS(str(root)), (Target("svc", units=("sglang.service",)),))
+    assert roots(d) == {100: "svc"}  # not 702: its first unit is user@1001.service
+    d.set_targets((Target("svc", units=("user@*.service",)),))
+    assert roots(d) == {702: "svc"}
+    d.set_targets((target(cgroup=re.compile(r"/system\.slice/")),))
+    assert roots(d) == {100: "sglang"}
+    # Matched from the start of the path: a tenant's "/system.slice/" deeper down is not it.
+    with_origin(root, 701, 1001, "/user.slice/user-1001.slice/x/system.slice/y")
+    d.set_targets((target(cgroup=re.compile(r"/system\.slice/")),))
+    assert roots(d) == {100: "sglang"}
+
+
+def test_an_unreadable_origin_selects_nothing(tmp_path):
+    root = hosted(tmp_path)
+    (root / "100/cgroup").unlink()
+    (root / "100/status").unlink()
+    for t in (target(uids=frozenset({0})), target(started_by=frozenset({"system"}))):
+        assert roots(Discovery(ProcFS(str(root)), (t,))) == {}
+
+
+def test_origin_of_cgroup_paths():
+    c64 = "c" * 64
+    for path, origin in [
+        ("/system.slice/vllm.service", "system"),
+        ("/", "system"),
+        ("/init.scope", "system"),
+        ("/system.slice/slurmstepd.scope/job_7/step_0/user/task_0", "system"),
+        (f"/system.slice/docker-{c64}.scope", "container"),
+        (f"/docker/{c64}", "container"),
+        (f"/kubepods/burstable/pod1234/{c64}", "container"),
+        ("/machine.slice/libpod-" + c64 + ".scope", "container"),
+        ("/user.slice/user-1000.slice/session-2.scope", "user"),
+        ("/user.slice/user-1000.slice/user@1000.service/app.slice/vllm.service", "user"),
+        # rootless podman: the user names its own cgroups, so no container is believed there
+        (f"/user.slice/user-1000.slice/user@1000.service/user.slice/libpod-{c64}.scope", "user"),
+        ("/user.slice/user-0.slice/session-1.scope", "operator"),  # root's own logins
+        # as a cgroup namespace of the agent's own shows cgroups outside it
+        ("/../../user.slice/user-1000.slice/session-2.scope", "user"),
+        ("/../../user-1000.slice/session-2.scope", "user"),
+        (f"/../../kubepods-besteffort-pod9.slice/cri-containerd-{c64}.scope", "container"),
+    ]:
+        assert origin_of(path) == origin, path
+    mine = operator_slice("/user.slice/user-1000.slice/session-3.scope")
+    assert mine == ("user.slice", "user-1000.slice")
+    assert origin_of("/user.slice/user-1000.slice/user@1000.service/x", mine) == "operator"
+    assert origin_of("/user.slice/user-1001.slice/session-3.scope", mine) == "user"
+    assert operator_slice("/system.slice/hangwatch.service") is None
+    assert operator_slice(None) is None
+
+
+def test_unit_of_cgroup_paths():
+    assert unit_of("/system.slice/vllm.service") == "vllm.service"
+    assert unit_of("/gpu.slice/sglang@0.service/worker") == "sglang@0.service"
+    assert (
+        unit_of("/user.slice/user-1.slice/user@1.service/app.slice/a.service") == "user@1.service"
+    )
+    assert unit_of("/user.slice/user-1.slice/session-2.scope") == "session-2.scope"
+    assert unit_of("/") is None
+
+
+# --- the caps: a tenant's flood is counted, not watched --------------------------------------
+
+
+def flooded(tmp_path: Path, n: int) -> Path:
+    """``n`` tenant processes named like SGLang, in a login session, each its own service,
+    started after the operator's (100, a system service)."""
+    root = hosted(tmp_path)
+    for i in range(n):
+        pid = 1000 + i
+        add(root, pid, 1, "sleep", SPOOF, start=5000 + i)
+        with_origin(root, pid, 1001, "/user.slice/user-1001.slice/session-4.scope")
+    return root
+
+
+def test_a_target_watches_at_most_max_services_the_rest_counted(tmp_path, caplog):
+    root = flooded(tmp_path, 40)
+    d = Discovery(ProcFS(str(root)), (target(max_services=8),))
+    services = d.scan()
+    # The system service first, then the tenant's oldest (the fixture's 700-702 are older).
+    assert sorted(services) == [100, 700, 701, 702, 1000, 1001, 1002, 1003]
+    assert d.excess == {"sglang": 43 + 1 - 8}
+    d.scan()
+    assert sum("services beyond max_services" in r.message for r in caplog.records) == 1
+
+
+def test_the_global_cap_keeps_the_trusted_and_oldest_across_targets(tmp_path):
+    root = flooded(tmp_path, 10)
+    d = Discovery(
+        ProcFS(str(root)),
+        (Target("pods", started_by=frozenset({"container"})), target()),
+        max_services=5,
+    )
+    services = d.scan()
+    # 300 is selected by origin: first; 100 is root's; then the tenant's oldest.
+    assert sorted(services) == [100, 300, 700, 701, 702]
+    assert d.excess == {"pods": 0, "sglang": 10}
+    # A newer tenant process never displaces those: a reload resets the count, not the rank.
+    add(root, 2000, 1, "sleep", SPOOF, start=1)
+    with_origin(root, 2000, 1001, "/user.slice/user-1001.slice/session-4.scope")
+    d.set_targets(d.targets, max_services=3)
+    assert sorted(d.scan()) == [100, 300, 2000]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    cap=st.integers(1, 6),
+    total=st.integers(1, 12),
+    tenants=st.lists(st.tuples(st.integers(1, 500), st.booleans()), max_size=12),
+)
+def test_caps_hold_and_nothing_selected_is_lost(tmp_path_factory, cap, total, tenants):
+    """Whatever the processes: no target has more than its cap, none more than the global
+    one in all, every selected root is either watched or counted, and no process a tenant
+    started (login session) is watched while one started by the system is left out."""
+    root = hosted(tmp_path_factory.mktemp("caps"))
+    for i, (start, in_session) in enumerate(tenants):
+        pid = 1000 + i
+        add(root, pid, 1, "sleep", SPOOF, start=start)
+        cg = "/user.slice/user-1001.slice/session-4.scope" if in_session else "/system.slice/x"
+        with_origin(root, pid, 1001, cg)
+    targets = (target(max_services=cap), Target("pods", started_by=frozenset({"container"})))
+    d = Discovery(ProcFS(str(root)), targets, max_services=total)
+    watched = d.scan()
+    everything = Discovery(
+        ProcFS(str(root)), (target(max_services=4096), targets[1]), max_services=4096
+    ).scan()
+    assert set(watched) <= set(everything)
+    assert len(watched) <= total
+    for t in targets:
+        n = sum(s.name == t.name for s in watched.values())
+        assert n <= t.max_services
+        assert n + d.excess[t.name] == sum(s.name == t.name for s in everything.values())
+    in_session = {700, 701, 702} | {1000 + i for i, (_, ses) in enumerate(tenants) if ses}
+    if set(watched) & in_session:
+        assert set(everything) - in_session <= set(watched)

@@ -19,10 +19,12 @@ from agent.errors import UsageError
 from agent.export.webconfig import parse as parse_web
 from agent.sources.procfs import (
     ProcFS,
+    parse_cgroup_path,
     parse_exec_start_ms,
     parse_io_wchar,
     parse_maps_line,
     parse_net_tcp,
+    parse_real_uid,
     parse_schedstat,
     parse_stat,
     parse_syscall,
@@ -198,6 +200,18 @@ def test_parse_exec_start_any_text(text):
 def test_parse_counters_any_text(text):
     assert _uint_or_none(parse_schedstat(text))
     assert _uint_or_none(parse_io_wchar(text))
+
+
+_CGROUP = "12:pids:/system.slice/x.service\n1:name=systemd:/system.slice/x.service\n0::/a\n"
+_STATUS = "Name:\tsleep\nUmask:\t0022\nUid:\t65534\t65534\t65534\t65534\nGid:\t0\t0\t0\t0\n"
+
+
+@given(_mutations(_CGROUP) | _mutations(_STATUS))
+def test_parse_origin_any_text(text):
+    path = parse_cgroup_path(text)
+    assert path is None or (path.startswith("/") and "\n" not in path)
+    uid = parse_real_uid(text)
+    assert uid is None or 0 <= uid < 1 << 32
 
 
 @given(_mutations(_REAL["maps"]))

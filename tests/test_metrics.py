@@ -79,6 +79,7 @@ CONTRACT = {
     "hangwatch_collector_duration_seconds",
     "hangwatch_last_tick_timestamp_seconds",
     "hangwatch_park_threshold_seconds",
+    "hangwatch_services_excess",
     "hangwatch_build_info",
     "hangwatch_tick_errors_total",
     "hangwatch_http_connections_dropped_total",
@@ -147,6 +148,7 @@ AGENT = AgentStatus(
     version="0.1.0",  # what the daemon says; build info uses the collector's own version
     events_dropped_total=2,
     maps_full_total=1,
+    services_excess={"sglang": 0, "vllm": 1968},
     programs={
         "futex_exit": ProgramStats(run_seconds=0.5, run_count=20_000),
         "futex_enter": ProgramStats(run_seconds=0.25, run_count=20_001),

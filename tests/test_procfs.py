@@ -504,3 +504,42 @@ def test_the_main_threads_stat_reads_as_the_process_stat():
         for t in pool:
             t.join()
     assert ProcFS().main_stat(2**22 + 1) is None  # beyond pid_max: no such process
+
+
+def test_cgroup_path_and_real_uid():
+    from agent.sources.procfs import parse_cgroup_path, parse_real_uid
+
+    hybrid = "2:cpu:/\n1:name=systemd:/system.slice/a.service\n0::/system.slice/a.service\n"
+    assert parse_cgroup_path(hybrid) == "/system.slice/a.service"
+    assert parse_cgroup_path("0::/user.slice/user-1.slice/session-2.scope\n") == (
+        "/user.slice/user-1.slice/session-2.scope"
+    )
+    legacy = "3:memory:/docker/x\n1:name=systemd:/docker/abc\n"  # cgroup v1 only: systemd's
+    assert parse_cgroup_path(legacy) == "/docker/abc"
+    assert parse_cgroup_path("2:cpu:/a\n") is None
+    # A name with ':' in it is part of the path (split at the first two only).
+    assert parse_cgroup_path("0::/a:b/c\n") == "/a:b/c"
+    # Real, effective, saved, fs: a setuid image changes only the effective one.
+    assert parse_real_uid("Name:\tsu\nUid:\t1000\t0\t0\t0\n") == 1000
+    assert parse_real_uid("Uid:\n") is None and parse_real_uid("Uid:\tx\n") is None
+
+
+def test_a_comm_cannot_forge_the_uid_or_the_cgroup():
+    """A comm (prctl) of "\\x1cUid:\\t0..." is printed raw in status' Name line (the kernel
+    escapes only "\\n" and spaces); a delegated cgroup may be named with \\r or U+2028."""
+    from agent.sources.procfs import parse_cgroup_path, parse_real_uid
+
+    for sep in ("\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\r", "\x0b", "\x0c"):
+        status = f"Name:\t{sep}Uid:\t0\t0\t0\t0\nUmask:\t0022\nUid:\t65534\t65534\t65534\t65534\n"
+        assert parse_real_uid(status) == 65534, repr(sep)
+        forged = f"1:name=systemd:/user.slice/u/x{sep}1:name=systemd:/system.slice/v.service\n"
+        assert (
+            parse_cgroup_path(forged)
+            == f"/user.slice/u/x{sep}1:name=systemd:/system.slice/v.service"
+        )
+
+
+def test_a_thread_name_cannot_forge_its_tgid(tmp_path):
+    root = tmp_path / "proc"
+    write(root / "501/status", "Name:\t\x1cTgid:\t1\nUmask:\t0022\nState:\tS\nTgid:\t500\n")
+    assert ProcFS(str(root)).tgid_of(501) == 500

@@ -94,6 +94,8 @@ class AgentStatus:
     tick_errors_total: int = 0  # ticks of the loop that raised (logged; the loop went on)
     # Connections /metrics ended before answering, by reason (agent.export.webconfig)
     http_connections_dropped: Mapping[str, int] = field(default_factory=dict)
+    # Per target: the services its selectors match beyond its max_services, not watched.
+    services_excess: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -330,6 +330,15 @@ FAMILIES: tuple[_Family, ...] = (
         ("program",),
     ),
     _Family(
+        "services_excess",
+        GAUGE,
+        "hangwatch_services_excess",
+        "Services a target (service is its name) selects beyond its max_services or the "
+        "global max_services: not watched, only counted here. The processes kept are the "
+        "ones started outside users' sessions, then the oldest.",
+        ("service",),
+    ),
+    _Family(
         "collector_success",
         GAUGE,
         "hangwatch_collector_success",
@@ -474,6 +483,8 @@ class _Families:
         for reason in sorted(agent.http_connections_dropped):
             n = agent.http_connections_dropped[reason]
             self.counter["http_dropped"].add_metric([reason], n)
+        for name in sorted(agent.services_excess):
+            self.gauge["services_excess"].add_metric([name], agent.services_excess[name])
         if agent.park_threshold_seconds is not None:
             self.gauge["park_threshold"].add_metric([], agent.park_threshold_seconds)
         for name in sorted(agent.programs):

@@ -131,6 +131,36 @@ def parse_stat(text: str) -> ProcStat | None:
     return ProcStat(pid, comm, rest[0], ppid, start, threads, cpu)
 
 
+def parse_cgroup_path(text: str) -> str | None:
+    """The process's cgroup v2 path from /proc/PID/cgroup (the ``0::`` line), or on a host
+    with only cgroup v1, systemd's own hierarchy (``name=systemd``: the same paths)."""
+    v1 = None
+    # Lines end at "\n" only, which the kernel refuses in a cgroup's name; a user names the
+    # cgroups it was delegated, and \r, \x1c or \u2028 in one must not start a line.
+    for line in text.split("\n"):
+        hid, _, rest = line.partition(":")
+        controllers, sep, path = rest.partition(":")
+        if not sep or not path.startswith("/"):
+            continue
+        if hid == "0" and controllers == "":
+            return path
+        if controllers == "name=systemd" and v1 is None:
+            v1 = path
+    return v1
+
+
+def parse_real_uid(text: str) -> int | None:
+    """The real uid (the first field of ``Uid:``) from /proc/PID/status: who started the
+    process; a setuid image changes only the effective one."""
+    # Split at "\n" only: the Name line above holds the comm, escaped by the kernel for
+    # "\n" but not for \x1c or U+2028, where str.splitlines() would start a forged line.
+    for line in text.split("\n"):
+        if line.startswith("Uid:"):
+            fields = line.split()
+            return _uint(fields[1], limit=1 << 32) if len(fields) > 1 else None
+    return None
+
+
 def parse_syscall(text: str) -> SyscallLine | None:
     """/proc/PID/task/TID/syscall: 'running', '-1 sp pc', or 'nr a1..a6 sp pc' (hex args)."""
     parts = text.split()
@@ -549,6 +579,16 @@ class ProcFS:
     def environ(self, pid: int) -> bytes | None:
         return self._read_bytes(pid, "environ")
 
+    def cgroup(self, pid: int) -> str | None:
+        """The process's cgroup path (see parse_cgroup_path), as this agent's cgroup
+        namespace shows it."""
+        text = self._read(pid, "cgroup")
+        return parse_cgroup_path(text) if text else None
+
+    def real_uid(self, pid: int) -> int | None:
+        text = self._read(pid, "status")
+        return parse_real_uid(text) if text else None
+
     def plumbing(self, pid: int) -> Plumbing:
         """The process's plumbing hints (see parse_plumbing); none when unreadable."""
         return parse_plumbing(self.environ(pid), self.argv(pid) or [])
@@ -624,7 +664,7 @@ class ProcFS:
         text = self._read(tid, "status")
         if text is None:
             return None
-        for line in text.splitlines():
+        for line in text.split("\n"):  # as parse_real_uid: a thread's name cannot add a line
             if line.startswith("Tgid:"):
                 parts = line.split()
                 return (_uint(parts[1], limit=1 << 31) or None) if len(parts) == 2 else None

@@ -22,7 +22,6 @@ import struct
 from collections.abc import Callable, Collection
 
 from .tcpinfo import (
-    NETLINK_SOCK_DIAG,
     NETNS_TIMEOUT_S,
     NLA_HDRLEN,
     NLA_TYPE_MASK,
@@ -30,7 +29,7 @@ from .tcpinfo import (
     NLMSG_ERROR,
     NLMSG_HDRLEN,
     SOCK_DIAG_BY_FAMILY,
-    _in_netns,
+    _netlink,
 )
 
 log = logging.getLogger(__name__)
@@ -60,9 +59,7 @@ def read_unix_paths(inodes: Collection[int], netns: str | None = None) -> dict[i
     the namespace (``/proc/PID/ns/net``); None: the caller's own. None on any failure."""
     wanted = [i for i in inodes if 0 < i < 1 << 32][:MAX_LOOKUPS]
     try:
-        if netns is None:
-            return _lookups(wanted)
-        return _in_netns(netns, lambda: _lookups(wanted))
+        return _lookups(wanted, netns)
     except (OSError, TimeoutError) as e:
         log.debug("unix sockets not looked up (netns %s): %r", netns, e)
         return None
@@ -79,9 +76,10 @@ def lookup_request(inode: int, seq: int) -> bytes:
     )
 
 
-def _lookups(inodes: Collection[int]) -> dict[int, str]:
+def _lookups(inodes: Collection[int], netns: str | None = None) -> dict[int, str]:
     out: dict[int, str] = {}
-    with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, NETLINK_SOCK_DIAG) as nl:
+    # A socket made in the namespace reads it from any thread (tcpinfo.NETNS: no thread a read).
+    with _netlink(netns) as nl:
         nl.settimeout(NETNS_TIMEOUT_S)  # the kernel answers at once; never hang on it
         for seq, inode in enumerate(inodes, 1):
             nl.send(lookup_request(inode, seq))
