@@ -407,10 +407,11 @@ def _ids(text: str, key: str) -> tuple[int, int, int, int] | None:
 
 
 def start_ticks(stat_text: str) -> int | None:
-    """Field 22 of /proc/PID/stat (after the parenthesised comm, which may hold anything)."""
+    """Field 22 of /proc/PID/stat (after the parenthesised comm, which may hold anything);
+    None for a process that has exited (a zombie, not yet reaped: no memory, no files)."""
     fields = stat_text.rpartition(")")[2].split()
     try:
-        return int(fields[19])
+        return int(fields[19]) if fields[0] not in ("Z", "X") else None
     except (IndexError, ValueError):
         return None
 
