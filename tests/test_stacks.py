@@ -28,9 +28,9 @@ from agent.analysis.stacks import (
 )
 from agent.model import ProcessSample, ThreadSample
 from agent.report.sentences import reasons, wait_words
+from agent.sources import pystacks
 from agent.sources.confined import FileLines
 from agent.sources.procfs import ProcFS
-from agent.sources import pystacks
 from agent.sources.pystacks import (
     MAX_FRAMES,
     PyFrame,

@@ -272,13 +272,16 @@ def read_stacks(
                 pid, error=done, seconds=took if "timed out" not in done else timeout_s
             )
         status, stdout, stderr = done
+        del done
         if status != 0:
             return StackRead(pid, error=reader_error(stderr, status))
         changed = target.changed()
         if changed is not None:
             return StackRead(pid, error=f"not read: {changed}", seconds=took)
+        text = stdout.decode(errors="replace")
+        del stdout  # the bytes or the text, not both, while the threads are built
         try:
-            threads = parse_dump(target, stdout.decode(errors="replace"), source)
+            threads = parse_dump(target, text, source)
         except (ValueError, TypeError, AttributeError) as e:
             return StackRead(pid, error=f"py-spy's output was not understood: {e}", seconds=took)
     return StackRead(pid, threads, seconds=took)

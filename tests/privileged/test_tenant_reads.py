@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-import struct
 import tempfile
 import time
 from collections.abc import Iterator
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from scripts.elfbomb import symbol_bomb
 from scripts.fixturelib import Fixture
 from tests.privileged.daemonlib import INTERVAL, free_port, running_daemon
 from tests.privileged.harness import RunningDiagnose, diagnose_argv
@@ -208,44 +208,6 @@ for t in threads:
 """
 
 
-def symbol_bomb(lib: Path, out: Path, count: int) -> None:
-    """``lib`` (an x86-64 ELF shared object) with ``count`` function symbols added to its
-    .symtab, all in .text (16 bytes each, scattered): the file's own symbols still name its
-    data. A new .symtab and section header table are written at the end of the file."""
-    data = bytearray(lib.read_bytes())
-    (shoff,) = struct.unpack_from("<Q", data, 0x28)
-    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
-    sh = struct.Struct("<IIQQQQIIQQ")
-    headers = [list(sh.unpack_from(data, shoff + i * shentsize)) for i in range(shnum)]
-    names_at = headers[shstrndx][4]
-
-    def name(h: list[int]) -> bytes:
-        return bytes(data[names_at + h[0] :].split(b"\0", 1)[0])
-
-    symtab = next(i for i, h in enumerate(headers) if h[1] == 2)  # SHT_SYMTAB
-    text = next(i for i, h in enumerate(headers) if name(h) == b".text")
-    text_addr, text_size = headers[text][3], headers[text][5]
-    old = bytes(data[headers[symtab][4] : headers[symtab][4] + headers[symtab][5]])
-    sym = struct.Struct("<IBBHQQ")
-    with open(out, "wb") as f:
-        f.write(data)
-        f.write(bytes(-len(data) % 8))
-        at = f.tell()
-        f.write(old)
-        for lo in range(0, count, 1 << 16):
-            f.write(
-                b"".join(
-                    sym.pack(0, 0x12, 0, text, text_addr + (i * 7919) % (text_size - 16), 16)
-                    for i in range(lo, min(lo + (1 << 16), count))
-                )
-            )
-        headers[symtab][4], headers[symtab][5] = at, len(old) + count * sym.size
-        new_shoff = f.tell()
-        f.write(b"".join(sh.pack(*h) for h in headers))
-        f.seek(0x28)
-        f.write(struct.pack("<Q", new_shoff))
-
-
 def peak_rss(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
@@ -279,4 +241,3 @@ def test_a_symbol_table_bomb_keeps_the_daemon_under_its_memory_limit(tmp_path: P
         shutil.rmtree(shared, ignore_errors=True)
     assert "`abba_a` in libbomb.so" in log, log  # the lock words named from the bomb itself
     assert peak < MEMORY_MAX, f"daemon peak RSS {peak >> 20} MiB\n{log}"
-    print("PEAK", peak >> 20)
