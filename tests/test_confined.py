@@ -330,9 +330,7 @@ def test_a_target_that_changed_between_the_reads_is_not_read_for(tmp_path: Path,
         assert t.changed() == confined.CHANGED
         got = confined.read_lines(t, {"/app.py": [1]}, str(tmp_path))
         assert got["/app.py"] == confined.FileLines(withheld=confined.CHANGED)
-        assert confined.open_objects(t, ["/app.py"], str(tmp_path)) == {
-            "/app.py": confined.CHANGED
-        }
+        assert confined.open_objects(t, ["/app.py"], str(tmp_path)) == {"/app.py": confined.CHANGED}
 
 
 def test_a_real_process_that_execs_or_exits_is_another_identity(tmp_path: Path) -> None:
