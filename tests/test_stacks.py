@@ -824,3 +824,17 @@ def test_a_reader_that_writes_past_the_cap_is_killed(tmp_path: Path, monkeypatch
 def test_a_dump_is_decoded_a_thread_at_a_time_as_a_whole(threads, space):
     text = json.dumps(threads, indent=2 if space else None) + space
     assert list(pystacks._elements(space + text)) == threads
+
+
+def test_a_pid_that_is_no_longer_the_process_meant_is_not_read(tmp_path: Path):
+    """The snapshot's start time travels with the PID: another process that took the PID
+    since (here: the same PID with another start time) is not read at all."""
+    ran = tmp_path / "ran"
+    exe = reader(tmp_path, f"touch {ran}\necho '[]'")
+    stat = Path("/proc/self/stat").read_text()
+    start = int(stat.rpartition(")")[2].split()[19])
+    read = read_stacks(os.getpid(), PROC, reader=exe, start=start + 1)
+    assert read == StackRead(os.getpid(), error="not read: the target is gone")
+    assert not ran.exists()  # py-spy never ran
+    read = read_stacks(os.getpid(), PROC, reader=exe, start=start)
+    assert read is not None and read.error is None and ran.exists()

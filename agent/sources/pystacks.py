@@ -243,6 +243,7 @@ def read_stacks(
     timeout_s: float = READ_TIMEOUT_S,
     reader: str | None = None,
     source: SourceLines | None = None,
+    start: int | None = None,
 ) -> StackRead | None:
     """The Python stacks of ``pid``, None when it runs no Python (as ``proc`` shows it). Never
     raises: a reader that is missing, fails or times out gives a StackRead with the reason;
@@ -250,13 +251,15 @@ def read_stacks(
 
     The target's identity is fixed before py-spy reads it (agent.sources.confined.Target) and
     checked after: frames of a process that exec'd, or of another one that took its PID, are
-    not shown, and the source lines are read with the rights fixed before the frames."""
+    not shown, and the source lines are read with the rights fixed before the frames.
+    ``start``: the start time (ticks) of the process meant, when known: another process
+    that took its PID since is not read."""
     if not is_python(pid, proc):
         return None
     exe = reader or find_reader()
     if exe is None:
         return StackRead(pid, error="py-spy is not installed (pip install py-spy)")
-    target = Target.take(pid, proc.root)
+    target = Target.take(pid, proc.root, start)
     if isinstance(target, str):
         return StackRead(pid, error=f"not read: {target}")
     with target:
@@ -288,11 +291,16 @@ def read_stacks(
 
 
 def read_many(
-    pids: Iterable[int], budget_s: float, proc: ProcFS, source: SourceLines | None = None
+    pids: Iterable[int],
+    budget_s: float,
+    proc: ProcFS,
+    source: SourceLines | None = None,
+    starts: Mapping[int, int] | None = None,
 ) -> dict[int, StackRead]:
     """Stacks of several processes within ``budget_s`` in all: each read gets what is left
     (at most READ_TIMEOUT_S); those past the budget get a line saying so. ``source``: where
-    their source lines are read (by default afresh, in ``proc``'s tree)."""
+    their source lines are read (by default afresh, in ``proc``'s tree); ``starts``: the
+    start time of each process as the caller saw it (a PID reused since is not read)."""
     out: dict[int, StackRead] = {}
     source = source or SourceLines(proc)
     deadline = time.monotonic() + budget_s
@@ -303,7 +311,13 @@ def read_many(
                 pid, error=f"not read: the {budget_s:g} s budget for stacks was spent"
             )
             continue
-        read = read_stacks(pid, proc, timeout_s=min(READ_TIMEOUT_S, left), source=source)
+        read = read_stacks(
+            pid,
+            proc,
+            timeout_s=min(READ_TIMEOUT_S, left),
+            source=source,
+            start=(starts or {}).get(pid),
+        )
         if read is not None:
             out[pid] = read
     return out
