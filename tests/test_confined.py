@@ -293,9 +293,9 @@ def test_a_target_is_fixed_with_its_ids_start_time_and_root(tmp_path: Path) -> N
 def test_a_setuid_or_non_dumpable_target_is_not_read_for(
     tmp_path: Path, uids: str, gids: str, why: str
 ) -> None:
-    """Ids that differ: a setuid or setgid image. Ids that are not those of the owner of its
-    /proc directory: the kernel gave that directory to root, the sign of a process it made
-    non-dumpable (here: a directory of ours for a process of nobody's)."""
+    """Ids that differ: a setuid or setgid image. Ids that are not those of the owner of the
+    files in its /proc directory: the kernel gave them to root, the sign of a process it
+    made non-dumpable (here: files of ours for a process of nobody's)."""
     if why == confined.NOT_DUMPABLE and os.getuid() == 65534:
         pytest.skip("we are nobody")
     _fake_target(tmp_path, uids, gids)

@@ -12,10 +12,16 @@ read goes through here:
   at the root, an absolute symlink starts again from it, a symlink is read as text and never
   followed by the kernel). No mount crossing is refused: the walk runs in the target's own
   mount namespace, so a mount it crosses is one the target sees, and the rights below decide.
-* **the target's rights**: a child process takes the target's file-system uid, gid and
-  supplementary groups and drops every capability before it opens anything, so the kernel
-  itself checks each directory searched and the file read (mode bits, ACLs), as it would for
-  the target. It opens with ``O_PATH`` first and reopens only a regular file, so a name that
+* **the target's rights, fixed once**: its identity (ids, start time, executable, whether
+  the kernel made it non-dumpable) is taken with an fd on its /proc directory and one on its
+  root, before anything is read on its behalf (``Target``: before py-spy reads its frames,
+  before its maps are read for symbols), and checked unchanged after each read that depends
+  on it; a target that runs a setuid or setgid image, or is not dumpable, is read for not at
+  all. A child process takes the file-system uid, gid and supplementary groups of that
+  identity (never ones read again later: an exec of a setuid binary between the frames and
+  the lines would make them root's) and drops every capability before it opens anything, so
+  the kernel itself checks each directory searched and the file read (mode bits, ACLs), as
+  it would for the target. It opens with ``O_PATH`` first and reopens only a regular file, so a name that
   points at a FIFO or a device never opens it (no blocking, no side effect of an open).
 * **bounded**: one child per batch, killed at its timeout (a file on a hung network or FUSE
   mount cannot hold up the agent), at most ``MAX_FILE_BYTES`` read of a file and
@@ -422,14 +428,14 @@ class Identity:
     read on its behalf, and compared after each read that depends on it. An exec keeps the
     PID and start time but changes the executable and, for a setuid image, the ids; a reused
     PID changes the start time; a process that gained or dropped privileges is made
-    non-dumpable by the kernel, which then gives its /proc directory to root."""
+    non-dumpable by the kernel, which then gives the files in its /proc directory to root."""
 
     start_ticks: int
     uids: tuple[int, int, int, int]  # real, effective, saved, file-system (/proc/PID/status)
     gids: tuple[int, int, int, int]
     groups: tuple[int, ...]
     exe: tuple[int, int] | None  # (st_dev, st_ino) of /proc/PID/exe; None when it has none
-    owner: tuple[int, int]  # of /proc/PID: its effective ids unless it is not dumpable
+    owner: tuple[int, int]  # of /proc/PID/stat: its effective ids unless it is not dumpable
 
     @property
     def creds(self) -> Credentials:
@@ -454,9 +460,10 @@ def identity(proc_fd: int) -> Identity | None:
     try:
         with open(os.open("stat", os.O_RDONLY | os.O_CLOEXEC, dir_fd=proc_fd), "rb") as f:
             ticks = start_ticks(f.read(4096).decode(errors="replace"))
+            # A file, not the directory: /proc/PID itself always shows the effective ids.
+            st = os.fstat(f.fileno())
         with open(os.open("status", os.O_RDONLY | os.O_CLOEXEC, dir_fd=proc_fd), "rb") as f:
             status = f.read(1 << 16).decode(errors="replace")
-        st = os.fstat(proc_fd)
         try:
             exe = os.stat("exe", dir_fd=proc_fd)
             exe_id: tuple[int, int] | None = (exe.st_dev, exe.st_ino)
