@@ -28,7 +28,7 @@ from scripts.elfbomb import symbol_bomb
 from scripts.fixturelib import Fixture
 from tests.privileged.daemonlib import INTERVAL, free_port, running_daemon
 from tests.privileged.harness import RunningDiagnose, diagnose_argv
-from tests.privileged.test_confinement import NOBODY, PYTHON, parked
+from tests.privileged.test_confinement import NOBODY, PYTHON, parked, stack_frames
 from tests.realsw.serving.native import build_abba
 
 MARK = "hangwatch-tenant-reads-target"
@@ -241,3 +241,49 @@ def test_a_symbol_table_bomb_keeps_the_daemon_under_its_memory_limit(tmp_path: P
         shutil.rmtree(shared, ignore_errors=True)
     assert "`abba_a` in libbomb.so" in log, log  # the lock words named from the bomb itself
     assert peak < MEMORY_MAX, f"daemon peak RSS {peak >> 20} MiB\n{log}"
+
+
+# --- a target the kernel made non-dumpable -----------------------------------------------------
+
+DROPPED = f"""
+# {MARK}
+import os, sys, threading
+own = sys.argv[1]
+os.setgroups([])
+os.setgid(65534)
+os.setuid(65534)  # root dropped to nobody: the kernel makes it non-dumpable
+ns = {{}}
+exec(compile({PARK!r}, own, "exec"), ns)
+lock = threading.Lock()
+lock.acquire()
+t = threading.Thread(target=ns["park"], args=(lock, 3))
+t.start()
+print("READY", flush=True)
+t.join()
+"""
+
+
+def test_a_target_that_changed_its_credentials_is_not_read_for(tmp_path: Path) -> None:
+    """A process that dropped root by itself (a service's `--user`) is non-dumpable: even its
+    own user may not read its memory, and its rights are not simply its ids. No file is read
+    on its behalf, not even one its user may read; its frames are still shown."""
+    shared = Path(tempfile.mkdtemp(prefix="hangwatch-dropped-"))
+    try:
+        shared.chmod(0o755)
+        own = shared / "own.py"
+        own.write_text(PARK)
+        own.chmod(0o644)
+        with Fixture([PYTHON, "-c", DROPPED, str(own)], timeout=30) as target:
+            parked(target.pid, 2)
+            got = RunningDiagnose(diagnose_argv([target.pid], threshold=1, duration=2)).finish(
+                timeout=120
+            )
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+    assert got.returncode == 0, got.explain("diagnose failed")
+    frames = stack_frames(got.report or {}, target.pid)
+    assert str(own) in frames, got.explain("no frame in the target's own file")
+    f = frames[str(own)]
+    assert f["code"] is None and f["code_withheld"] == "the target is not dumpable", got.explain(
+        "the line of a non-dumpable target"
+    )
