@@ -263,13 +263,13 @@ def read_stacks(
     if isinstance(target, str):
         return StackRead(pid, error=f"not read: {target}")
     with target:
-        start = time.monotonic()
+        began = time.monotonic()
         # --full-filenames: py-spy would otherwise shorten names by testing for __init__.py
         # as root through /proc/PID/root (unconfined); SourceLines does it with the target's
         # view and rights instead.
         argv = [exe, "dump", "--nonblocking", "--json", "--full-filenames", "--pid", str(pid)]
         done = _run_capped(argv, timeout_s)
-        took = time.monotonic() - start
+        took = time.monotonic() - began
         if isinstance(done, str):
             return StackRead(
                 pid, error=done, seconds=took if "timed out" not in done else timeout_s
