@@ -145,7 +145,7 @@ def test_a_table_built_from_arrays_answers_as_one_built_from_rows(ranges, addr) 
     from_arrays = SymbolTable.of_arrays(
         array("Q", (s for s, _, _ in kept)),
         array("Q", (s + n for s, n, _ in kept)),
-        array("L", (i for _, _, i in kept)),
+        array("I", (i for _, _, i in kept)),
     )
     from_rows = SymbolTable(rows)
     assert list(from_arrays.starts) == list(from_rows.starts)

@@ -30,7 +30,7 @@ from .procfs import ProcFS, printable
 
 READ_TIMEOUT_S = 3.0  # per process; py-spy reads a 100-thread process in tens of ms
 MAX_FRAMES = 32  # per thread, innermost first: enough to reach the program's own code
-MAX_OUTPUT = 32 << 20  # bytes of JSON accepted from one dump (2,000 threads ~ 5 MiB)
+MAX_OUTPUT = 32 << 20  # of one dump: ~1,500 threads of 100 frames (py-spy indents its JSON)
 MAX_ERROR = 64 << 10  # bytes of py-spy's stderr kept: only matched against known words
 
 

@@ -255,7 +255,7 @@ def _read_symbols(elf: ELFFile, fd: int) -> tuple[SymbolTable[int], tuple[int, i
             wide = elf.elfclass == 64
             fmt = ("<" if elf.little_endian else ">") + ("IBBHQQ" if wide else "IIIBBH")
             size = struct.calcsize(fmt)
-            starts, ends, names = array("Q"), array("Q"), array("L")
+            starts, ends, names = array("Q"), array("Q"), array("I")  # st_name: 32 bits
             chunk = SYMTAB_CHUNK - SYMTAB_CHUNK % size
             for at in range(0, sh.sh_size - sh.sh_size % size, chunk):
                 data = os.pread(fd, min(chunk, sh.sh_size - at), sh.sh_offset + at)
