@@ -19,7 +19,7 @@ import secrets
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -80,7 +80,6 @@ while True:
     for name in os.listdir("/proc"):
         if not name.isdigit() or name in seen:
             continue
-        seen.add(name)
         try:
             with open(f"/proc/{name}/cmdline", "rb") as f:
                 argv = f.read()
@@ -88,8 +87,11 @@ while True:
         except OSError:
             continue
         if not argv.split(b"\\0", 1)[0].endswith(b"py-spy") or needle not in argv:
+            if b"python" not in argv:  # a Python process may be a fork about to exec py-spy
+                seen.add(name)
             os.close(pidfd)
             continue
+        seen.add(name)
         if time.monotonic() - start < quiet_s:  # a read let pass: not the one raced
             os.close(pidfd)
             continue
@@ -133,11 +135,11 @@ def exe_of(pid: int) -> str | None:
         return None
 
 
-def raced(pid: int, timeout: float = 30) -> None:
+def raced(pid: int, timeout: float = 30, log: Callable[[], str] = str) -> None:
     """Wait until the target has exec'd su: the attack ran (else the test proves nothing)."""
     deadline = time.monotonic() + timeout
     while exe_of(pid) != SU:
-        assert time.monotonic() < deadline, f"process {pid} never exec'd su: the race did not run"
+        assert time.monotonic() < deadline, f"{pid} never exec'd su: no race run\n{log()}"
         time.sleep(0.05)
 
 
@@ -181,7 +183,7 @@ def test_an_exec_between_the_reads_of_the_flight_record_reads_nothing_as_root(
     with running_daemon(cfg, port) as d, race.target() as target:
         parked(target.pid, THREADS + 2)
         with race.watcher(target.pid, quiet_s=threshold * 0.75):
-            raced(target.pid, timeout=60)
+            raced(target.pid, timeout=60, log=d.output)
             stalled = f"pid {target.pid}: progressing -> stalled"
             deadline = time.monotonic() + 20  # the flight record follows the change's line
             while f"process {target.pid}: " not in d.output() and time.monotonic() < deadline:
