@@ -1,7 +1,7 @@
 """Attacks on the rights and memory of the reads hangwatch makes on a target's behalf.
 
 * **The exec race.** A target run as ``nobody`` parks threads in frames compiled under the
-  name of a root-only file, and a helper process of the same tenant watches for the py-spy
+  name of a root-only file, and a second process of the same tenant watches for the py-spy
   that reads it. When that py-spy exits, the target execs ``su`` (setuid root, waiting for a
   password on a pipe): from then on /proc/PID/status says fsuid 0. A reader that takes the
   target's credentials when it reads the source lines, after the frames, reads the file as
