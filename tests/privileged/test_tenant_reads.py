@@ -10,6 +10,8 @@
   a library whose .symtab holds two million function symbols (48 MB). The daemon names the
   lock words from it when it writes the flight record: its peak memory must stay under the
   shipped unit's ``MemoryMax=512M``.
+* **A non-dumpable target.** A process that dropped root by itself: no file is read on its
+  behalf, not even its own.
 """
 
 from __future__ import annotations
