@@ -66,6 +66,7 @@ PARTS = (
     "startup",
     "detection",
     "stacks",
+    "reads",
     "schedclock",
     "maps",
     "scaling",
@@ -482,6 +483,85 @@ def stacks(rep: Report, quick: bool) -> None:
     )
 
 
+# --- reads on a target's behalf --------------------------------------------------------------
+
+PARSE_SYMBOLS = r"""
+import os, sys, time
+from agent.sources import symbols
+def hwm():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) << 10
+fd = os.open(sys.argv[1], os.O_RDONLY)
+before = hwm()
+t0 = time.perf_counter()
+elf = symbols._parse(fd)
+took = time.perf_counter() - t0
+print(took, hwm() - before, len(elf.symbols) if elf else -1)
+"""
+
+
+def reads(rep: Report, exe: Path, quick: bool) -> None:
+    """What the bounds on the reads made on a target's behalf cost: its identity fixed (once
+    a stack read or a symbol lookup) and checked (after each read that depends on it), and a
+    symbol table parsed into arrays, up to the cap (time and peak memory, in a process of
+    its own so that nothing else is counted)."""
+    import subprocess
+    import tempfile
+
+    from agent.sources import confined
+    from scripts.elfbomb import symbol_bomb
+
+    reps = 200 if quick else 2000
+    target = subprocess.Popen(["sleep", "600"])
+    try:
+        progress(f"reads: {reps} identities taken and checked")
+        take, check = [], []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            t = confined.Target.take(target.pid)
+            take.append(time.perf_counter() - t0)
+            assert isinstance(t, confined.Target), t
+            with t:
+                t0 = time.perf_counter()
+                why = t.changed()
+                check.append(time.perf_counter() - t0)
+                assert why is None, why
+    finally:
+        target.kill()
+        target.wait()
+    tk, ck = statistics.median(take) * 1e6, statistics.median(check) * 1e6
+    rep.table(
+        f"A target's identity (median of {reps}): taken once a read, checked after each "
+        "read that depends on it (a stack read: one take, two checks)",
+        ["take us", "check us", "a stack read's us"],
+        [[f"{tk:.0f}", f"{ck:.0f}", f"{tk + 2 * ck:.0f}"]],
+    )
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for count in (100_000,) if quick else (100_000, 1_000_000, 2_000_000):
+            progress(f"reads: a symbol table of {count:,} symbols")
+            bomb = Path(tmp) / f"bomb-{count}"
+            symbol_bomb(exe, bomb, count)
+            out = subprocess.run(
+                [sys.executable, "-c", PARSE_SYMBOLS, str(bomb)],
+                capture_output=True,
+                text=True,
+                check=True,
+                cwd=Path(__file__).resolve().parent.parent,
+            ).stdout.split()
+            took, grew, kept = float(out[0]), int(out[1]), int(out[2])
+            rows.append(
+                [f"{count:,}", f"{bomb.stat().st_size >> 20}", f"{kept:,}",
+                 f"{took:.2f}", f"{grew / (1 << 20):.0f}"]
+            )  # fmt: skip
+    rep.table(
+        "A symbol table parsed (one object; the cap is 48 MiB of table, 2M 64-bit symbols)",
+        ["symbols", "file MiB", "kept", "parse s", "peak growth MiB"],
+        rows,
+    )
+
+
 # --- schedclock ------------------------------------------------------------------------------
 
 
@@ -720,6 +800,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "startup": lambda: startup(rep, args.quick),
         "detection": lambda: detection(rep, args.quick),
         "stacks": lambda: stacks(rep, args.quick),
+        "reads": lambda: reads(rep, exe, args.quick),
         "schedclock": lambda: schedclock(rep, args.quick),
         "slowclients": lambda: slowclients_part(rep, args.quick),
         "maps": lambda: maps(rep, args.quick),

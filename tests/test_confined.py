@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -243,3 +247,122 @@ def test_short_names_stop_at_the_topmost_package() -> None:
     assert confined.short_name("/srv/a/b/c.py", files.__contains__) == "a/b/c.py"
     assert confined.short_name("/srv/x/c.py", files.__contains__) == "c.py"
     assert confined.short_name("/c.py", files.__contains__) == "c.py"
+
+
+# --- the target's identity, fixed before the reads and checked after -----------------------
+
+STAT = "42 (a) b) S 1 42 42 0 -1 4194560 1 0 0 0 0 0 0 0 20 0 1 0 {start} 1 1 1 1 1 1\n"
+
+
+def _fake_target(tmp_path: Path, uids: str = "", gids: str = "") -> Path:
+    """Process 42 in a tree of our own: our ids (or those given), started at tick 777."""
+    me = f"{os.getuid()}\t" * 4
+    mine = f"{os.getgid()}\t" * 4
+    pid = tmp_path / "42"
+    (pid / "root").mkdir(parents=True)
+    (pid / "stat").write_text(STAT.format(start=777))
+    (pid / "status").write_text(f"Uid:\t{uids or me}\nGid:\t{gids or mine}\nGroups:\t\n")
+    return pid
+
+
+def test_the_start_time_is_field_22_whatever_the_name_holds() -> None:
+    assert confined.start_ticks(STAT.format(start=777)) == 777
+    assert confined.start_ticks("42 (x) S") is None
+
+
+def test_a_target_is_fixed_with_its_ids_start_time_and_root(tmp_path: Path) -> None:
+    _fake_target(tmp_path)
+    t = confined.Target.take(42, str(tmp_path))
+    assert isinstance(t, confined.Target)
+    with t:
+        assert t.identity.start_ticks == 777
+        assert t.creds == Credentials(os.getuid(), os.getgid())
+        assert t.refusal is None and t.changed() is None
+    assert confined.Target.take(42, str(tmp_path), start=778) == confined.GONE  # not that one
+    assert confined.Target.take(43, str(tmp_path)) == confined.GONE
+
+
+@pytest.mark.parametrize(
+    ("uids", "gids", "why"),
+    [
+        ("1000\t0\t0\t0", "", confined.SETID),  # su, before it dropped to its user
+        ("", "1000\t42\t42\t42", confined.SETID),  # a setgid image
+        ("65534\t65534\t65534\t65534", "65534\t65534\t65534\t65534", confined.NOT_DUMPABLE),
+    ],
+)
+def test_a_setuid_or_non_dumpable_target_is_not_read_for(
+    tmp_path: Path, uids: str, gids: str, why: str
+) -> None:
+    """Ids that differ: a setuid or setgid image. Ids that are not those of the owner of the
+    files in its /proc directory: the kernel gave them to root, the sign of a process it
+    made non-dumpable (here: files of ours for a process of nobody's)."""
+    if why == confined.NOT_DUMPABLE and os.getuid() == 65534:
+        pytest.skip("we are nobody")
+    _fake_target(tmp_path, uids, gids)
+    (tmp_path / "42" / "root" / "app.py").write_text("line\n")
+    t = confined.Target.take(42, str(tmp_path))
+    assert isinstance(t, confined.Target)
+    with t:
+        assert t.refusal == why
+        got = confined.read_lines(t, {"/app.py": [1]}, str(tmp_path))
+        assert got["/app.py"] == confined.FileLines(withheld=why)
+        assert confined.open_objects(t, ["/app.py"], str(tmp_path)) == {"/app.py": why}
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda pid: (pid / "stat").write_text(STAT.format(start=778)),  # another process
+        lambda pid: (pid / "status").write_text("Uid:\t7\t7\t7\t7\nGid:\t7\t7\t7\t7\nGroups:\t\n"),
+        lambda pid: (pid / "exe").symlink_to("/bin/sh"),  # exec'd
+    ],
+)
+def test_a_target_that_changed_between_the_reads_is_not_read_for(tmp_path: Path, change) -> None:
+    pid = _fake_target(tmp_path)
+    (pid / "root" / "app.py").write_text("line\n")
+    t = confined.Target.take(42, str(tmp_path))
+    assert isinstance(t, confined.Target)
+    with t:
+        assert confined.read_lines(t, {"/app.py": [1]}, str(tmp_path))["/app.py"].lines == {
+            1: "line"
+        }
+        change(pid)
+        assert t.changed() == confined.CHANGED
+        got = confined.read_lines(t, {"/app.py": [1]}, str(tmp_path))
+        assert got["/app.py"] == confined.FileLines(withheld=confined.CHANGED)
+        assert confined.open_objects(t, ["/app.py"], str(tmp_path)) == {"/app.py": confined.CHANGED}
+
+
+def test_a_real_process_that_execs_or_exits_is_another_identity(tmp_path: Path) -> None:
+    """An exec keeps the PID and the start time, not the executable; a process that exited
+    is gone for good: its /proc directory, held open, never shows the PID's next owner."""
+    src = tmp_path / "app.py"
+    src.write_text("line\n")
+    code = (
+        "import os, signal, time\n"
+        "signal.signal(signal.SIGUSR1, lambda *a: os.execv('/bin/sleep', ['sleep', '30']))\n"
+        "print(flush=True)\n"
+        "time.sleep(30)\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == b"\n"
+        t = confined.Target.take(child.pid)
+        assert isinstance(t, confined.Target)
+        with t:
+            assert t.changed() is None and t.refusal is None
+            child.send_signal(signal.SIGUSR1)
+            deadline = time.monotonic() + 10
+            while os.path.basename(os.readlink(f"/proc/{child.pid}/exe")) != "sleep":
+                assert time.monotonic() < deadline, "the child did not exec"
+                time.sleep(0.01)
+            assert t.changed() == confined.CHANGED
+            got = confined.read_lines(t, {str(src): [1]})
+            assert got[str(src)].withheld == confined.CHANGED
+            child.kill()
+            child.wait()
+            assert t.changed() == confined.GONE
+            assert confined.read_lines(t, {str(src): [1]})[str(src)].withheld == confined.GONE
+    finally:
+        child.kill()
+        child.wait()

@@ -100,7 +100,11 @@ def test_stacks_are_read_only_when_a_service_turns_stalled_or_deadlocked(
     reads: list[list[int]] = []
 
     def read_many(
-        pids: Iterable[int], budget_s: float, proc: object, source: object = None
+        pids: Iterable[int],
+        budget_s: float,
+        proc: object,
+        source: object = None,
+        starts: object = None,
     ) -> dict:
         reads.append(list(pids))
         return {}
@@ -136,7 +140,11 @@ def test_the_tick_does_not_wait_for_the_stacks(
     release = threading.Event()
 
     def read_many(
-        pids: Iterable[int], budget_s: float, proc: object, source: object = None
+        pids: Iterable[int],
+        budget_s: float,
+        proc: object,
+        source: object = None,
+        starts: object = None,
     ) -> dict:
         reading.set()
         assert release.wait(10)

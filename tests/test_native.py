@@ -16,15 +16,19 @@ import select
 import subprocess
 import sys
 import time
+from array import array
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from elftools.elf.elffile import ELFFile
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from agent.analysis import evidence as ev
 from agent.analysis.lockwords import name_words
 from agent.report.sentences import render
+from agent.sources import symbols as symbols_mod
 from agent.sources.procfs import PID_MAX_LIMIT, MemMap, ProcFS
 from agent.sources.symbols import (
     Load,
@@ -128,6 +132,28 @@ def test_symbol_table_finds_the_range_that_covers_an_address() -> None:
     assert table.find(0x3000) is None
     assert table.find(0x4002) == "narrow" and table.find(0x4006) == "wide"
     assert SymbolTable[str]([]).find(0x1000) is None
+
+
+@settings(suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.integers(0, 64), st.integers(0, 16)), max_size=40), st.integers(0, 90))
+def test_a_table_built_from_arrays_answers_as_one_built_from_rows(ranges, addr) -> None:
+    """The arrays a symbol table is parsed into, sorted by start alone: the same innermost
+    symbol for every address as the rows sorted by start and end (or, for two symbols with
+    the same range, an alias: either is the answer)."""
+    rows = [(s, n, i) for i, (s, n) in enumerate(ranges)]
+    kept = [(s, n, i) for s, n, i in rows if n > 0]
+    from_arrays = SymbolTable.of_arrays(
+        array("Q", (s for s, _, _ in kept)),
+        array("Q", (s + n for s, n, _ in kept)),
+        array("I", (i for _, _, i in kept)),
+    )
+    from_rows = SymbolTable(rows)
+    assert list(from_arrays.starts) == list(from_rows.starts)
+    got, want = from_arrays.find(addr), from_rows.find(addr)
+    if want is None or got is None:
+        assert got == want
+    else:
+        assert ranges[got][0] == ranges[want][0] and ranges[got][1] == ranges[want][1]
 
 
 # --- ELF virtual addresses from a mapping ------------------------------------------------
@@ -241,6 +267,44 @@ def test_an_object_is_read_inside_the_targets_root(tmp_path: Path) -> None:
     escape.mkdir()
     proc, addr = _tree_with_an_object(escape, lambda p: p.symlink_to(libc))
     assert describe_address(42, addr, proc) == f"libx.so+0x{addr - 0x7F0000000000:x}"
+
+
+@pytest.mark.skipif(
+    not Path("/usr/lib/x86_64-linux-gnu/libc.so.6").exists(), reason="needs x86-64 glibc"
+)
+def test_an_object_read_for_a_target_that_changed_names_nothing(tmp_path: Path) -> None:
+    """The target is fixed before its maps are read: a process that is another one by the
+    time its object was read (a reused PID; an exec shows the same) gets no answer at all,
+    neither the name nor the maps' word for it."""
+    libc = Path("/usr/lib/x86_64-linux-gnu/libc.so.6")
+    proc, addr = _tree_with_an_object(tmp_path, lambda p: p.write_bytes(libc.read_bytes()))
+    assert "malloc" in (describe_address(42, addr, proc) or "")  # the same process: named
+    stat = tmp_path / "42" / "stat"
+    text = stat.read_text()
+    head, _, tail = text.rpartition(")")
+    fields = tail.split()
+    fields[19] = str(int(fields[19]) + 1)
+
+    class Reused(ProcFS):
+        def maps(self, pid: int | str) -> list[MemMap]:
+            got = super().maps(pid)
+            stat.write_text(f"{head}) {' '.join(fields)}\n")  # now another process
+            return got
+
+    assert describe_address(42, addr, Reused(str(tmp_path))) is None
+
+
+@pytest.mark.skipif(
+    not Path("/usr/lib/x86_64-linux-gnu/libc.so.6").exists(), reason="needs x86-64 glibc"
+)
+def test_symbol_tables_over_the_cap_are_not_read(tmp_path: Path, monkeypatch) -> None:
+    libc = Path("/usr/lib/x86_64-linux-gnu/libc.so.6")
+    proc, addr = _tree_with_an_object(tmp_path, lambda p: p.write_bytes(libc.read_bytes()))
+    monkeypatch.setattr(symbols_mod, "MAX_SYMTAB_BYTES", 1024)  # libc's .dynsym is larger
+    symbols_mod._CACHE.clear()
+    said = describe_address(42, addr, proc)
+    assert said == f"libx.so+0x{addr - 0x7F0000000000:x} ({symbols_mod.CAPPED})"
+    symbols_mod._CACHE.clear()
 
 
 # --- a real deadlock -----------------------------------------------------------------------

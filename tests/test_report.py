@@ -118,7 +118,7 @@ def test_the_json_asks_only_for_the_names_of_cycle_words() -> None:
 def test_gather_reads_the_stacks_then_what_is_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     order: list[object] = []
 
-    def read_many(pids, budget_s, proc, source=None):
+    def read_many(pids, budget_s, proc, source=None, starts=None):
         order.append(("stacks", list(pids), budget_s))
         return {p: STACKS[p] for p in pids if p in STACKS}
 

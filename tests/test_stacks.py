@@ -15,7 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agent.analysis import evidence as ev
@@ -28,6 +28,7 @@ from agent.analysis.stacks import (
 )
 from agent.model import ProcessSample, ThreadSample
 from agent.report.sentences import reasons, wait_words
+from agent.sources import pystacks
 from agent.sources.confined import FileLines
 from agent.sources.procfs import ProcFS
 from agent.sources.pystacks import (
@@ -759,3 +760,81 @@ def test_python_is_told_from_the_tree_it_is_given(tmp_path: Path):
     assert is_python(1, tree) and is_python(2, tree)
     assert not is_python(3, tree)  # no maps to read: not Python
     assert not is_python(4, tree)  # gone
+
+
+# --- the target fixed before the dump, checked after it ---------------------------------------
+
+ONE_FRAME = (
+    '[{"os_thread_id": 1, "thread_name": "t", "owns_gil": false,'
+    ' "frames": [{"name": "f", "filename": "/etc/hostname", "line": 1}]}]'
+)
+
+
+@pytest.fixture
+def execer():
+    """A Python process that execs `sleep` on SIGUSR1 (and dies on SIGUSR2): what a target
+    that runs a setuid image after its dump, or exits and leaves its PID, looks like."""
+    code = (
+        "import os, signal, time\n"
+        "signal.signal(signal.SIGUSR1, lambda *a: os.execv('/bin/sleep', ['sleep', '30']))\n"
+        "print(flush=True)\n"
+        "time.sleep(30)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == b"\n"
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.parametrize(
+    ("signal_name", "why"),
+    [("USR1", "the target changed identity during the read"), ("USR2", "the target is gone")],
+)
+def test_a_dump_of_a_target_that_changed_while_read_is_not_shown(
+    tmp_path: Path, execer, signal_name: str, why: str
+):
+    """py-spy reads by PID: what it dumped after the target exec'd, or after its PID could
+    be another process's, is not that target's, nor are the rights to read its lines."""
+    exe = reader(tmp_path, f"kill -{signal_name} $6\nsleep 0.3\necho '{ONE_FRAME}'")
+    read = read_stacks(execer.pid, PROC, reader=exe, source=SourceLines(PROC))
+    assert read is not None and read.threads == {}
+    assert read.error == f"not read: {why}"
+
+
+def test_a_reader_that_writes_past_the_cap_is_killed(tmp_path: Path, monkeypatch):
+    monkeypatch.setattr(pystacks, "MAX_OUTPUT", 1 << 20)
+    exe = reader(tmp_path, "exec yes '[1111111111111111111111111111111111111]'")
+    read = read_stacks(os.getpid(), PROC, reader=exe)
+    assert read is not None and read.threads == {}
+    assert read.error == "py-spy wrote over 1 MiB"
+
+
+@settings(suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(
+        st.dictionaries(st.sampled_from(["os_thread_id", "frames"]), st.integers(), max_size=2)
+        | st.lists(st.text(max_size=3), max_size=2),
+        max_size=4,
+    ),
+    st.sampled_from(["", " ", "\n  "]),
+)
+def test_a_dump_is_decoded_a_thread_at_a_time_as_a_whole(threads, space):
+    text = json.dumps(threads, indent=2 if space else None) + space
+    assert list(pystacks._elements(space + text)) == threads
+
+
+def test_a_pid_that_is_no_longer_the_process_meant_is_not_read(tmp_path: Path):
+    """The snapshot's start time travels with the PID: another process that took the PID
+    since (here: the same PID with another start time) is not read at all."""
+    ran = tmp_path / "ran"
+    exe = reader(tmp_path, f"touch {ran}\necho '[]'")
+    stat = Path("/proc/self/stat").read_text()
+    start = int(stat.rpartition(")")[2].split()[19])
+    read = read_stacks(os.getpid(), PROC, reader=exe, start=start + 1)
+    assert read == StackRead(os.getpid(), error="not read: the target is gone")
+    assert not ran.exists()  # py-spy never ran
+    read = read_stacks(os.getpid(), PROC, reader=exe, start=start)
+    assert read is not None and read.error is None and ran.exists()

@@ -46,7 +46,9 @@ def gather(
     """Read the Python stacks of ``stacks_of`` (within ``budget_s``), then what ``wanted``
     asks given them. ``samples``: the snapshot's processes by pid; fd waits are read only
     for those (a process gone since has no fds to ask about)."""
-    stacks = read_many(stacks_of, budget_s, proc, source) if stacks_of else {}
+    # Each process as the snapshot saw it: a PID reused since is not read for its verdict.
+    starts = {pid: s.start_ticks for pid, s in samples.items()}
+    stacks = read_many(stacks_of, budget_s, proc, source, starts) if stacks_of else {}
     asks = wanted(stacks)
     natives: dict[tuple[int, int], str] = {}
     for pid, tid in asks.natives:

@@ -12,10 +12,16 @@ read goes through here:
   at the root, an absolute symlink starts again from it, a symlink is read as text and never
   followed by the kernel). No mount crossing is refused: the walk runs in the target's own
   mount namespace, so a mount it crosses is one the target sees, and the rights below decide.
-* **the target's rights**: a child process takes the target's file-system uid, gid and
-  supplementary groups and drops every capability before it opens anything, so the kernel
-  itself checks each directory searched and the file read (mode bits, ACLs), as it would for
-  the target. It opens with ``O_PATH`` first and reopens only a regular file, so a name that
+* **the target's rights, fixed once**: its identity (ids, start time, executable, whether
+  the kernel made it non-dumpable) is taken with an fd on its /proc directory and one on its
+  root, before anything is read on its behalf (``Target``: before py-spy reads its frames,
+  before its maps are read for symbols), and checked unchanged after each read that depends
+  on it; a target that runs a setuid or setgid image, or is not dumpable, is read for not at
+  all. A child process takes the file-system uid, gid and supplementary groups of that
+  identity (never ones read again later: an exec of a setuid binary between the frames and
+  the lines would make them root's) and drops every capability before it opens anything, so
+  the kernel itself checks each directory searched and the file read (mode bits, ACLs), as
+  it would for the target. It opens with ``O_PATH`` first and reopens only a regular file, so a name that
   points at a FIFO or a device never opens it (no blocking, no side effect of an open).
 * **bounded**: one child per batch, killed at its timeout (a file on a hung network or FUSE
   mount cannot hold up the agent), at most ``MAX_FILE_BYTES`` read of a file and
@@ -63,6 +69,9 @@ TOO_LARGE = "larger than 4 MiB"
 NO_LINE = "no such line"
 NO_CREDENTIALS = "the agent cannot take the target's credentials"
 GONE = "the target is gone"
+CHANGED = "the target changed identity during the read"
+SETID = "the target runs a setuid or setgid image"
+NOT_DUMPABLE = "the target is not dumpable"
 TIMED_OUT = "not read in time"
 FAILED = "could not be read"
 
@@ -391,29 +400,147 @@ def _child_main() -> int:
 # --- the parent ------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class _Target:
-    creds: Credentials
-    root_fd: int
+def _ids(text: str, key: str) -> tuple[int, int, int, int] | None:
+    for line in text.splitlines():
+        name, _, rest = line.partition(":")
+        if name == key:
+            try:
+                got = tuple(int(x) for x in rest.split())
+            except ValueError:
+                return None
+            return (got[0], got[1], got[2], got[3]) if len(got) == 4 else None
+    return None
 
 
-def _target(pid: int, proc_root: str) -> _Target | str:
+def start_ticks(stat_text: str) -> int | None:
+    """Field 22 of /proc/PID/stat (after the parenthesised comm, which may hold anything);
+    None for a process that has exited (a zombie, not yet reaped: no memory, no files)."""
+    fields = stat_text.rpartition(")")[2].split()
     try:
-        with open(os.path.join(proc_root, str(pid), "status"), errors="replace") as f:
-            creds = credentials(f.read())
-        root_fd = os.open(
-            os.path.join(proc_root, str(pid), "root"), os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC
-        )
+        return int(fields[19]) if fields[0] not in ("Z", "X") else None
+    except (IndexError, ValueError):
+        return None
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who a process is, as far as what it may read goes: taken once, before anything is
+    read on its behalf, and compared after each read that depends on it. An exec keeps the
+    PID and start time but changes the executable and, for a setuid image, the ids; a reused
+    PID changes the start time; a process that gained or dropped privileges is made
+    non-dumpable by the kernel, which then gives the files in its /proc directory to root."""
+
+    start_ticks: int
+    uids: tuple[int, int, int, int]  # real, effective, saved, file-system (/proc/PID/status)
+    gids: tuple[int, int, int, int]
+    groups: tuple[int, ...]
+    exe: tuple[int, int] | None  # (st_dev, st_ino) of /proc/PID/exe; None when it has none
+    owner: tuple[int, int]  # of /proc/PID/stat: its effective ids unless it is not dumpable
+
+    @property
+    def creds(self) -> Credentials:
+        return Credentials(self.uids[3], self.gids[3], self.groups)
+
+    @property
+    def refusal(self) -> str | None:
+        """Why nothing may be read on its behalf at all: a setuid or setgid image (its
+        rights are not its user's), or a process the kernel made non-dumpable (it changed
+        credentials: even its own user may not read its memory)."""
+        if len(set(self.uids)) > 1 or len(set(self.gids)) > 1:
+            return SETID
+        if self.owner != (self.uids[1], self.gids[1]):
+            return NOT_DUMPABLE
+        return None
+
+
+def identity(proc_fd: int) -> Identity | None:
+    """The identity of the process whose /proc directory ``proc_fd`` is; None when it is
+    gone (an fd on /proc/PID stays with that process: a reused PID is never read through
+    it) or a file does not parse."""
+    try:
+        with open(os.open("stat", os.O_RDONLY | os.O_CLOEXEC, dir_fd=proc_fd), "rb") as f:
+            ticks = start_ticks(f.read(4096).decode(errors="replace"))
+            # A file, not the directory: /proc/PID itself always shows the effective ids.
+            st = os.fstat(f.fileno())
+        with open(os.open("status", os.O_RDONLY | os.O_CLOEXEC, dir_fd=proc_fd), "rb") as f:
+            status = f.read(1 << 16).decode(errors="replace")
+        try:
+            exe = os.stat("exe", dir_fd=proc_fd)
+            exe_id: tuple[int, int] | None = (exe.st_dev, exe.st_ino)
+        except FileNotFoundError:
+            exe_id = None  # a kernel thread, or a tree without one: nothing to compare
     except OSError:
-        return GONE
-    if creds is None:
-        os.close(root_fd)
-        return GONE
-    return _Target(creds, root_fd)
+        return None
+    uids, gids, creds = _ids(status, "Uid"), _ids(status, "Gid"), credentials(status)
+    if ticks is None or uids is None or gids is None or creds is None:
+        return None
+    return Identity(ticks, uids, gids, creds.groups, exe_id, (st.st_uid, st.st_gid))
+
+
+class Target:
+    """A process fixed for the reads made on its behalf: its identity, an fd on its /proc
+    directory and one on its root, all taken at one moment. Every later read uses these
+    (the confined child takes ``identity.creds``, never ones read again), and ``changed``
+    says whether the process is still the one they were taken from. Close it when done."""
+
+    def __init__(self, pid: int, proc_fd: int, root_fd: int, ident: Identity) -> None:
+        self.pid = pid
+        self.proc_fd = proc_fd
+        self.root_fd = root_fd
+        self.identity = ident
+
+    @classmethod
+    def take(cls, pid: int, proc_root: str = "/proc", start: int | None = None) -> Target | str:
+        """The target ``pid`` now (and started at ``start`` ticks, when given), or why not."""
+        try:
+            proc_fd = os.open(
+                os.path.join(proc_root, str(pid)), os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC
+            )
+        except OSError:
+            return GONE
+        try:
+            root_fd = os.open("root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=proc_fd)
+        except OSError:
+            os.close(proc_fd)
+            return GONE
+        ident = identity(proc_fd)  # after the root: the root is the process's whose ids these are
+        if ident is None or (start is not None and ident.start_ticks != start):
+            os.close(root_fd)
+            os.close(proc_fd)
+            return GONE
+        return cls(pid, proc_fd, root_fd, ident)
+
+    @property
+    def creds(self) -> Credentials:
+        return self.identity.creds
+
+    @property
+    def refusal(self) -> str | None:
+        return self.identity.refusal
+
+    def changed(self) -> str | None:
+        """None while the process is the one taken (same start time, executable, ids and
+        dumpability); else why its reads cannot be trusted: gone, or changed."""
+        now = identity(self.proc_fd)
+        if now is None:
+            return GONE
+        return None if now == self.identity else CHANGED
+
+    def close(self) -> None:
+        for fd in (self.root_fd, self.proc_fd):
+            if fd >= 0:
+                os.close(fd)
+        self.root_fd = self.proc_fd = -1
+
+    def __enter__(self) -> Target:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _run_child(
-    t: _Target, request: dict[str, Any], timeout_s: float, extra_fds: Sequence[int] = ()
+    t: Target, request: dict[str, Any], timeout_s: float, extra_fds: Sequence[int] = ()
 ) -> dict[str, Any] | str:
     """The child's answer, or why there is none."""
     request = {
@@ -455,14 +582,23 @@ def _run_child(
     return answer
 
 
+def _fixed(target: int | Target, proc_root: str) -> tuple[Target | str, bool]:
+    """``target`` itself, or the process ``target`` names taken now; and whether it is
+    ours to close."""
+    if isinstance(target, Target):
+        return target, False
+    return Target.take(target, proc_root), True
+
+
 def read_lines(
-    pid: int,
+    target: int | Target,
     wanted: Mapping[str, Collection[int]],
     proc_root: str = "/proc",
     timeout_s: float = TIMEOUT_S,
 ) -> dict[str, FileLines]:
-    """The lines asked for of each file ``pid`` names, as ``pid`` would read them. Every name
-    gets an answer; never raises."""
+    """The lines asked for of each file the target names, as it would read them: with the
+    identity fixed in ``target`` (a PID is taken now), and none when that identity refuses
+    reads or changed before the child was done. Every name gets an answer; never raises."""
     out: dict[str, FileLines] = {}
     todo = {}
     for path, nums in wanted.items():
@@ -472,14 +608,18 @@ def read_lines(
             todo[path] = sorted({n for n in nums if n >= 1})
     if not todo:
         return out
-    t = _target(pid, proc_root)
+    t, owned = _fixed(target, proc_root)
     if isinstance(t, str):
         return {**out, **{p: FileLines(withheld=t) for p in todo}}
     try:
-        files = [{"path": p, "lines": n} for p, n in list(todo.items())[:MAX_FILES]]
-        answer = _run_child(t, {"op": "lines", "files": files}, timeout_s)
+        answer: dict[str, Any] | str | None = t.refusal
+        if answer is None:
+            files = [{"path": p, "lines": n} for p, n in list(todo.items())[:MAX_FILES]]
+            answer = _run_child(t, {"op": "lines", "files": files}, timeout_s)
+            answer = t.changed() or answer  # lines of another process's files: not shown
     finally:
-        os.close(t.root_fd)
+        if owned:
+            t.close()
     if isinstance(answer, str):
         return {**out, **{p: FileLines(withheld=answer) for p in todo}}
     for item in answer.get("files", []):
@@ -497,17 +637,25 @@ def read_lines(
 
 
 def open_objects(
-    pid: int, paths: Sequence[str], proc_root: str = "/proc", timeout_s: float = TIMEOUT_S
+    target: int | Target,
+    paths: Sequence[str],
+    proc_root: str = "/proc",
+    timeout_s: float = TIMEOUT_S,
 ) -> dict[str, int | str]:
-    """Read-only fds on the files ``pid`` names (its mapped objects), opened as ``pid`` would
-    open them, or why not. The caller owns (and closes) every fd returned."""
+    """Read-only fds on the files the target names (its mapped objects), opened as it would
+    open them with the identity fixed in ``target``, or why not. The caller owns (and
+    closes) every fd returned."""
     names = [p for p in dict.fromkeys(paths) if p.startswith("/")][:MAX_FILES]
     out: dict[str, int | str] = {p: RELATIVE for p in paths if not p.startswith("/")}
     if not names:
         return out
-    t = _target(pid, proc_root)
+    t, owned = _fixed(target, proc_root)
     if isinstance(t, str):
         return {**out, **dict.fromkeys(names, t)}
+    if t.refusal is not None:
+        if owned:
+            t.close()
+        return {**out, **dict.fromkeys(names, t.refusal)}
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     received: list[int] = []
     try:
@@ -528,6 +676,12 @@ def open_objects(
             if not fds:
                 break
             received.extend(fds)
+        why_not = t.changed()
+        if why_not is not None:  # opened for another process than the one taken
+            for got in received:
+                os.close(got)
+            received = []
+            return {**out, **dict.fromkeys(names, why_not)}
         it = iter(received)
         for path, why in zip(names, results):
             if why is None:
@@ -549,7 +703,8 @@ def open_objects(
         ours.close()
         if theirs.fileno() >= 0:
             theirs.close()
-        os.close(t.root_fd)
+        if owned:
+            t.close()
 
 
 if __name__ == "__main__":

@@ -40,8 +40,10 @@ T = TypeVar("T")
 
 STACK_SCAN_BYTES = 16 << 10  # of a blocked thread's stack: libc's wait paths are a few frames
 MAX_THREADS_SCANNED = 4096  # whose stack pointers are compared with an address
-MAX_SYMTAB_BYTES = 48 << 20  # of one symbol table (2M 64-bit entries); the rest is not read
+MAX_SYMTAB_BYTES = 48 << 20  # of one symbol table (2M 64-bit entries); a larger one is not read
+SYMTAB_CHUNK = 1 << 20  # bytes of a symbol table parsed at a time
 MAX_SECTIONS = 4096  # a linked object has tens; more is an object file or a malformed one
+MAX_SEGMENTS = 256  # program headers; a linked object has about ten
 MAX_NAME_BYTES = 1024  # of one symbol name (C++ names run long; a prefix still names it)
 CACHE_OBJECTS = 64  # parsed symbol tables kept: the daemon asks about the same objects
 CACHE_SYMBOLS = 4_000_000  # entries kept over all of them (~20 bytes each)
@@ -151,17 +153,41 @@ class SymbolTable(Generic[T]):
         )
         self.starts = array("Q", (r[0] for r in rows))
         self.ends = array("Q", (r[1] for r in rows))
-        self.payloads: list[T] = [r[2] for r in rows]
+        self.payloads: Sequence[T] = [r[2] for r in rows]
+
+    @staticmethod
+    def of_arrays(starts: array, ends: array, payloads: array) -> SymbolTable[int]:
+        """The same table from three parallel arrays (payloads: integers), which it takes
+        over (they are emptied): sorted by start with one integer key a row and no other
+        Python object, so a table of millions of symbols costs its arrays (20 bytes a
+        symbol) and, while sorting, a key each. Equal starts stay in the file's order:
+        ``find`` picks the narrower itself."""
+        n = len(starts)
+        shift = max(n - 1, 1).bit_length()
+        keys = [s << shift | i for i, s in enumerate(starts)]
+        del starts[:]
+        keys.sort()
+        mask = (1 << shift) - 1
+        table: SymbolTable[int] = SymbolTable.__new__(SymbolTable)
+        table.starts = array("Q", (k >> shift for k in keys))
+        table.ends = array("Q", (ends[k & mask] for k in keys))
+        del ends[:]
+        table.payloads = array(payloads.typecode, (payloads[k & mask] for k in keys))
+        del payloads[:]
+        return table
 
     def __len__(self) -> int:
         return len(self.starts)
 
     def find(self, addr: int) -> T | None:
         i = bisect.bisect_right(self.starts, addr) - 1
+        best = None
         for j in range(i, max(i - self.LOOK_BACK, -1), -1):
-            if addr < self.ends[j]:
-                return self.payloads[j]
-        return None
+            if best is not None and self.starts[j] != self.starts[best]:
+                break  # past the ranges that start where the innermost one does
+            if addr < self.ends[j] and (best is None or self.ends[j] < self.ends[best]):
+                best = j
+        return self.payloads[best] if best is not None else None
 
 
 @dataclass(frozen=True)
@@ -179,6 +205,7 @@ class _Elf:
     loads: tuple[Load, ...]
     symbols: SymbolTable[int]  # payload: the name's offset in the string table
     strtab: tuple[int, int]  # the string table's (file offset, size)
+    capped: bool = False  # its symbol tables are over MAX_SYMTAB_BYTES: none was read
 
 
 def _page_down(x: int) -> int:
@@ -204,14 +231,17 @@ def elf_vaddr(loads: Sequence[Load], mapping: MemMap, addr: int) -> int | None:
     return None
 
 
-def _read_symbols(elf: ELFFile, fd: int) -> tuple[SymbolTable[int], tuple[int, int]]:
-    """FUNC and OBJECT symbols of .symtab, else .dynsym, parsed from the raw section: a
-    library such as libtorch has a million symbols, too many for pyelftools' per-symbol
-    objects. Names stay in the file (read at lookup) so a cached table holds numbers only."""
+def _read_symbols(elf: ELFFile, fd: int) -> tuple[SymbolTable[int], tuple[int, int], bool]:
+    """FUNC and OBJECT symbols of .symtab, else .dynsym, parsed from the raw section a chunk
+    at a time into arrays: a library such as libtorch has a million symbols, too many for
+    pyelftools' per-symbol objects or a tuple each. Names stay in the file (read at lookup)
+    so a cached table holds numbers only. A table over MAX_SYMTAB_BYTES is not read (the
+    next kind is tried): the last value says none could be."""
     count = elf.num_sections()
     if count > MAX_SECTIONS:
-        return SymbolTable(()), (0, 0)  # not a linked object's header table: not worth it
+        return SymbolTable(()), (0, 0), False  # not a linked object's header table
     headers = [elf.get_section(i).header for i in range(count)]
+    capped = False
     for wanted in ("SHT_SYMTAB", "SHT_DYNSYM"):
         for sh in headers:
             if sh.sh_type != wanted or sh.sh_link >= len(headers):
@@ -219,41 +249,60 @@ def _read_symbols(elf: ELFFile, fd: int) -> tuple[SymbolTable[int], tuple[int, i
             strtab = headers[sh.sh_link]
             if strtab.sh_type == "SHT_NOBITS":
                 continue
+            if sh.sh_size > MAX_SYMTAB_BYTES:
+                capped = True
+                continue
             wide = elf.elfclass == 64
             fmt = ("<" if elf.little_endian else ">") + ("IBBHQQ" if wide else "IIIBBH")
             size = struct.calcsize(fmt)
-            data = os.pread(fd, min(sh.sh_size, MAX_SYMTAB_BYTES), sh.sh_offset)
-            data = data[: len(data) - len(data) % size]
-            rows = []
-            for entry in struct.iter_unpack(fmt, data):
-                if wide:
-                    name, info, _, shndx, value, sym_size = entry
-                else:
-                    name, value, sym_size, info, _, shndx = entry
-                if shndx != SHN_UNDEF and info & 0xF in (STT_OBJECT, STT_FUNC):
-                    rows.append((value, sym_size, name))
-            return SymbolTable(rows), (strtab.sh_offset, strtab.sh_size)
-    return SymbolTable(()), (0, 0)
+            starts, ends, names = array("Q"), array("Q"), array("I")  # st_name: 32 bits
+            chunk = SYMTAB_CHUNK - SYMTAB_CHUNK % size
+            for at in range(0, sh.sh_size - sh.sh_size % size, chunk):
+                data = os.pread(fd, min(chunk, sh.sh_size - at), sh.sh_offset + at)
+                for entry in struct.iter_unpack(fmt, data[: len(data) - len(data) % size]):
+                    if wide:
+                        name, info, _, shndx, value, sym_size = entry
+                    else:
+                        name, value, sym_size, info, _, shndx = entry
+                    if (
+                        shndx != SHN_UNDEF
+                        and info & 0xF in (STT_OBJECT, STT_FUNC)
+                        and sym_size > 0
+                        and value + sym_size < 1 << 64
+                    ):
+                        starts.append(value)
+                        ends.append(value + sym_size)
+                        names.append(name)
+                if len(data) < chunk:
+                    break  # the file ends before its section does
+            table = SymbolTable.of_arrays(starts, ends, names)
+            return table, (strtab.sh_offset, strtab.sh_size), False
+    return SymbolTable(()), (0, 0), capped
+
+
+_PARSING = threading.Lock()  # one object parsed at a time: the daemon's peak is one parse's
 
 
 def _parse(fd: int) -> _Elf | None:
     """The object's segments and symbols; None for a file that is not ELF or not readable as
     one. Files come from the targets (a container's among them), so a malformed one must cost
-    us a None, whatever pyelftools raises on it."""
+    us a None, whatever pyelftools raises on it, and a huge one a bounded parse."""
     if os.pread(fd, 4, 0) != b"\x7fELF":
         return None  # a shared memory file, a data file: no symbols to look for
     try:
-        with open(fd, "rb", closefd=False) as stream:
+        with _PARSING, open(fd, "rb", closefd=False) as stream:
             elf = ELFFile(stream)
+            if elf.num_segments() > MAX_SEGMENTS:
+                return None
             loads = tuple(
                 Load(p.header.p_offset, p.header.p_filesz, p.header.p_vaddr, p.header.p_memsz)
                 for p in elf.iter_segments()
                 if p.header.p_type == "PT_LOAD"
             )
-            symbols, strtab = _read_symbols(elf, fd)
+            symbols, strtab, capped = _read_symbols(elf, fd)
     except Exception:
         return None
-    return _Elf(loads, symbols, strtab)
+    return _Elf(loads, symbols, strtab, capped)
 
 
 class _Cache:
@@ -303,41 +352,42 @@ def _name_at(fd: int, elf: _Elf, name_off: int) -> str | None:
     return name or None
 
 
-def _open_object(proc: ProcFS, pid: int, m: MemMap) -> int:
+def _open_object(proc: ProcFS, target: confined.Target, m: MemMap) -> int:
     """An fd on the mapped file. map_files reaches the mapping's own file (even deleted, in
-    the target's mount namespace) and needs CAP_SYS_ADMIN; without it, the path from the
-    maps is opened as the target would open it (agent.sources.confined: inside its root, with its
-    rights), never as root through /proc/PID/root, where its symlinks would lead us out."""
+    the target's mount namespace) and needs CAP_SYS_ADMIN; it is opened through the target's
+    own /proc directory, so never another process's that took its PID. Without it, the path
+    from the maps is opened as the target would open it (agent.sources.confined: inside its
+    root, with the rights fixed in ``target``), never as root through /proc/PID/root, where
+    its symlinks would lead us out. Nothing is opened for a target that refuses reads."""
+    if target.refusal is not None:
+        raise OSError(errno.EACCES, target.refusal)
     try:
         return os.open(
-            os.path.join(proc.root, str(pid), "map_files", f"{m.start:x}-{m.end:x}"),
-            os.O_RDONLY | os.O_CLOEXEC,
+            f"map_files/{m.start:x}-{m.end:x}", os.O_RDONLY | os.O_CLOEXEC, dir_fd=target.proc_fd
         )
     except OSError:
-        return _OBJECTS.open(proc, pid, m.path)
+        return _OBJECTS.open(proc, target, m.path)
 
 
 class _ConfinedObjects:
-    """fds on objects opened by agent.sources.confined (a child process each time), kept a while by
-    (proc root, pid, start time, path): a diagnosis asks about the same few objects many times."""
+    """fds on objects opened by agent.sources.confined (a child process each time), kept a
+    while by (proc root, pid, identity, path): a diagnosis asks about the same few objects
+    many times, and a process that exec'd or a reused PID is another identity."""
 
     def __init__(self, limit: int = CACHE_OBJECTS, ttl_s: float = 60.0) -> None:
-        self._items: OrderedDict[tuple[str, int, int, str], tuple[float, int]] = OrderedDict()
+        self._items: OrderedDict[tuple[object, ...], tuple[float, int]] = OrderedDict()
         self._limit, self._ttl = limit, ttl_s
         self._lock = threading.Lock()
 
-    def open(self, proc: ProcFS, pid: int, path: str) -> int:
-        st = proc.stat(pid)
-        if st is None:
-            raise OSError(errno.ESRCH, "the process is gone")
-        key = (proc.root, pid, st.start_ticks, path)  # a reused PID is another process
+    def open(self, proc: ProcFS, target: confined.Target, path: str) -> int:
+        key = (proc.root, target.pid, target.identity, path)
         now = time.monotonic()
         with self._lock:
             hit = self._items.get(key)
             if hit is not None and now - hit[0] < self._ttl:
                 self._items.move_to_end(key)
                 return os.dup(hit[1])
-        got = confined.open_objects(pid, [path], proc_root=proc.root).get(path)
+        got = confined.open_objects(target, [path], proc_root=proc.root).get(path)
         if not isinstance(got, int):
             raise OSError(errno.EACCES, got or "not opened")
         with self._lock:
@@ -371,20 +421,26 @@ def _load_base(maps: Sequence[MemMap], m: MemMap) -> int:
     )
 
 
-def _symbol(proc: ProcFS, pid: int, m: MemMap, addr: int) -> tuple[str | None, bool]:
+CAPPED = f"its symbol tables are over {MAX_SYMTAB_BYTES >> 20} MiB: not read"
+
+
+def _symbol(
+    proc: ProcFS, target: confined.Target, m: MemMap, addr: int
+) -> tuple[str | None, bool, bool]:
     """The symbol that covers ``addr`` in ``m``'s object (``m`` holds ``addr`` or is the file
-    mapping just before the anonymous one that does), and whether ``addr`` is in the object's
-    segments at all. (None, True) when the file can be read but no symbol covers it."""
-    fd = _open_object(proc, pid, m)
+    mapping just before the anonymous one that does), whether ``addr`` is in the object's
+    segments at all, and whether its symbol tables were too large to read. (None, True,
+    False) when the file can be read but no symbol covers it."""
+    fd = _open_object(proc, target, m)
     try:
         elf = _CACHE.get(fd)
         if elf is None:
-            return None, m.start <= addr < m.end
+            return None, m.start <= addr < m.end, False
         v = elf_vaddr(elf.loads, m, addr)
         if v is None:
-            return None, m.start <= addr < m.end
+            return None, m.start <= addr < m.end, elf.capped
         name_off = elf.symbols.find(v)
-        return (_name_at(fd, elf, name_off) if name_off is not None else None), True
+        return (_name_at(fd, elf, name_off) if name_off is not None else None), True, elf.capped
     finally:
         os.close(fd)
 
@@ -407,12 +463,46 @@ def _holds_a_thread_stack(proc: ProcFS, pid: int, m: MemMap) -> bool:
     return False
 
 
+def _take(proc: ProcFS, pid: int) -> confined.Target | None:
+    """The target fixed before its maps are read: its objects are opened with the rights it
+    had then, and what was read is dropped if it is no longer the same process after."""
+    got = confined.Target.take(pid, proc.root)
+    return got if isinstance(got, confined.Target) else None
+
+
+def _unchanged(target: confined.Target | None) -> bool:
+    return target is None or target.changed() is None
+
+
 def describe_address(pid: int, addr: int, proc: ProcFS) -> str | None:
     """What ``addr`` (a futex or lock word) is in process ``pid``: "`abba_a` in
     libabba.so+0x40a0" (the ELF symbol that covers it, from .symtab else .dynsym, and its
-    offset from the object's load base), "libabba.so+0x40a0" (no symbol covers it), "the
-    heap", "a thread stack", "anonymous memory"; None when the maps cannot be read or
-    nothing is mapped there."""
+    offset from the object's load base), "libabba.so+0x40a0" (no symbol covers it, or its
+    symbol tables are too large to read: then said so), "the heap", "a thread stack",
+    "anonymous memory"; None when the maps cannot be read, nothing is mapped there, or the
+    process changed identity (exec'd, or its PID was reused) while it was read. Without a
+    fixed identity (a tree without one) nothing is named from its objects."""
+    target = _take(proc, pid)
+    try:
+        said = _describe(pid, addr, proc, target)
+        return said if _unchanged(target) else None
+    finally:
+        if target is not None:
+            target.close()
+
+
+def _symbol_of(
+    proc: ProcFS, target: confined.Target | None, m: MemMap, addr: int
+) -> tuple[str | None, bool, bool]:
+    if target is None:
+        return None, False, False
+    try:
+        return _symbol(proc, target, m, addr)
+    except _FAILURES:
+        return None, False, False  # the file cannot be read: its name and offset still say much
+
+
+def _describe(pid: int, addr: int, proc: ProcFS, target: confined.Target | None) -> str | None:
     try:
         maps = proc.maps(pid)
         i = _find_map(maps, [m.start for m in maps], addr)
@@ -423,11 +513,8 @@ def describe_address(pid: int, addr: int, proc: ProcFS) -> str | None:
             if m.path.startswith("/dev/zero"):
                 return "shared anonymous memory"  # MAP_SHARED|MAP_ANONYMOUS shows as this
             where = f"{_object_name(m.path)}+0x{addr - _load_base(maps, m):x}"
-            try:
-                name, _ = _symbol(proc, pid, m, addr)
-            except _FAILURES:
-                name = None  # the file cannot be read: its name and offset still say much
-            return _named(name, where)
+            name, _, capped = _symbol_of(proc, target, m, addr)
+            return _named(name, where) + (f" ({CAPPED})" if capped else "")
         if m.path == "[heap]":
             return "the heap"
         if m.path.startswith("[stack"):  # [stack], or [stack:TID] on kernels before 4.5
@@ -436,14 +523,11 @@ def describe_address(pid: int, addr: int, proc: ProcFS) -> str | None:
             return f"{m.path}+0x{addr - m.start:x}"  # [vdso], [vvar], ...
         before = maps[i - 1] if i > 0 else None
         if before is not None and before.end == m.start and _file_backed(before):
-            try:  # the .bss of the object mapped just before, past its file's last page
-                name, inside = _symbol(proc, pid, before, addr)
-            except _FAILURES:
-                name, inside = None, False
+            # the .bss of the object mapped just before, past its file's last page
+            name, inside, capped = _symbol_of(proc, target, before, addr)
             if inside:
-                return _named(
-                    name, f"{_object_name(before.path)}+0x{addr - _load_base(maps, before):x}"
-                )
+                where = f"{_object_name(before.path)}+0x{addr - _load_base(maps, before):x}"
+                return _named(name, where) + (f" ({CAPPED})" if capped else "")
         if _holds_a_thread_stack(proc, pid, m):
             return "a thread stack"
         return "anonymous memory"
@@ -547,7 +631,20 @@ def caller_outside_libc(pid: int, tid: int, proc: ProcFS) -> NativeFrame | None:
     The interpreter (python3.x or libpython) is native code like any other, so for a Python
     thread this names a C function of CPython (lock acquisition, say); its Python stack, read
     elsewhere (agent/sources/pystacks.py), says far more about where it waits.
+
+    The process's identity is fixed before its maps are read and checked after: a frame
+    read of a process that exec'd or of a reused PID is None.
     """
+    target = _take(proc, pid)
+    try:
+        frame = _caller(pid, tid, proc, target)
+        return frame if _unchanged(target) else None
+    finally:
+        if target is not None:
+            target.close()
+
+
+def _caller(pid: int, tid: int, proc: ProcFS, target: confined.Target | None) -> NativeFrame | None:
     try:
         line = proc.thread_syscall(pid, tid)
         if line is None or line.sp is None or line.pc is None:
@@ -585,10 +682,8 @@ def caller_outside_libc(pid: int, tid: int, proc: ProcFS) -> NativeFrame | None:
         if hit is None:
             return None
         found, ret = hit
-        try:  # ret - 1: the call itself, in the caller even when it is its last instruction
-            name, _ = _symbol(proc, pid, found, ret - 1)
-        except _FAILURES:
-            name = None
+        # ret - 1: the call itself, in the caller even when it is its last instruction
+        name, _, _ = _symbol_of(proc, target, found, ret - 1)
         return NativeFrame(_object_name(found.path), ret - _load_base(maps, found), name, ret)
     except _FAILURES:
         return None

@@ -58,6 +58,8 @@ def test_bench_suite_quick_reports_every_row() -> None:
     assert re.search(rf"^1\s+{NUM}\s+{NUM}$", out, re.M), msg  # startup: 1 run, median, max
     assert re.search(rf"^1\s+{NUM}\s+{NUM}\s+max <= 2 s\s+(met|NOT met)$", out, re.M), msg
     assert re.search(rf"^100 threads\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}$", out, re.M), msg  # stacks
+    assert re.search(r"^take us\s+check us.*\n\d+\s+\d+\s+\d+$", out, re.M), msg  # reads
+    assert re.search(rf"^100,000\s+\d+\s+100,\d+\s+{NUM}\s+\d+$", out, re.M), msg
     # scaling: the idle row, then each shape against it, the target judged
     assert re.search(rf"^watching nothing\s+{NUM}\s+\+0\.00\s+{NUM}", out, re.M), msg
     others = "50 other processes \\(not watched\\)"
