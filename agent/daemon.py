@@ -205,7 +205,7 @@ class Daemon:
         self.source_lines = SourceLines(proc)  # the lines stacks point at, kept between changes
         # Change lines and stacks, beside the loop; only its thread uses source_lines.
         self.flight: FlightRecorder[Change] = FlightRecorder(self._record, self._record_at_once)
-        self.sites = SiteBook(lambda pid: read_site(self.proc, pid))  # where parked ones wait
+        self.sites = SiteBook(lambda park: read_site(self.proc, park))  # where parked ones wait
         self.tick_errors = 0  # ticks that raised: counted, logged, and the loop went on
         self._tick_error_logged: float | None = None  # monotonic time of the last one logged
         self._tick_errors_unlogged = 0

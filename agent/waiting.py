@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from .analysis.sites import native_site, process_site
 from .flight import FlightRecorder
 from .observe.enrich import native_frame
+from .sources.confined import Target
 from .sources.procfs import ProcFS
 from .sources.pystacks import READ_TIMEOUT_S, read_stacks
 from .sources.symbols import short_name
@@ -45,16 +46,22 @@ class Park:
         )
 
 
-def read_site(proc: ProcFS, pid: int) -> str | None:
-    """Where process ``pid`` waits now: its Python stacks' site, else its main thread's
-    first native caller outside libc and the interpreter. None when neither tells."""
-    read = read_stacks(pid, proc, timeout_s=READ_TIMEOUT_S)
+def read_site(proc: ProcFS, park: Park) -> str | None:
+    """Where the process of ``park`` waits now: its Python stacks' site, else its main
+    thread's first native caller outside libc and the interpreter. None when neither tells,
+    or when the PID is no longer the process the tick saw (reused, or it exec'd meanwhile)."""
+    pid = park.pid
+    read = read_stacks(pid, proc, timeout_s=READ_TIMEOUT_S, start=park.start_ticks)
     site = process_site(read, pid)
     if site is not None:
         return site
-    frame = native_frame(proc, pid, pid)
-    if frame is None:
+    target = Target.take(pid, proc.root, park.start_ticks)
+    if isinstance(target, str):
         return None
+    with target:  # a frame read from another process is nobody's site
+        frame = native_frame(proc, pid, pid)
+        if frame is None or target.changed() is not None:
+            return None
     return native_site(short_name(frame.symbol) if frame.symbol else None, frame.object)
 
 
@@ -63,7 +70,7 @@ class SiteBook:
     parks now and which of them are due a read; ``site(park)`` then says what was read."""
 
     def __init__(
-        self, read: Callable[[int], str | None], max_pending: int = MAX_PENDING_READS
+        self, read: Callable[[Park], str | None], max_pending: int = MAX_PENDING_READS
     ) -> None:
         self._read = read
         self._lock = threading.Lock()  # the reader's thread writes, the loop reads
@@ -109,7 +116,7 @@ class SiteBook:
     def _record(self, park: Park) -> None:
         site = None  # a read that raises counts as one that told nothing: not retried
         try:
-            site = self._read(park.pid)
+            site = self._read(park)
         finally:
             with self._lock:
                 self.reads += 1

@@ -170,7 +170,7 @@ def test_a_site_is_read_once_per_park_from_half_the_threshold_and_only_for_a_ran
     ``stacks: false``."""
     reads: list[int] = []
     d = make(tmp_path, None)
-    d.sites = SiteBook(lambda pid: reads.append(pid) or f"at (p{pid}.py:1)")
+    d.sites = SiteBook(lambda park: reads.append(park.pid) or f"at (p{park.pid}.py:1)")
     d.sites.start()
     half = d.cfg.park_threshold_seconds / 2
     rank = synth.process(10, synth.parked(10), comm="python")

@@ -112,9 +112,9 @@ def test_a_rank_is_told_by_its_own_process_not_the_workers_that_inherit_its_rank
 def book_reading(sites: dict[int, str | None]) -> tuple[SiteBook, list[int]]:
     asked: list[int] = []
 
-    def read(pid: int) -> str | None:
-        asked.append(pid)
-        return sites.get(pid)
+    def read(park: Park) -> str | None:
+        asked.append(park.pid)
+        return sites.get(park.pid)
 
     book = SiteBook(read)
     book.start()
@@ -151,7 +151,7 @@ def test_a_reused_pid_is_a_new_process():
 def test_a_read_that_ends_after_its_park_does_not_name_the_next_one():
     gate = threading.Event()
 
-    def read(pid: int) -> str:
+    def read(park: Park) -> str:
         gate.wait(5)
         return "old (x.py:1)"
 
@@ -169,10 +169,10 @@ def test_reads_past_the_queue_are_asked_again_on_the_next_tick():
     gate = threading.Event()
     asked: list[int] = []
 
-    def read(pid: int) -> str:
+    def read(park: Park) -> str:
         gate.wait(5)
-        asked.append(pid)
-        return f"at ({pid}.py:1)"
+        asked.append(park.pid)
+        return f"at ({park.pid}.py:1)"
 
     book = SiteBook(read, max_pending=1)
     book.start()
