@@ -7,7 +7,7 @@
  * compiles to an indirect call the verifier rejects ("unknown opcode 8d").
  *
  * Settings arrive as -D compile-time constants from agent/sources/probe.py. Those it always
- * passes (WATCHED_WORDS, LONG_WAIT_NS, RINGBUF_PAGES) have no default here, so each value is
+ * passes (WATCHED_WORDS, LONG_WAIT_NS, RINGBUF_PAGES, HOST_RINGBUF_PAGES) have no default here, so each value is
  * written in one place; the map sizes, which tests may override, keep theirs.
  */
 #include "hangwatch.h"
@@ -59,14 +59,14 @@
 #ifndef MAX_CHANGES
 #define MAX_CHANGES 8192 /* tasks exec'd or renamed between two reads, host-wide */
 #endif
-#ifndef HOST_RINGBUF_PAGES
-#define HOST_RINGBUF_PAGES 16 /* bind and listen events of any process */
-#endif
 #ifndef LONG_WAIT_NS
 #error "LONG_WAIT_NS comes from agent/sources/probe.py (agent/settings.py's LONG_WAIT_S)"
 #endif
 #ifndef RINGBUF_PAGES
 #error "RINGBUF_PAGES comes from agent/sources/probe.py"
+#endif
+#ifndef HOST_RINGBUF_PAGES
+#error "HOST_RINGBUF_PAGES comes from agent/sources/probe.py"
 #endif
 
 /* Bit tgid % 64 of word tgid / 64 is set for a watched process, by user space. An

@@ -318,12 +318,14 @@ class KernelProbes:
         self,
         long_wait_s: float = LONG_WAIT_S,
         ringbuf_pages: int = 64,
+        host_ringbuf_pages: int = 16,
         bpf_dir: Path | None = None,
         map_sizes: dict[str, int] | None = None,
         proc: ProcFS | None = None,
     ) -> None:
         """``long_wait_s``: waits longer than this go through the ring buffer (compiled in as
-        LONG_WAIT_NS). ``map_sizes`` overrides the entry limits of bpf/maps.bpf.h by name
+        LONG_WAIT_NS); ``ringbuf_pages`` sizes their ring buffer, ``host_ringbuf_pages`` that
+        of binds and listens. ``map_sizes`` overrides the entry limits of bpf/maps.bpf.h by name
         (``{"MAX_THREADS": 8}``): how tests fill a map on purpose. ``proc`` is where
         pid_max, thread liveness and the programs' fdinfo are read."""
         bpf_dir = bpf_dir or BPF_DIR
@@ -335,6 +337,7 @@ class KernelProbes:
             f"-I{bpf_dir}",
             f"-DLONG_WAIT_NS={int(long_wait_s * 1e9)}ULL",
             f"-DRINGBUF_PAGES={ringbuf_pages}",
+            f"-DHOST_RINGBUF_PAGES={host_ringbuf_pages}",
             f"-DWATCHED_WORDS={watched_words(self._proc.pid_max())}",
             *(f"-D{name}={size}" for name, size in (map_sizes or {}).items()),
         ]
