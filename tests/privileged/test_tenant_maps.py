@@ -1,0 +1,146 @@
+"""A tenant cannot blind the kernel side for others: real BPF on this kernel, hostile
+processes run as ``nobody``.
+
+* A watched tenant that writes to 16,400 fds fills its own share of the write map, is
+  flagged (``hangwatch_process_bpf_entries_refused_total``), and a root service started
+  after it still has its writes counted: progressing, not stalled (the real daemon).
+* An unwatched ``prctl(PR_SET_NAME)`` loop cannot crowd the ring buffer: a watched
+  process's EDEADLK refusal and long wait are still seen, and the rename itself still is.
+* An unwatched process's EDEADLK takes no entry in the refusals map.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from agent.model import ProbeReading
+from agent.sources.probe import KernelProbes
+from scripts.fixturelib import Fixture
+from tests.privileged.daemonlib import INTERVAL, Samples, free_port, pids_in, running_daemon, value
+from tests.privileged.daemonlib import wait_until as daemon_wait_until
+
+PYTHON = "/usr/bin/python3"
+NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+FDS = 16_400  # more than the write map holds (16,384), host-wide, before the shares
+THRESHOLD = 2
+
+# Told to, writes one byte to each of FDS dup's of /dev/null, then parks.
+FILLER = f"""
+# hw-tenant-filler
+import os, sys
+print(f"STARTED pid={{os.getpid()}}", flush=True)
+sys.stdin.readline()
+fd = os.open("/dev/null", os.O_WRONLY)
+fds = [os.dup(fd) for _ in range({FDS})]
+for d in fds:
+    os.write(d, b"x")
+print("FILLED", flush=True)
+sys.stdin.read()
+"""
+
+# A healthy service: 100 KB every 0.1 s to its own file (1 MB/s), asleep in between.
+WRITER = """
+# hw-root-writer
+import os, sys, time
+print(f"STARTED pid={os.getpid()}", flush=True)
+fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+chunk = b"x" * 100_000
+while True:
+    os.pwrite(fd, chunk, 0)
+    time.sleep(0.1)
+"""
+
+# Renames itself as fast as it can, until killed.
+RENAMER = """
+import ctypes, os
+libc = ctypes.CDLL(None)
+names = [b"hw-flood-a", b"hw-flood-b"]
+print(f"STARTED pid={os.getpid()}", flush=True)
+i = 0
+while True:
+    libc.prctl(15, names[i & 1], 0, 0, 0)
+    i += 1
+"""
+
+CONFIG = f"""
+listen: "127.0.0.1:{{port}}"
+interval_seconds: {INTERVAL}
+park_threshold_seconds: {THRESHOLD}
+targets:
+  - name: tenant
+    cmdline: "hw-tenant-filler"
+  - name: service
+    cmdline: "hw-root-writer"
+"""
+
+
+def tenant_filler() -> Fixture:
+    """The filler as ``nobody``, its fd limit raised by root before the drop."""
+    argv = ["prlimit", f"--nofile={FDS + 100}", "--", *NOBODY, PYTHON, "-c", FILLER]
+    return Fixture(argv, ready="STARTED", timeout=30)
+
+
+def test_a_tenant_filling_the_write_map_blinds_only_itself(tmp_path: Path) -> None:
+    port = free_port()
+    cfg = tmp_path / "hangwatch.yaml"
+    cfg.write_text(CONFIG.format(port=port))
+    out = tmp_path / "service.out"
+    with running_daemon(cfg, port) as daemon, tenant_filler() as tenant:
+        daemon_wait_until(daemon, lambda s: tenant.pid in pids_in(s), "the tenant watched")
+        tenant.send("go")
+        tenant.wait_for("FILLED", timeout=60)
+        with Fixture([PYTHON, "-c", WRITER, out], ready="STARTED") as service:
+            pid = str(service.pid)
+
+            def written(s: Samples) -> bool:
+                return (value(s, "hangwatch_process_write_bytes_total", pid=pid) or 0) >= 1e6
+
+            daemon_wait_until(daemon, written, "the service's writes counted")
+            time.sleep(2 * THRESHOLD)  # parked between writes for longer than the threshold
+            s = daemon_wait_until(daemon, written, "a scrape past the threshold")
+            state = value(s, "hangwatch_service_state", service="service", state="progressing")
+            assert state == 1, {k: v for k, v in s.items() if "service_state" in k[0] and v}
+        refused = value(s, "hangwatch_process_bpf_entries_refused_total", pid=str(tenant.pid))
+        # Its share is an eighth of the map: the rest of its fds were refused, to it alone.
+        assert refused is not None and refused >= FDS - 16_384 // 8, refused
+
+
+@pytest.fixture
+def probes() -> Iterator[KernelProbes]:
+    with KernelProbes(long_wait_s=0.04) as p:
+        yield p
+
+
+def test_a_rename_flood_does_not_hide_watched_events(probes: KernelProbes) -> None:
+    with (
+        Fixture([*NOBODY, PYTHON, "-c", RENAMER], ready="STARTED", timeout=30) as flood,
+        Fixture.c("pi_deadlock", "--wait-for-go", ready="HOLDING") as pi,
+        Fixture.py("futex_calls", "10", ready="STARTED") as waits,
+    ):
+        probes.watch([pi.pid, waits.pid])
+        probes.read()
+        time.sleep(1)  # the flood runs with nothing read meanwhile
+        pi.send("go")
+        (parked,) = pi.wait_for("READY").get_ints("parked_tids")
+        waits.send("go")
+        waits.wait_for("DONE")
+        time.sleep(0.5)  # still flooding after them
+        renamed = probes.take_execs()
+        r: ProbeReading = probes.read()
+    kinds = {(e.kind, e.tid) for e in r.events}
+    assert ("edeadlk", parked) in kinds, (r.events, r.counters)
+    assert ("long-wait", waits.pid) in kinds, (r.events, r.counters)
+    assert renamed is not None and flood.pid in renamed, (renamed, r.counters)
+    assert r.counters["events_dropped"] == 0, r.counters
+
+
+def test_an_unwatched_refusal_takes_no_refusals_entry(probes: KernelProbes) -> None:
+    with Fixture([*NOBODY, *Fixture.c("pi_deadlock").argv], timeout=30) as pi:
+        tids = set(pi.info.get_ints("tids"))
+        probes.read()
+        kept = {tid for tid, _ in probes._rows("refusals")}
+    assert not kept & tids, kept
