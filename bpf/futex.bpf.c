@@ -58,11 +58,9 @@ static __always_inline int wait_enter(u64 uaddr, u32 cmd, u32 val, u32 syscall)
 	if (!is_wait_cmd(cmd) || !is_watched(tgid))
 		return 0;
 
-	struct hw_thread *t = thread_entry(tid, tgid);
-	if (!t) {
-		COUNT(inflight_full);
+	struct hw_thread *t = thread_entry(tid, tgid, COUNTER(inflight_full));
+	if (!t)
 		return 0;
-	}
 	t->start_ns = bpf_ktime_get_ns();
 	t->uaddr = uaddr;
 	t->op = cmd;

@@ -176,11 +176,9 @@ static __always_inline int write_enter(s32 fd, u32 kind, u64 buf, u64 n)
 	u32 tgid = id >> 32;
 	if (!is_watched(tgid))
 		return 0;
-	struct hw_thread *t = thread_entry((u32)id, tgid);
-	if (!t) {
-		COUNT(write_calls_full);
+	struct hw_thread *t = thread_entry((u32)id, tgid, COUNTER(write_calls_full));
+	if (!t)
 		return 0;
-	}
 	t->write_fd = fd;
 	t->write_buf = kind == HW_BUF_PLAIN ? buf : 0;
 	t->write_last_len = 0; /* 0: write_buf is a plain buffer's start */

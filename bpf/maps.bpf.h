@@ -192,10 +192,10 @@ static __always_inline int keep_refusal(u32 tid, struct hw_refusal *r)
 	return 0;
 }
 
-/* This thread's entry, created if it has none (NULL, counted by the caller, if the
- * map is full; counted against its process if it holds its share). Called for watched
- * processes only. */
-static __always_inline struct hw_thread *thread_entry(u32 tid, u32 tgid)
+/* This thread's entry, created if it has none; NULL if the map is full (counted in the
+ * counter at offset `full`) or its process holds its share (counted against the process).
+ * Called for watched processes only. */
+static __always_inline struct hw_thread *thread_entry(u32 tid, u32 tgid, u32 full)
 {
 	struct hw_thread *t = threads.lookup(&tid);
 	if (t) {
@@ -216,6 +216,9 @@ static __always_inline struct hw_thread *thread_entry(u32 tid, u32 tgid)
 	}
 	if (threads.update(&tid, &fresh)) {
 		unclaim(tgid, SHARE(threads));
+		struct hw_counters *c = this_cpu_counters();
+		if (c)
+			(*(u64 *)((char *)c + full))++; /* per-CPU: a plain increment is safe */
 		return 0;
 	}
 	return threads.lookup(&tid);

@@ -144,3 +144,26 @@ def test_an_unwatched_refusal_takes_no_refusals_entry(probes: KernelProbes) -> N
         probes.read()
         kept = {tid for tid, _ in probes._rows("refusals")}
     assert not kept & tids, kept
+
+
+def test_a_tenant_with_many_threads_fills_only_its_share_of_the_threads_map() -> None:
+    """The threads map at 16 entries, a share of 8: a watched tenant whose 20 threads all
+    wait keeps 8 and is charged the rest; a process watched after it still has its waits
+    tracked (on a map the tenant could fill, they were lost: inflight_full)."""
+    sizes = {"MAX_THREADS": 16, "MAX_THREADS_PER_PROCESS": 8}
+    with (
+        KernelProbes(map_sizes=sizes) as probes,
+        Fixture([*NOBODY, *Fixture.c("park_pool", "20", "--wait-for-go").argv], ready="WAITING")
+        as tenant,
+        Fixture.py("futex_calls", "10", ready="STARTED") as other,
+    ):
+        probes.watch([tenant.pid])
+        tenant.send("go")
+        tenant.wait_for("READY")
+        probes.watch([tenant.pid, other.pid])
+        other.send("go")
+        other.wait_for("DONE")
+        r = probes.read()
+    assert sum(r.wait_histogram.get(other.pid, {}).values()) == 11, (r.wait_histogram, r.counters)
+    assert r.counters["inflight_full"] == 0, r.counters
+    assert r.shares[tenant.pid].entries_refused >= 20 - 8, r.shares
