@@ -100,6 +100,7 @@ BENCHES = (
           (EMPTY, "unwatched", "watched")),
     Bench("send", "send(2) of 1 byte on a unix socketpair, and its recv(2)", 1_000_000, 20_000,
           (EMPTY, "unwatched", "watched")),
+    Bench("rename", "prctl(PR_SET_NAME), any process", 1_000_000, 20_000, ("unwatched",)),
     Bench("gil", "Python, 4 threads contending for the GIL, per step", 20_000_000, 200_000,
           ("watched",)),
 )  # fmt: skip
@@ -520,7 +521,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="few calls, 1 round, short periods")
     ap.add_argument("--markdown", action="store_true", help="print the tables as markdown")
     names = [*PARTS, *(b.key for b in BENCHES)]
-    ap.add_argument("--only", choices=names, metavar="NAME", help=", ".join(names))
+    ap.add_argument(
+        "--only", metavar="NAME[,NAME...]", help=", ".join(names) + "; several: one run"
+    )
     ap.add_argument("--rounds", type=int, help="overhead rounds (default 5, 1 with --quick)")
     ap.add_argument(
         "--bpf-stats",
@@ -529,14 +532,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         "to measure what that accounting costs",
     )
     args = ap.parse_args(argv)
+    only = set(args.only.split(",")) if args.only else None
+    if only is not None and not only <= set(names):
+        ap.error(f"--only: unknown {', '.join(sorted(only - set(names)))}")
     if args.bpf_stats:
         DAEMON_CONFIG.append("bpf_stats: true")
     if os.geteuid() != 0:
         print("bench: needs root (BPF, /proc of other processes)", file=sys.stderr)
         return 3
     rounds = args.rounds or (1 if args.quick else 5)
-    benches = [b for b in BENCHES if args.only in (None, "overhead", b.key)]
-    parts = [p for p in PARTS if args.only in (None, p)] or ["overhead"]
+    benches = [b for b in BENCHES if only is None or only & {"overhead", b.key}]
+    parts = [p for p in PARTS if only is None or p in only] or ["overhead"]
     exe = build_workloads()
     rep = Report(args.markdown)
     rep.note(
