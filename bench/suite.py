@@ -320,8 +320,10 @@ def resources(rep: Report, exe: Path, quick: bool) -> None:
 def dropped(d: Daemon) -> float:
     # Wait for a tick that read the counters after the load: two intervals is always enough.
     time.sleep(2 * INTERVAL + 0.2)
-    s = d.wait_for(lambda s: value(s, "hangwatch_bpf_events_dropped_total") is not None, "", 10)
-    return value(s, "hangwatch_bpf_events_dropped_total") or 0.0
+    # Binds and listens have their own ring buffer (the futex events of watched processes the other).
+    name = "hangwatch_bpf_host_events_dropped_total"
+    s = d.wait_for(lambda s: value(s, name) is not None, "", 10)
+    return value(s, name) or 0.0
 
 
 def ringbuf(rep: Report, exe: Path, quick: bool) -> None:

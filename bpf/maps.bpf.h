@@ -7,8 +7,9 @@
  * compiles to an indirect call the verifier rejects ("unknown opcode 8d").
  *
  * Settings arrive as -D compile-time constants from agent/sources/probe.py. Those it always
- * passes (WATCHED_WORDS, LONG_WAIT_NS, RINGBUF_PAGES, HOST_RINGBUF_PAGES) have no default here, so each value is
- * written in one place; the map sizes, which tests may override, keep theirs.
+ * passes (WATCHED_WORDS, LONG_WAIT_NS, RINGBUF_PAGES, HOST_RINGBUF_PAGES) have no default
+ * here, so each value is written in one place; the map sizes, which tests may override,
+ * keep theirs.
  */
 #include "hangwatch.h"
 

@@ -318,7 +318,7 @@ class KernelProbes:
         self,
         long_wait_s: float = LONG_WAIT_S,
         ringbuf_pages: int = 64,
-        host_ringbuf_pages: int = 16,
+        host_ringbuf_pages: int = 64,
         bpf_dir: Path | None = None,
         map_sizes: dict[str, int] | None = None,
         proc: ProcFS | None = None,

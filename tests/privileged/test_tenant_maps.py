@@ -153,8 +153,9 @@ def test_a_tenant_with_many_threads_fills_only_its_share_of_the_threads_map() ->
     sizes = {"MAX_THREADS": 16, "MAX_THREADS_PER_PROCESS": 8}
     with (
         KernelProbes(map_sizes=sizes) as probes,
-        Fixture([*NOBODY, *Fixture.c("park_pool", "20", "--wait-for-go").argv], ready="WAITING")
-        as tenant,
+        Fixture(
+            [*NOBODY, *Fixture.c("park_pool", "20", "--wait-for-go").argv], ready="WAITING"
+        ) as tenant,
         Fixture.py("futex_calls", "10", ready="STARTED") as other,
     ):
         probes.watch([tenant.pid])
@@ -167,3 +168,41 @@ def test_a_tenant_with_many_threads_fills_only_its_share_of_the_threads_map() ->
     assert sum(r.wait_histogram.get(other.pid, {}).values()) == 11, (r.wait_histogram, r.counters)
     assert r.counters["inflight_full"] == 0, r.counters
     assert r.shares[tenant.pid].entries_refused >= 20 - 8, r.shares
+
+
+# Told to (a line on stdin), runs one short-lived thread that makes one timed futex wait.
+STEPS = """
+import os, sys, threading
+print(f"STARTED pid={os.getpid()}", flush=True)
+for _ in sys.stdin:
+    t = threading.Thread(target=lambda: threading.Event().wait(0.01))
+    t.start()
+    t.join()
+    print(f"DONE tid={t.native_id}", flush=True)
+"""
+
+
+def test_threads_forgotten_give_their_share_back() -> None:
+    """A share of 2 threads (the main thread, which joins, and one worker): a second worker
+    is refused while the first one's entry stands; once user space forgets the gone threads
+    (as the observer does each tick), a third worker has its entry again."""
+    sizes = {"MAX_THREADS_PER_PROCESS": 2}
+    with (
+        KernelProbes(map_sizes=sizes) as probes,
+        Fixture([PYTHON, "-c", STEPS], ready="STARTED") as fx,
+    ):
+        probes.watch([fx.pid])
+        tids = []
+        for _ in range(2):
+            fx.send("go")
+            tids.append(fx.wait_for("DONE").get_int("tid"))
+        r = probes.read()
+        assert tids[0] in r.threads and tids[1] not in r.threads, (tids, r.threads)
+        refused = r.shares[fx.pid].entries_refused
+        assert refused > 0, r.shares
+        probes.forget(tids)
+        fx.send("go")
+        third = fx.wait_for("DONE").get_int("tid")
+        r = probes.read()
+    assert third in r.threads, (third, r.threads)
+    assert r.shares[fx.pid].entries_refused == refused, (refused, r.shares)
