@@ -11,6 +11,9 @@ Parts (``--only PART``, or ``--only WORKLOAD`` for one row group of the overhead
   detection  a two-mutex lock cycle forming to /metrics saying deadlocked
   stacks     reading the Python stacks of a pool of 100 and 2,000 parked threads (py-spy
              --nonblocking), against one /proc sample of the same process (a tick's read)
+  programs   ns per run of each of hangwatch's BPF programs a workload runs (the kernel's
+             run-time accounting, on for this part only): the futex and write paths of a
+             watched process, the rename path of any; rounds, medians
   scaling    the daemon's CPU and tick time as the host grows: 200 / 1,600 / 6,400 parked
              threads, 100 / 1,000 / 10,000 idle connections, 1,600 threads + 1,000
              connections, each against the same daemon watching nothing in the same run
@@ -61,6 +64,7 @@ PARTS = (
     "stacks",
     "schedclock",
     "scaling",
+    "programs",
 )
 # Programs that return at once on the same tracepoints, no daemon: what the tracepoints
 # themselves cost, the floor under any program attached there.
@@ -314,6 +318,59 @@ def resources(rep: Report, exe: Path, quick: bool) -> None:
     )  # fmt: skip
 
 
+# --- the programs' own run time ----------------------------------------------------------------
+
+# workload -> (watched, the programs it runs)
+PROGRAM_PATHS = {
+    "futex-wait": (True, ("sys_enter_futex", "sys_exit_futex")),
+    "write": (True, ("sys_enter_write", "sys_exit_write")),
+    "rename": (False, ("task_rename",)),
+}
+
+
+def programs(rep: Report, exe: Path, rounds: int, quick: bool) -> None:
+    """ns per run of the programs each workload runs, from the kernel's run-time accounting
+    (two clock reads a run, the same for every tree): what a change to a program costs, read
+    apart from the tracepoint and from the load of a shared host."""
+    from agent.sources.probe import KernelProbes
+
+    runs: dict[tuple[str, str], list[float]] = {}
+    with KernelProbes() as probes:
+        restore = probes.enable_stats()
+        if restore is None:
+            raise RuntimeError("cannot turn on BPF run-time accounting")
+        try:
+            for r in range(rounds):
+                progress(f"programs round {r + 1}/{rounds}")
+                for key, (watched, progs) in PROGRAM_PATHS.items():
+                    w = Workload(workload_argv(exe, key, 20_000 if quick else 1_000_000))
+                    try:
+                        probes.watch([w.pid] if watched else [])
+                        before = probes.program_stats()
+                        w.go()
+                        w.finish()
+                        after = probes.program_stats()
+                    finally:
+                        w.kill()
+                    probes.read()  # empties what the run left (the changes map)
+                    for prog in progs:
+                        n = after[prog].run_count - before[prog].run_count
+                        t = after[prog].run_seconds - before[prog].run_seconds
+                        runs.setdefault((key, prog), []).append(t / n * 1e9 if n else 0.0)
+        finally:
+            restore()
+            probes.watch([])
+    rows = [
+        [key, "watched" if PROGRAM_PATHS[key][0] else "any", prog, f"{statistics.median(v):.1f}"]
+        for (key, prog), v in runs.items()
+    ]
+    rep.table(
+        f"BPF programs' own run time (median of {rounds} round(s))",
+        ["workload", "process", "program", "ns/run"],
+        rows,
+    )
+
+
 # --- ring buffer -----------------------------------------------------------------------------
 
 
@@ -562,6 +619,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "detection": lambda: detection(rep, args.quick),
         "stacks": lambda: stacks(rep, args.quick),
         "schedclock": lambda: schedclock(rep, args.quick),
+        "programs": lambda: programs(rep, exe, rounds, args.quick),
         "scaling": lambda: rep.table(
             *scaling.table(*scaling.run(exe, args.quick, WATCH_WORKLOADS))
         ),

@@ -116,7 +116,7 @@ struct hw_released {
 /* A task that exec'd or was renamed since user space last took the changes map: coalesced
  * per key, so a rename loop holds one entry and sends nothing. */
 struct hw_change {
-	u64 ts_ns; /* the last change */
+	u64 ts_ns; /* the first change since user space last took the map */
 	u32 kinds; /* HW_CHANGE_* */
 	u32 pad;
 };
