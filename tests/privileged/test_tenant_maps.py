@@ -6,6 +6,10 @@ processes run as ``nobody``.
   after it still has its writes counted: progressing, not stalled (the real daemon).
 * An unwatched ``prctl(PR_SET_NAME)`` loop cannot crowd the ring buffer: a watched
   process's EDEADLK refusal and long wait are still seen, and the rename itself still is.
+* A watched tenant refusing itself a PI lock 20,000 times loses its own events beyond its
+  rate, counted against it; another process's long wait still arrives.
+* A tenant whose threads all wait fills only its share of the threads map; threads that are
+  gone give their share back once user space forgets them.
 * An unwatched process's EDEADLK takes no entry in the refusals map.
 """
 
@@ -206,3 +210,38 @@ def test_threads_forgotten_give_their_share_back() -> None:
         r = probes.read()
     assert third in r.threads, (third, r.threads)
     assert r.shares[fx.pid].entries_refused == refused, (refused, r.shares)
+
+
+REFUSALS = 20_000
+# Told to, asks the kernel REFUSALS times for a PI lock it holds itself: EDEADLK each time.
+SELF_REFUSER = f"""
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+word = ctypes.c_uint32(libc.gettid())  # the lock word says: held by this thread
+print(f"STARTED pid={{os.getpid()}}", flush=True)
+sys.stdin.readline()
+for _ in range({REFUSALS}):
+    libc.syscall(202, ctypes.byref(word), 6, 0, None, None, 0)  # FUTEX_LOCK_PI
+    assert ctypes.get_errno() == 35, ctypes.get_errno()
+print("DONE", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_watched_refusal_flood_loses_only_its_own_events(probes: KernelProbes) -> None:
+    """A watched tenant refusing itself a PI lock in a loop sends at most its rate of events;
+    the rest are counted against it, and another process's long wait still arrives."""
+    with (
+        Fixture([*NOBODY, PYTHON, "-c", SELF_REFUSER], ready="STARTED", timeout=60) as flood,
+        Fixture.py("futex_calls", "10", ready="STARTED") as waits,
+    ):
+        probes.watch([flood.pid, waits.pid])
+        flood.send("go")
+        flood.wait_for("DONE", timeout=60)
+        waits.send("go")
+        waits.wait_for("DONE")
+        r = probes.read()
+    assert ("long-wait", waits.pid) in {(e.kind, e.tid) for e in r.events}, r.counters
+    sent = sum(e.kind == "edeadlk" and e.tgid == flood.pid for e in r.events)
+    assert sent + r.shares[flood.pid].events_dropped == REFUSALS, (sent, r.shares)
+    assert sent < REFUSALS and r.counters["events_dropped"] == 0, (sent, r.counters)
