@@ -15,7 +15,7 @@
  * A map, not the ring buffer: any process can rename itself in a loop, and a mark
  * already there costs one lookup and sends nothing, so no loop can crowd out the
  * ring buffer's futex events. When the map is full (more distinct tasks changed
- * between two reads than it holds), changes_full says so and discovery reads
+ * between two reads than it holds), changes_overflowed says so and discovery reads
  * every process again.
  *
  * Part of one object: follows maps.bpf.h (see there). Compiled in only where
@@ -34,7 +34,7 @@ static __always_inline void mark_changed(u32 id, u32 kind)
 	}
 	struct hw_change fresh = {.ts_ns = bpf_ktime_get_ns(), .kinds = kind};
 	if (changes.update(&id, &fresh))
-		COUNT(changes_full);
+		COUNT(changes_overflowed);
 }
 
 #ifdef HAVE_SCHED_PROCESS_EXEC

@@ -192,7 +192,9 @@ struct hw_counters {
 	u64 fd_writes_full;   /* a write not counted: fd_writes map full */
 	u64 accepts_full;     /* an accept not counted: accepts map full */
 	u64 shares_full;      /* a watched process's insert refused: shares map full */
-	u64 changes_full;     /* an exec or rename not kept: changes map full (discovery rescans) */
+	/* an exec or rename not kept, the changes map full: not a loss (discovery reads every
+	 * process again), so not named *_full, which user space counts as lost evidence */
+	u64 changes_overflowed;
 	u64 host_events_dropped; /* a bind or listen not reported: host_events ring full */
 };
 

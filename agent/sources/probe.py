@@ -610,7 +610,7 @@ class KernelProbes:
         self._take_changes()
         execs, self._execs = self._execs, []
         renamed, self._renamed = self._renamed, []
-        lost = sum(c.changes_full for per_cpu in self._counters.values() for c in per_cpu)
+        lost = sum(c.changes_overflowed for per_cpu in self._counters.values() for c in per_cpu)
         complete = self._all_renames and lost == self._changes_lost_seen
         self._changes_lost_seen = lost
         return [e.tgid for e in execs] + renamed if complete else None

@@ -15,6 +15,7 @@ processes run as ``nobody``.
 
 from __future__ import annotations
 
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -245,3 +246,13 @@ def test_a_watched_refusal_flood_loses_only_its_own_events(probes: KernelProbes)
     sent = sum(e.kind == "edeadlk" and e.tgid == flood.pid for e in r.events)
     assert sent + r.shares[flood.pid].events_dropped == REFUSALS, (sent, r.shares)
     assert sent < REFUSALS and r.counters["events_dropped"] == 0, (sent, r.counters)
+
+
+def test_a_full_changes_map_makes_discovery_read_every_process() -> None:
+    """More tasks exec'd or renamed between two reads than the changes map holds: take_execs
+    says some may be missing (None), and discovery then reads every process again."""
+    with KernelProbes(map_sizes={"MAX_CHANGES": 4}) as probes:
+        probes.take_execs()
+        for _ in range(8):
+            subprocess.run(["true"], check=True)
+        assert probes.take_execs() is None
