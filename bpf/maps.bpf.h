@@ -184,6 +184,11 @@ static __always_inline void unclaim(u32 tgid, u32 held)
 /* Keeps a refusal of a watched thread, within its process's share. Returns 1 if kept. */
 static __always_inline int keep_refusal(u32 tid, struct hw_refusal *r)
 {
+	struct hw_refusal *old = refusals.lookup(&tid);
+	if (old) {
+		*old = *r; /* the thread's entry already counted: replaced, not claimed again */
+		return 1;
+	}
 	if (!claim(r->tgid, SHARE(refusals), RELEASED(refusals), MAX_REFUSALS_PER_PROCESS))
 		return 0;
 	if (refusals.update(&tid, r) == 0)
