@@ -25,7 +25,15 @@ import pytest
 from agent.model import ProbeReading
 from agent.sources.probe import KernelProbes
 from scripts.fixturelib import Fixture
-from tests.privileged.daemonlib import INTERVAL, Samples, free_port, pids_in, running_daemon, value
+from tests.privileged.daemonlib import (
+    INTERVAL,
+    Samples,
+    free_port,
+    pids_in,
+    running_daemon,
+    value,
+    wait_for_log,
+)
 from tests.privileged.daemonlib import wait_until as daemon_wait_until
 
 PYTHON = "/usr/bin/python3"
@@ -112,6 +120,13 @@ def test_a_tenant_filling_the_write_map_blinds_only_itself(tmp_path: Path) -> No
         refused = value(s, "hangwatch_process_bpf_entries_refused_total", pid=str(tenant.pid))
         # Its share is an eighth of the map: the rest of its fds were refused, to it alone.
         assert refused is not None and refused >= FDS - 16_384 // 8, refused
+        # Parked since it filled its share: its change to stalled says what it lost.
+        wait_for_log(
+            daemon,
+            rf"service tenant pid {tenant.pid}: \S+ -> stalled: .*process {tenant.pid}: "
+            "evidence incomplete",
+            "the tenant's verdict saying its evidence is incomplete",
+        )
 
 
 @pytest.fixture
