@@ -121,6 +121,7 @@ def _process_status(
     writes = reading.writes.get(p.pid, {})
     last = max((w.last_ns for w in writes.values()), default=None)
     uses = gpu.processes.get(p.pid, ()) if gpu is not None else ()
+    share = reading.shares.get(p.pid)
     return ProcessStatus(
         service=service,
         root_pid=root,
@@ -142,6 +143,8 @@ def _process_status(
         futex_wait_slots=dict(reading.wait_histogram.get(p.pid, {})),
         gpu_memory_bytes={str(u.gpu): u.memory_bytes for u in uses if u.memory_bytes is not None},
         gpu_utilization={str(u.gpu): u.sm_utilization for u in uses},
+        bpf_entries_refused_total=share.entries_refused if share else 0,
+        bpf_events_dropped_total=share.events_dropped if share else 0,
     )
 
 
@@ -339,9 +342,8 @@ class Daemon:
         if session.probe is None:
             return
         live = set(tick.snapshot.processes)
-        known = (
-            set(tick.reading.accepts) | set(tick.reading.writes) | set(tick.reading.wait_histogram)
-        )
+        r = tick.reading
+        known = set(r.accepts) | set(r.writes) | set(r.wait_histogram) | set(r.shares)
         gone = known - live
         if gone:
             session.probe.forget_processes(gone)
@@ -354,6 +356,7 @@ class Daemon:
         return AgentStatus(
             version=__version__,
             events_dropped_total=c.get("events_dropped", 0),
+            host_events_dropped_total=c.get("host_events_dropped", 0),
             maps_full_total=sum(v for k, v in c.items() if k.endswith("_full")),
             programs=programs,
             collectors=dict(self.collectors),

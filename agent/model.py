@@ -504,6 +504,15 @@ class FdWrites:
 
 
 @dataclass(frozen=True)
+class ProbeShare:
+    """What one watched process lost in the kernel beyond its share of the maps every
+    process shares: its evidence is incomplete, and it alone paid for it."""
+
+    entries_refused: int  # threads, fds written or refusals not kept: it held its share
+    events_dropped: int  # long waits and EDEADLKs not sent: over its rate, or the ring full
+
+
+@dataclass(frozen=True)
 class ProgramStats:
     """One BPF program's cumulative run time and count (kernel.bpf_stats_enabled)."""
 
@@ -532,6 +541,8 @@ class ProbeReading:
     threads: frozenset[int] = frozenset()
     execs: tuple[ExecEvent, ...] = ()  # drained since the last read
     renamed: tuple[int, ...] = ()  # TIDs of tasks renamed since the last read (not exec'd)
+    # tgid -> what each watched process holding entries or sending events lost (ProbeShare)
+    shares: Mapping[int, ProbeShare] = field(default_factory=dict)
     # tgid -> (TID, start) of each in-flight wait with a start (from ``inflight``); None:
     # not given, derived from ``inflight`` (see waiting_by_process)
     waiting: Mapping[int, frozenset[tuple[int, int]]] | None = None

@@ -17,6 +17,9 @@ Parts (``--only PART``, or ``--only WORKLOAD`` for one row group of the overhead
              the process ran): the whole file read and parsed (before), streamed keeping
              only the mappings asked for, and asked of the kernel (PROCMAP_QUERY), for a
              pool of 200 threads and for 62,000 mappings under a 4,000-character path
+  programs   ns per run of each of hangwatch's BPF programs a workload runs (the kernel's
+             run-time accounting, on for this part only): the futex and write paths of a
+             watched process, the rename path of any; rounds, medians
   scaling    the daemon's CPU and tick time as the host grows: 200 / 1,600 / 6,400 parked
              threads, 100 / 1,000 / 10,000 idle connections, 1,600 threads + 1,000
              connections, each against the same daemon watching nothing in the same run
@@ -71,6 +74,7 @@ PARTS = (
     "maps",
     "scaling",
     "slowclients",
+    "programs",
 )
 # Programs that return at once on the same tracepoints, no daemon: what the tracepoints
 # themselves cost, the floor under any program attached there.
@@ -110,6 +114,7 @@ BENCHES = (
           (EMPTY, "unwatched", "watched")),
     Bench("send", "send(2) of 1 byte on a unix socketpair, and its recv(2)", 1_000_000, 20_000,
           (EMPTY, "unwatched", "watched")),
+    Bench("rename", "prctl(PR_SET_NAME), any process", 1_000_000, 20_000, ("unwatched",)),
     Bench("gil", "Python, 4 threads contending for the GIL, per step", 20_000_000, 200_000,
           ("watched",)),
 )  # fmt: skip
@@ -323,14 +328,69 @@ def resources(rep: Report, exe: Path, quick: bool) -> None:
     )  # fmt: skip
 
 
+# --- the programs' own run time ----------------------------------------------------------------
+
+# workload -> (watched, the programs it runs)
+PROGRAM_PATHS = {
+    "futex-wait": (True, ("sys_enter_futex", "sys_exit_futex")),
+    "write": (True, ("sys_enter_write", "sys_exit_write")),
+    "rename": (False, ("task_rename",)),
+}
+
+
+def programs(rep: Report, exe: Path, rounds: int, quick: bool) -> None:
+    """ns per run of the programs each workload runs, from the kernel's run-time accounting
+    (two clock reads a run, the same for every tree): what a change to a program costs, read
+    apart from the tracepoint and from the load of a shared host."""
+    from agent.sources.probe import KernelProbes
+
+    runs: dict[tuple[str, str], list[float]] = {}
+    with KernelProbes() as probes:
+        restore = probes.enable_stats()
+        if restore is None:
+            raise RuntimeError("cannot turn on BPF run-time accounting")
+        try:
+            for r in range(rounds):
+                progress(f"programs round {r + 1}/{rounds}")
+                for key, (watched, progs) in PROGRAM_PATHS.items():
+                    w = Workload(workload_argv(exe, key, 20_000 if quick else 1_000_000))
+                    try:
+                        probes.watch([w.pid] if watched else [])
+                        before = probes.program_stats()
+                        w.go()
+                        w.finish()
+                        after = probes.program_stats()
+                    finally:
+                        w.kill()
+                    probes.read()  # empties what the run left (the changes map)
+                    for prog in progs:
+                        n = after[prog].run_count - before[prog].run_count
+                        t = after[prog].run_seconds - before[prog].run_seconds
+                        runs.setdefault((key, prog), []).append(t / n * 1e9 if n else 0.0)
+        finally:
+            restore()
+            probes.watch([])
+    rows = [
+        [key, "watched" if PROGRAM_PATHS[key][0] else "any", prog, f"{statistics.median(v):.1f}"]
+        for (key, prog), v in runs.items()
+    ]
+    rep.table(
+        f"BPF programs' own run time (median of {rounds} round(s))",
+        ["workload", "process", "program", "ns/run"],
+        rows,
+    )
+
+
 # --- ring buffer -----------------------------------------------------------------------------
 
 
 def dropped(d: Daemon) -> float:
     # Wait for a tick that read the counters after the load: two intervals is always enough.
     time.sleep(2 * INTERVAL + 0.2)
-    s = d.wait_for(lambda s: value(s, "hangwatch_bpf_events_dropped_total") is not None, "", 10)
-    return value(s, "hangwatch_bpf_events_dropped_total") or 0.0
+    # Binds and listens have their own ring buffer (the futex events of watched processes the other).
+    name = "hangwatch_bpf_host_events_dropped_total"
+    s = d.wait_for(lambda s: value(s, name) is not None, "", 10)
+    return value(s, name) or 0.0
 
 
 def ringbuf(rep: Report, exe: Path, quick: bool) -> None:
@@ -767,7 +827,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="few calls, 1 round, short periods")
     ap.add_argument("--markdown", action="store_true", help="print the tables as markdown")
     names = [*PARTS, *(b.key for b in BENCHES)]
-    ap.add_argument("--only", choices=names, metavar="NAME", help=", ".join(names))
+    ap.add_argument(
+        "--only", metavar="NAME[,NAME...]", help=", ".join(names) + "; several: one run"
+    )
     ap.add_argument("--rounds", type=int, help="overhead rounds (default 5, 1 with --quick)")
     ap.add_argument(
         "--bpf-stats",
@@ -776,14 +838,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         "to measure what that accounting costs",
     )
     args = ap.parse_args(argv)
+    only = set(args.only.split(",")) if args.only else None
+    if only is not None and not only <= set(names):
+        ap.error(f"--only: unknown {', '.join(sorted(only - set(names)))}")
     if args.bpf_stats:
         DAEMON_CONFIG.append("bpf_stats: true")
     if os.geteuid() != 0:
         print("bench: needs root (BPF, /proc of other processes)", file=sys.stderr)
         return 3
     rounds = args.rounds or (1 if args.quick else 5)
-    benches = [b for b in BENCHES if args.only in (None, "overhead", b.key)]
-    parts = [p for p in PARTS if args.only in (None, p)] or ["overhead"]
+    benches = [b for b in BENCHES if only is None or only & {"overhead", b.key}]
+    parts = [p for p in PARTS if only is None or p in only] or ["overhead"]
     exe = build_workloads()
     rep = Report(args.markdown)
     rep.note(
@@ -804,6 +869,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "schedclock": lambda: schedclock(rep, args.quick),
         "slowclients": lambda: slowclients_part(rep, args.quick),
         "maps": lambda: maps(rep, args.quick),
+        "programs": lambda: programs(rep, exe, rounds, args.quick),
         "scaling": lambda: rep.table(
             *scaling.table(*scaling.run(exe, args.quick, WATCH_WORKLOADS))
         ),

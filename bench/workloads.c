@@ -10,6 +10,8 @@
  *   workloads write N          write(2) of one byte to /dev/null
  *   workloads send N           send(2) of one byte on a unix datagram socketpair, and the
  *                              recv(2) that drains it (recv is not traced)
+ *   workloads rename N         prctl(PR_SET_NAME), two names in turn: the task_rename
+ *                              tracepoint that any process can fire in a loop
  *   workloads futex-rate R S   about R EAGAIN futex calls per second for S seconds
  *   workloads park N           N threads parked on a condvar nobody signals, until killed
  *   workloads bind-listen R S  about R socket+bind+listen+close per second for S seconds
@@ -34,6 +36,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/epoll.h>
+#include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
@@ -279,6 +282,9 @@ int main(int argc, char **argv)
 	} else if (strcmp(mode, "getppid") == 0) {
 		for (long i = 0; i < n; i++)
 			syscall(SYS_getppid);
+	} else if (strcmp(mode, "rename") == 0) {
+		for (long i = 0; i < n; i++)
+			prctl(PR_SET_NAME, (i & 1) ? "hw-bench-a" : "hw-bench-b", 0, 0, 0);
 	} else if (strcmp(mode, "write") == 0) {
 		for (long i = 0; i < n; i++)
 			if (write(devnull, "x", 1) != 1)

@@ -15,7 +15,9 @@
  *
  * PI operations (rare: PI mutexes only) of every process record their word in
  * the LRU map pi_ops, so that a cycle the kernel refuses with EDEADLK is known
- * even if it formed before discovery reached the process.
+ * even if it formed before discovery reached the process: an unwatched thread's
+ * refusal is marked there, where nobody can fill a map for others; a watched
+ * thread's goes to `refusals` and the ring buffer, within its process's share.
  *
  * Part of one object: follows maps.bpf.h (see there).
  */
@@ -41,6 +43,7 @@ static __always_inline int is_pi_op(u32 cmd)
 static __always_inline void pi_op_enter(u32 tid, u32 tgid, u64 uaddr, u32 cmd)
 {
 	struct hw_pi_op op = {.start_ns = bpf_ktime_get_ns(), .uaddr = uaddr, .tgid = tgid, .op = cmd};
+	/* (refused_ns 0: a refusal this thread had no longer describes it) */
 	pi_ops.update(&tid, &op); /* LRU: evicts the oldest rather than failing */
 }
 
@@ -55,11 +58,9 @@ static __always_inline int wait_enter(u64 uaddr, u32 cmd, u32 val, u32 syscall)
 	if (!is_wait_cmd(cmd) || !is_watched(tgid))
 		return 0;
 
-	struct hw_thread *t = thread_entry(tid, tgid);
-	if (!t) {
-		COUNT(inflight_full);
+	struct hw_thread *t = thread_entry(tid, tgid, COUNTER(inflight_full));
+	if (!t)
 		return 0;
-	}
 	t->start_ns = bpf_ktime_get_ns();
 	t->uaddr = uaddr;
 	t->op = cmd;
@@ -83,19 +84,27 @@ static __always_inline void send_wait_event(u32 kind, u32 tgid, u32 tid, u64 uad
 	submit_event(e);
 }
 
-/* An EDEADLK (rare): keep the refused lock for the thread and report it. Returns 1 if kept. */
+/* An EDEADLK (rare) of a watched thread: keep the refused lock for the thread and report
+ * it. Returns 1 if kept. */
 static __always_inline int refused(u32 tid, u32 tgid, u64 now)
 {
 	struct hw_pi_op *op = pi_ops.lookup(&tid);
 	if (!op || !is_pi_lock(op->op))
 		return 0; /* a trylock or requeue refused: no thread blocks on it */
 	struct hw_refusal r = {.ts_ns = now, .uaddr = op->uaddr, .tgid = tgid};
-	int kept = refusals.update(&tid, &r) == 0;
-	if (!kept)
-		COUNT(refusals_full);
+	int kept = keep_refusal(tid, &r);
 	send_wait_event(HW_EVENT_EDEADLK, tgid, tid, op->uaddr, op->op, now, now - op->start_ns,
 			-HW_EDEADLK);
 	return kept;
+}
+
+/* An EDEADLK of an unwatched thread: marked in its pi_ops entry only (an LRU map: a
+ * process that refuses itself locks in a loop evicts old entries, never refuses others'). */
+static __always_inline void refused_unwatched(u32 tid)
+{
+	struct hw_pi_op *op = pi_ops.lookup(&tid);
+	if (op && is_pi_lock(op->op))
+		op->refused_ns = bpf_ktime_get_ns();
 }
 
 static __always_inline int wait_exit(long ret)
@@ -106,7 +115,7 @@ static __always_inline int wait_exit(long ret)
 
 	if (!is_watched(tgid)) {
 		if (ret == -HW_EDEADLK)
-			refused(tid, tgid, bpf_ktime_get_ns());
+			refused_unwatched(tid);
 		return 0;
 	}
 	struct hw_thread *t = threads.lookup(&tid);
@@ -132,7 +141,8 @@ static __always_inline int wait_exit(long ret)
 
 	/* Any wait that ends means an earlier refusal no longer describes the thread. */
 	if (t->flags & HW_THREAD_REFUSED) {
-		refusals.delete(&tid);
+		if (refusals.delete(&tid) == 0)
+			unclaim(tgid, SHARE(refusals));
 		t->flags &= ~HW_THREAD_REFUSED;
 	}
 	if (ret == -HW_EDEADLK) {

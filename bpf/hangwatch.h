@@ -25,7 +25,8 @@
 #define HW_THREAD_REFUSED 2 /* a refusal for this thread is in the refusals map */
 #define HW_THREAD_WRITING 4 /* inside a write: write_fd is this call's */
 
-/* Futex commands that can be refused with EDEADLK, all PI-only: recorded for every process. */
+/* Futex commands that can be refused with EDEADLK, all PI-only: their word is recorded for
+ * every process (pi_ops), the refusal in the refusals map for watched processes only. */
 #define HW_FUTEX_TRYLOCK_PI 8
 #define HW_FUTEX_CMP_REQUEUE_PI 12
 
@@ -34,8 +35,10 @@
 #define HW_EVENT_EDEADLK 2   /* the kernel refused a PI lock that would close a cycle */
 #define HW_EVENT_BIND 3      /* a successful bind(2) of an AF_INET/AF_INET6 socket, any process */
 #define HW_EVENT_LISTEN 4    /* a successful listen(2), any process */
-#define HW_EVENT_EXEC 5      /* an exec, any process: discovery reads it again */
-#define HW_EVENT_RENAME 6    /* a task renamed (its TID), any process: the same */
+
+/* struct hw_change.kinds: what happened to a task since user space last took the changes map. */
+#define HW_CHANGE_EXEC 1   /* an exec, any process (keyed by tgid): discovery reads it again */
+#define HW_CHANGE_RENAME 2 /* a task renamed (keyed by its TID), any process: the same */
 
 #define HW_EDEADLK 35
 #define HW_EAGAIN 11 /* a futex wait whose word had changed: it returned without sleeping */
@@ -68,10 +71,13 @@ struct hw_thread {
 
 /* The last PI operation of a thread, any process: an EDEADLK at sys_exit (only PI
  * operations return it) needs the word, and the refusal may come before
- * discovery reaches the process. Kept in an LRU map, never deleted per call. */
+ * discovery reaches the process: an unwatched thread's refusal is kept here
+ * (refused_ns), in an LRU map nobody can fill for others, never in `refusals`.
+ * Overwritten, never deleted, per call. */
 struct hw_pi_op {
 	u64 start_ns;
 	u64 uaddr;
+	u64 refused_ns; /* when this lock was refused with EDEADLK (unwatched then); 0: not */
 	u32 tgid;
 	u32 op;
 };
@@ -86,13 +92,43 @@ struct hw_refusal {
 	u32 pad;
 };
 
+/* What one watched process holds in the maps shared by every process (threads, fd_writes,
+ * refusals) and what it lost beyond its share: keyed by tgid, written by the kernel only
+ * (user space's deletes are counted apart, in struct hw_released), so that a process that
+ * fills its share loses its own entries and events, never another's. */
+struct hw_share {
+	u32 threads;   /* entries inserted in `threads` */
+	u32 fd_writes; /* entries inserted in `fd_writes` */
+	u32 refusals;  /* entries inserted in `refusals`, less those the kernel deleted */
+	u32 window_events; /* ring-buffer events sent in the window that began at window_ns */
+	u64 window_ns;
+	u64 refused;        /* inserts refused: the process held its share of that map */
+	u64 events_dropped; /* its events lost: over its rate, or the ring buffer full */
+};
+
+/* Entries of one process that user space deleted (threads gone): the only writer of this
+ * map, so no kernel increment is lost to a user-space read-modify-write. */
+struct hw_released {
+	u32 threads;
+	u32 refusals;
+};
+
+/* A task that exec'd or was renamed since user space last took the changes map: coalesced
+ * per key, so a rename loop holds one entry and sends nothing. */
+struct hw_change {
+	u64 ts_ns; /* the first change since user space last took the map */
+	u32 kinds; /* HW_CHANGE_* */
+	u32 pad;
+};
+
 struct hw_hist_key {
 	u32 tgid;
 	u32 slot; /* log2 of the wait time in ns */
 };
 
-/* The one ring-buffer record, for every kind: bcc decodes a ring buffer's
- * records as one flat struct, so fields a kind does not use are 0. */
+/* The one ring-buffer record, for every kind and both rings (events: watched processes'
+ * futex kinds; host_events: bind, listen): bcc decodes a ring buffer's records as one
+ * flat struct, so fields a kind does not use are 0. */
 struct hw_event {
 	u64 ts_ns;
 	u64 uaddr;       /* futex kinds */
@@ -155,6 +191,11 @@ struct hw_counters {
 	u64 write_calls_full; /* a write not counted: threads map full */
 	u64 fd_writes_full;   /* a write not counted: fd_writes map full */
 	u64 accepts_full;     /* an accept not counted: accepts map full */
+	u64 shares_full;      /* a watched process's insert refused: shares map full */
+	/* an exec or rename not kept, the changes map full: not a loss (discovery reads every
+	 * process again), so not named *_full, which user space counts as lost evidence */
+	u64 changes_overflowed;
+	u64 host_events_dropped; /* a bind or listen not reported: host_events ring full */
 };
 
 #endif /* HANGWATCH_H */

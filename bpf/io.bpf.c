@@ -9,7 +9,8 @@
  *   an fd without write(2): sendto (send(2) on x86-64 and arm64 is sendto),
  *   sendmsg, sendmmsg, sendfile64, splice (watched processes): the fd written is
  *   kept in the thread's entry in `threads` at sys_enter; at sys_exit the bytes
- *   written, the call and its time go to fd_writes[(tgid, fd)]. sendmmsg returns
+ *   written, the call and its time go to fd_writes[(tgid, fd)], a new fd within
+ *   the process's share of that map (maps.bpf.h). sendmmsg returns
  *   messages, not bytes: each message counts as one byte (the count says only that
  *   something was sent). Unwatched processes pay one inlined bitmap test at each
  *   end.
@@ -39,14 +40,14 @@ static __always_inline int sock_call_exit(long ret)
 	if (ret != 0)
 		return 0;
 
-	struct hw_event *e = reserve_event(c.kind, id >> 32, (u32)id, bpf_ktime_get_ns());
+	struct hw_event *e = reserve_host_event(c.kind, id >> 32, (u32)id);
 	if (!e)
 		return 0;
 	e->fd = c.fd;
 	e->family = c.family;
 	e->port = c.port;
 	e->backlog = c.backlog;
-	submit_event(e);
+	submit_host_event(e);
 	return 0;
 }
 
@@ -102,10 +103,24 @@ static __always_inline int write_exit(long ret)
 		return 0;
 
 	struct hw_fd_key key = {.tgid = tgid, .fd = t->write_fd};
-	struct hw_fd_writes zero = {};
-	struct hw_fd_writes *st = fd_writes.lookup_or_try_init(&key, &zero);
-	if (!add_or_count_full(st ? &st->bytes : 0, ret, COUNTER(fd_writes_full)))
-		return 0;
+	struct hw_fd_writes *st = fd_writes.lookup(&key);
+	if (!st) {
+		/* A new fd: within the process's share (a process that writes to every fd it
+		 * can open fills its own share, not the map). */
+		if (!claim(tgid, SHARE(fd_writes), NOT_RELEASED, MAX_FD_WRITES_PER_PROCESS))
+			return 0;
+		struct hw_fd_writes zero = {};
+		int failed = fd_writes.insert(&key, &zero);
+		if (failed)
+			unclaim(tgid, SHARE(fd_writes)); /* the map full, or another CPU's insert */
+		st = fd_writes.lookup(&key);
+		if (!st) {
+			if (failed)
+				COUNT(fd_writes_full);
+			return 0;
+		}
+	}
+	__sync_fetch_and_add(&st->bytes, ret);
 	__sync_fetch_and_add(&st->calls, 1);
 	st->last_ns = bpf_ktime_get_ns(); /* a racing writer may store an older time: harmless */
 	keep_tail(st, t, ret);
@@ -161,11 +176,9 @@ static __always_inline int write_enter(s32 fd, u32 kind, u64 buf, u64 n)
 	u32 tgid = id >> 32;
 	if (!is_watched(tgid))
 		return 0;
-	struct hw_thread *t = thread_entry((u32)id, tgid);
-	if (!t) {
-		COUNT(write_calls_full);
+	struct hw_thread *t = thread_entry((u32)id, tgid, COUNTER(write_calls_full));
+	if (!t)
 		return 0;
-	}
 	t->write_fd = fd;
 	t->write_buf = kind == HW_BUF_PLAIN ? buf : 0;
 	t->write_last_len = 0; /* 0: write_buf is a plain buffer's start */

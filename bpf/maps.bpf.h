@@ -7,8 +7,9 @@
  * compiles to an indirect call the verifier rejects ("unknown opcode 8d").
  *
  * Settings arrive as -D compile-time constants from agent/sources/probe.py. Those it always
- * passes (WATCHED_WORDS, LONG_WAIT_NS, RINGBUF_PAGES) have no default here, so each value is
- * written in one place; the map sizes, which tests may override, keep theirs.
+ * passes (WATCHED_WORDS, LONG_WAIT_NS, RINGBUF_PAGES, HOST_RINGBUF_PAGES) have no default
+ * here, so each value is written in one place; the map sizes, which tests may override,
+ * keep theirs.
  */
 #include "hangwatch.h"
 
@@ -36,11 +37,37 @@
 #ifndef MAX_ACCEPTS
 #define MAX_ACCEPTS 4096
 #endif
+/* Each watched process's share of the maps every process shares: an eighth, so one process
+ * cannot fill them; beyond its share it loses its own inserts (counted in its hw_share). The
+ * histogram (64 slots a process) and accepts (one entry) cannot grow within a process. */
+#ifndef MAX_THREADS_PER_PROCESS
+#define MAX_THREADS_PER_PROCESS (MAX_THREADS / 8)
+#endif
+#ifndef MAX_FD_WRITES_PER_PROCESS
+#define MAX_FD_WRITES_PER_PROCESS (MAX_FD_WRITES / 8)
+#endif
+#ifndef MAX_REFUSALS_PER_PROCESS
+#define MAX_REFUSALS_PER_PROCESS (MAX_REFUSALS / 8)
+#endif
+#ifndef MAX_SHARES
+#define MAX_SHARES 16384 /* watched processes that inserted an entry or sent an event */
+#endif
+/* Futex events (long waits, EDEADLK) one process may send in a second: a process that
+ * refuses itself a PI lock in a loop loses its own events, not the ring buffer. */
+#ifndef MAX_EVENTS_PER_PROCESS
+#define MAX_EVENTS_PER_PROCESS 256
+#endif
+#ifndef MAX_CHANGES
+#define MAX_CHANGES 8192 /* tasks exec'd or renamed between two reads, host-wide */
+#endif
 #ifndef LONG_WAIT_NS
 #error "LONG_WAIT_NS comes from agent/sources/probe.py (agent/settings.py's LONG_WAIT_S)"
 #endif
 #ifndef RINGBUF_PAGES
 #error "RINGBUF_PAGES comes from agent/sources/probe.py"
+#endif
+#ifndef HOST_RINGBUF_PAGES
+#error "HOST_RINGBUF_PAGES comes from agent/sources/probe.py"
 #endif
 
 /* Bit tgid % 64 of word tgid / 64 is set for a watched process, by user space. An
@@ -48,7 +75,12 @@
  * few instructions rather than a hash helper call: what unwatched processes pay. */
 BPF_ARRAY(watched, u64, WATCHED_WORDS);
 BPF_PERCPU_ARRAY(counters, struct hw_counters, 1);
+/* Watched processes' futex events only: nothing another process does can fill it. */
 BPF_RINGBUF_OUTPUT(events, RINGBUF_PAGES);                     /* struct hw_event */
+BPF_RINGBUF_OUTPUT(host_events, HOST_RINGBUF_PAGES);           /* bind, listen: any process */
+BPF_HASH(shares, u32, struct hw_share, MAX_SHARES);            /* tgid -> held, lost */
+BPF_HASH(released, u32, struct hw_released, MAX_SHARES);       /* tgid -> deleted by user space */
+BPF_HASH(changes, u32, struct hw_change, MAX_CHANGES);         /* tgid or TID -> exec'd, renamed */
 
 /* futex.bpf.c */
 BPF_HASH(threads, u32, struct hw_thread, MAX_THREADS);         /* tid -> wait, write in progress */
@@ -100,30 +132,134 @@ static __always_inline int is_watched(u32 tgid)
 	return bits && (*bits >> (tgid % 64)) & 1;
 }
 
-/* This thread's entry, created if it has none (NULL, counted by the caller, if the
- * map is full). Called for watched processes only. */
-static __always_inline struct hw_thread *thread_entry(u32 tid, u32 tgid)
+/* A watched process's share (created at its first insert or event), or NULL, counted. */
+static __always_inline struct hw_share *share_of(u32 tgid)
+{
+	struct hw_share zero = {};
+	struct hw_share *s = shares.lookup_or_try_init(&tgid, &zero);
+	if (!s)
+		COUNT(shares_full);
+	return s;
+}
+
+/* Which field of struct hw_share (and of struct hw_released) claim() counts in. */
+#define SHARE(field) __builtin_offsetof(struct hw_share, field)
+#define RELEASED(field) __builtin_offsetof(struct hw_released, field)
+#define NOT_RELEASED 0xffffffff /* fd_writes: user space deletes them only with the share */
+
+/* Takes one entry of `tgid`'s share of a shared map before it inserts one: 1 if it may,
+ * 0 (counted against the process) if it holds `quota` already. `held` and `freed` are
+ * offsets of the counts in struct hw_share and struct hw_released. Two CPUs inserting at
+ * once may both pass: the share is exceeded by at most the CPUs, never without bound.
+ * Only a first insert (a new thread, a new fd) pays this. */
+static __always_inline int claim(u32 tgid, u32 held, u32 freed, u32 quota)
+{
+	struct hw_share *s = share_of(tgid);
+	if (!s)
+		return 0;
+	u32 gone = 0;
+	if (freed != NOT_RELEASED) {
+		struct hw_released *r = released.lookup(&tgid);
+		if (r)
+			gone = *(u32 *)((char *)r + freed);
+	}
+	u32 *n = (u32 *)((char *)s + held);
+	/* Signed: a TID reused by another process may leave a count below what was released. */
+	if ((s32)(*n - gone) >= (s32)quota) {
+		__sync_fetch_and_add(&s->refused, 1);
+		return 0;
+	}
+	__sync_fetch_and_add(n, 1);
+	return 1;
+}
+
+/* Gives back what claim() took, when the insert that followed failed (the map full). */
+static __always_inline void unclaim(u32 tgid, u32 held)
+{
+	struct hw_share *s = shares.lookup(&tgid);
+	if (s)
+		__sync_fetch_and_add((u32 *)((char *)s + held), -1);
+}
+
+/* Keeps a refusal of a watched thread, within its process's share. Returns 1 if kept. */
+static __always_inline int keep_refusal(u32 tid, struct hw_refusal *r)
+{
+	struct hw_refusal *old = refusals.lookup(&tid);
+	if (old) {
+		*old = *r; /* the thread's entry already counted: replaced, not claimed again */
+		return 1;
+	}
+	if (!claim(r->tgid, SHARE(refusals), RELEASED(refusals), MAX_REFUSALS_PER_PROCESS))
+		return 0;
+	if (refusals.update(&tid, r) == 0)
+		return 1;
+	unclaim(r->tgid, SHARE(refusals));
+	COUNT(refusals_full);
+	return 0;
+}
+
+/* This thread's entry, created if it has none; NULL if the map is full (counted in the
+ * counter at offset `full`) or its process holds its share (counted against the process).
+ * Called for watched processes only. */
+static __always_inline struct hw_thread *thread_entry(u32 tid, u32 tgid, u32 full)
 {
 	struct hw_thread *t = threads.lookup(&tid);
 	if (t) {
 		t->tgid = tgid; /* the TID may have been reused by another process */
 		return t;
 	}
-	struct hw_thread fresh = {.tgid = tgid, .write_fd = -1};
-	/* A refusal kept before the process was watched still describes the thread. */
-	if (refusals.lookup(&tid))
-		fresh.flags = HW_THREAD_REFUSED;
-	if (threads.update(&tid, &fresh))
+	if (!claim(tgid, SHARE(threads), RELEASED(threads), MAX_THREADS_PER_PROCESS))
 		return 0;
+	struct hw_thread fresh = {.tgid = tgid, .write_fd = -1};
+	/* A refusal kept before the process was watched (in pi_ops) still describes the
+	 * thread: it moves to the refusals map, where the thread's next wait deletes it. */
+	struct hw_pi_op *op = pi_ops.lookup(&tid);
+	if (op && op->refused_ns && op->tgid == tgid) {
+		struct hw_refusal r = {.ts_ns = op->refused_ns, .uaddr = op->uaddr, .tgid = tgid};
+		op->refused_ns = 0;
+		if (keep_refusal(tid, &r))
+			fresh.flags = HW_THREAD_REFUSED;
+	}
+	if (threads.update(&tid, &fresh)) {
+		unclaim(tgid, SHARE(threads));
+		struct hw_counters *c = this_cpu_counters();
+		if (c)
+			(*(u64 *)((char *)c + full))++; /* per-CPU: a plain increment is safe */
+		return 0;
+	}
 	return threads.lookup(&tid);
 }
 
-/* A zeroed ring-buffer record (reserved memory is not zeroed), or NULL, counted.
- * The only reserve in the object: bcc takes the record type from it. */
+/* Whether a watched process may send one more futex event now (at most
+ * MAX_EVENTS_PER_PROCESS a second); one it may not is counted against it. */
+static __always_inline struct hw_share *event_allowed(u32 tgid, u64 now)
+{
+	struct hw_share *s = share_of(tgid);
+	if (!s)
+		return 0;
+	if (now - s->window_ns >= 1000000000ULL) {
+		s->window_ns = now; /* racing CPUs may each start a window: a few events more */
+		s->window_events = 0;
+	}
+	if (s->window_events >= MAX_EVENTS_PER_PROCESS) {
+		__sync_fetch_and_add(&s->events_dropped, 1);
+		return 0;
+	}
+	__sync_fetch_and_add(&s->window_events, 1);
+	return s;
+}
+
+/* A zeroed record of a watched process's futex event (reserved memory is not zeroed), or
+ * NULL, counted against the process (and in events_dropped where the ring was full).
+ * The only reserve of `events`: bcc takes the record type from it. */
 static __always_inline struct hw_event *reserve_event(u32 kind, u32 tgid, u32 tid, u64 now)
 {
+	struct hw_share *s = event_allowed(tgid, now);
+	if (!s)
+		return 0;
 	struct hw_event *e = events.ringbuf_reserve(sizeof(struct hw_event));
 	if (!e) {
+		__sync_fetch_and_add(&s->events_dropped, 1);
 		COUNT(events_dropped);
 		return 0;
 	}
@@ -141,10 +277,25 @@ static __always_inline void submit_event(struct hw_event *e)
 	COUNT(events_sent);
 }
 
-/* For frequent events that nobody waits for (execs): a wakeup of the reader costs an
- * interrupt here and a wakeup of the agent per event; the record waits for its next read. */
-static __always_inline void submit_event_lazily(struct hw_event *e)
+/* The same for bind and listen events, of any process, in their own ring buffer: a
+ * listen() loop fills that one, never the one of watched processes' futex events. */
+static __always_inline struct hw_event *reserve_host_event(u32 kind, u32 tgid, u32 tid)
 {
-	events.ringbuf_submit(e, BPF_RB_NO_WAKEUP);
+	struct hw_event *e = host_events.ringbuf_reserve(sizeof(struct hw_event));
+	if (!e) {
+		COUNT(host_events_dropped);
+		return 0;
+	}
+	__builtin_memset(e, 0, sizeof(*e));
+	e->ts_ns = bpf_ktime_get_ns();
+	e->kind = kind;
+	e->tgid = tgid;
+	e->tid = tid;
+	return e;
+}
+
+static __always_inline void submit_host_event(struct hw_event *e)
+{
+	host_events.ringbuf_submit(e, 0);
 	COUNT(events_sent);
 }

@@ -15,10 +15,11 @@ from agent.analysis.classify import (
     ServiceFacts,
     classify_process,
     classify_service,
+    incomplete,
     process_waits,
 )
 from agent.analysis.progress import ProcessProgress
-from agent.model import Connection, Listener
+from agent.model import Connection, Listener, ProbeShare
 from agent.report.sentences import reasons
 from tests.synth import parked, process
 
@@ -184,6 +185,25 @@ def test_service_all_ranks_parked_is_stalled_and_a_cycle_anywhere_is_deadlocked(
 def test_service_listening_anywhere_is_idle_when_all_parked():
     procs = [facts(pid=11), facts(pid=12, listeners=(LISTEN,))]
     assert classify_service(10, procs, 60).state == IDLE
+
+
+@given(st.integers(0, 3), st.integers(0, 3))
+def test_a_process_over_its_kernel_share_carries_it_in_its_verdict(refused, dropped):
+    """Whatever the verdict, a process whose entries or events the kernel side did not keep
+    says so, in its own reasons and its service's; the verdict itself is the same."""
+    lost = incomplete(12, ProbeShare(refused, dropped))
+    assert (lost is None) == (refused == dropped == 0)
+    for work in (None, "cpu"):
+        plain = [facts(pid=11, work=work), facts(pid=12)]
+        marked = [plain[0], ProcessFacts(**{**plain[1].__dict__, "incomplete": lost})]
+        a, b = classify_service(10, plain, 60), classify_service(10, marked, 60)
+        assert a.state == b.state
+        if lost is not None:
+            assert b.reasons == [*a.reasons, lost] and lost in b.processes[1].reasons
+            said = reasons(b.reasons)[-1]
+            assert said.startswith("process 12: evidence incomplete"), said
+        else:
+            assert b.reasons == a.reasons
 
 
 def test_service_whose_root_exited_is_reported_gone():

@@ -60,6 +60,8 @@ CONTRACT = {
     "hangwatch_process_write_bytes_total",
     "hangwatch_process_last_write_age_seconds",
     "hangwatch_process_accepts_total",
+    "hangwatch_process_bpf_entries_refused_total",
+    "hangwatch_process_bpf_events_dropped_total",
     "hangwatch_process_listening_ports",
     "hangwatch_process_gpu_memory_bytes",
     "hangwatch_process_gpu_utilization_ratio",
@@ -72,6 +74,7 @@ CONTRACT = {
     "hangwatch_service_unanswered_requests",
     "hangwatch_service_seconds_since_progress",
     "hangwatch_bpf_events_dropped_total",
+    "hangwatch_bpf_host_events_dropped_total",
     "hangwatch_bpf_map_full_total",
     "hangwatch_bpf_program_run_seconds_total",
     "hangwatch_bpf_program_runs_total",
@@ -139,7 +142,8 @@ HTTP = ServiceStatus(
     (
         proc(
             "http", 300, 300, "python", IDLE, parked_seconds=3.4, write_bytes_total=0,
-            accepts_total=0, listening_ports=1,
+            accepts_total=0, listening_ports=1, bpf_entries_refused_total=7,
+            bpf_events_dropped_total=5,
         ),
     ),
     seconds_since_progress=3.4,
@@ -147,6 +151,7 @@ HTTP = ServiceStatus(
 AGENT = AgentStatus(
     version="0.1.0",  # what the daemon says; build info uses the collector's own version
     events_dropped_total=2,
+    host_events_dropped_total=4,
     maps_full_total=1,
     services_excess={"sglang": 0, "vllm": 1968},
     programs={

@@ -13,7 +13,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ..model import Connection, Listener, ProcessSample, ThreadSample, derived
+from ..model import Connection, Listener, ProbeShare, ProcessSample, ThreadSample, derived
 from ..syscalls import FUTEX, syscall_name, wait_kind
 from . import evidence as ev
 from .culprit import find_culprit
@@ -105,6 +105,15 @@ class ProcessFacts:
     )
     # Inodes of its connections whose streamed answer is still being sent (agent.analysis.answers)
     streams: frozenset[int] = frozenset()
+    # What the kernel side did not keep of it beyond its share of the shared maps; None: nothing
+    incomplete: ev.EvidenceIncomplete | None = None
+
+
+def incomplete(pid: int, share: ProbeShare | None) -> ev.EvidenceIncomplete | None:
+    """The fact that the kernel side kept less of ``pid`` than it did, where it did."""
+    if share is None or not (share.entries_refused or share.events_dropped):
+        return None
+    return ev.EvidenceIncomplete(pid, share.entries_refused, share.events_dropped)
 
 
 def lock_cycle(
@@ -445,6 +454,11 @@ def classify_service(
         v.culprit = find_culprit(v, procs)
         if v.culprit is not None:
             v.reasons.insert(0, v.culprit)
+    # Whatever the verdict: it rests on less than the process did (its own doing).
+    for f, pv in zip(procs, v.processes):
+        if f.incomplete is not None:
+            v.reasons.append(f.incomplete)
+            pv.reasons.append(f.incomplete)
     return v
 
 

@@ -370,6 +370,17 @@ class NothingLeft(Fact):
 
 
 @dataclass(frozen=True)
+class EvidenceIncomplete(Fact):
+    """The kernel side kept less of a process than it did: it held its share of the maps
+    every process shares (agent.model.ProbeShare), so its waits, writes or events beyond it
+    were not recorded; by its own doing, and no other process's evidence is touched."""
+
+    pid: int
+    entries_refused: int  # threads, written fds or refusals not kept
+    events_dropped: int  # long-wait and EDEADLK events not sent
+
+
+@dataclass(frozen=True)
 class Culprit(Fact):
     """The process that holds the service up, and why it is taken to."""
 

@@ -55,6 +55,10 @@ class ProcessStatus:
     # GPU index -> bytes this process holds there, and its SM utilisation there (0..1)
     gpu_memory_bytes: Mapping[str, int] = field(default_factory=dict)
     gpu_utilization: Mapping[str, float] = field(default_factory=dict)
+    # What the probe did not keep of it beyond its share of the maps every process shares
+    # (agent.model.ProbeShare): its evidence is incomplete, and no one else's is
+    bpf_entries_refused_total: int = 0
+    bpf_events_dropped_total: int = 0
 
 
 @dataclass(frozen=True)
@@ -80,6 +84,7 @@ class CollectorStatus:
 class AgentStatus:
     version: str
     events_dropped_total: int = 0  # ring-buffer reserves that failed
+    host_events_dropped_total: int = 0  # bind and listen events lost (their ring full)
     maps_full_total: int = 0  # updates refused by a full map (in-flight, histogram, ...)
     programs: Mapping[str, ProgramStats] = field(default_factory=dict)  # by program name
     # by stage name (STAGES; the exposition stage is the scrape's own, added by the collector)

@@ -216,6 +216,23 @@ FAMILIES: tuple[_Family, ...] = (
         (_P,),
     ),
     _Family(
+        "bpf_entries_refused",
+        COUNTER,
+        "hangwatch_process_bpf_entries_refused",
+        "Threads, written fds and lock refusals of the process the BPF programs did not "
+        "keep because it held its share of a map every process shares: its own evidence "
+        "is incomplete, no other's. Absent while 0.",
+        (_P,),
+    ),
+    _Family(
+        "bpf_events_dropped",
+        COUNTER,
+        "hangwatch_process_bpf_events_dropped",
+        "Long-wait and deadlock-refusal events of the process not sent: over its rate "
+        "(256 a second) or the ring buffer full. Absent while 0.",
+        (_P,),
+    ),
+    _Family(
         "listening_ports",
         GAUGE,
         "hangwatch_process_listening_ports",
@@ -303,6 +320,14 @@ FAMILIES: tuple[_Family, ...] = (
         "hangwatch_bpf_events_dropped",
         "Events the BPF programs could not send to the agent because the ring buffer was "
         "full; above 0 means some long waits or deadlock refusals were missed.",
+        (),
+    ),
+    _Family(
+        "host_events_dropped",
+        COUNTER,
+        "hangwatch_bpf_host_events_dropped",
+        "Bind and listen events of any process lost because their ring buffer was full "
+        "(the futex events of watched processes have their own).",
         (),
     ),
     _Family(
@@ -469,6 +494,10 @@ class _Families:
             self.gauge["last_write_age"].add_metric(lv, p.last_write_age_seconds)
         if p.accepts_total is not None:
             self.counter["accepts"].add_metric(lv, p.accepts_total)
+        if p.bpf_entries_refused_total:
+            self.counter["bpf_entries_refused"].add_metric(lv, p.bpf_entries_refused_total)
+        if p.bpf_events_dropped_total:
+            self.counter["bpf_events_dropped"].add_metric(lv, p.bpf_events_dropped_total)
         self.gauge["listening_ports"].add_metric(lv, p.listening_ports)
         for gpu in sorted(p.gpu_memory_bytes, key=_gpu_order):
             self.gauge["gpu_memory"].add_metric([*lv, gpu], p.gpu_memory_bytes[gpu])
@@ -477,6 +506,7 @@ class _Families:
 
     def add_agent(self, agent: AgentStatus) -> None:
         self.counter["events_dropped"].add_metric([], agent.events_dropped_total)
+        self.counter["host_events_dropped"].add_metric([], agent.host_events_dropped_total)
         self.counter["maps_full"].add_metric([], agent.maps_full_total)
         self.gauge["last_tick"].add_metric([], agent.last_tick_seconds)
         self.counter["tick_errors"].add_metric([], agent.tick_errors_total)

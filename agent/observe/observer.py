@@ -18,6 +18,7 @@ from ..analysis.classify import (
     ServiceFacts,
     ServiceVerdict,
     classify_service,
+    incomplete,
     lock_cycle,
     parked_group,
     process_waits,
@@ -458,6 +459,7 @@ class Observer:
             waits=process_waits(sample, snap.mono_ns),
             no_waker=pid in latest.no_waker,
             streams=latest.streams.get(pid, frozenset()),
+            incomplete=incomplete(pid, latest.reading.shares.get(pid)),
         )
 
     def _parked_evidence(

@@ -308,6 +308,20 @@ EXITED = "exited while watched"
 
 
 @render.register
+def _(f: ev.EvidenceIncomplete) -> str:
+    lost = []
+    if f.entries_refused:
+        lost.append(f"{plural(f.entries_refused, 'thread, fd or refusal')} not recorded")
+    if f.events_dropped:
+        lost.append(f"{plural(f.events_dropped, 'wait event')} dropped")
+    what = " and ".join(lost) or "some of its evidence not recorded"
+    return (
+        f"process {f.pid}: evidence incomplete, {what}: it held its share of the kernel "
+        "maps every process shares"
+    )
+
+
+@render.register
 def _(f: ev.Exited) -> str:
     return EXITED if f.pid is None else f"process {f.pid} {EXITED}"
 

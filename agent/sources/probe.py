@@ -27,6 +27,7 @@ from ..model import (
     InflightWait,
     ProbeEvent,
     ProbeReading,
+    ProbeShare,
     ProgramStats,
     SocketEvent,
 )
@@ -124,7 +125,7 @@ def _by_tid(table: Any) -> list[tuple[int, Any]]:
 # The fields read of each map keyed by TID, in their order in bpf/hangwatch.h.
 THREAD_FIELDS = {
     "threads": ("start_ns", "uaddr", "tgid", "op", "val", "syscall", "flags"),
-    "pi_ops": ("start_ns", "uaddr", "tgid", "op"),
+    "pi_ops": ("start_ns", "uaddr", "refused_ns", "tgid", "op"),
     "refusals": ("ts_ns", "uaddr", "tgid"),
 }
 
@@ -317,12 +318,14 @@ class KernelProbes:
         self,
         long_wait_s: float = LONG_WAIT_S,
         ringbuf_pages: int = 64,
+        host_ringbuf_pages: int = 64,
         bpf_dir: Path | None = None,
         map_sizes: dict[str, int] | None = None,
         proc: ProcFS | None = None,
     ) -> None:
         """``long_wait_s``: waits longer than this go through the ring buffer (compiled in as
-        LONG_WAIT_NS). ``map_sizes`` overrides the entry limits of bpf/maps.bpf.h by name
+        LONG_WAIT_NS); ``ringbuf_pages`` sizes their ring buffer, ``host_ringbuf_pages`` that
+        of binds and listens. ``map_sizes`` overrides the entry limits of bpf/maps.bpf.h by name
         (``{"MAX_THREADS": 8}``): how tests fill a map on purpose. ``proc`` is where
         pid_max, thread liveness and the programs' fdinfo are read."""
         bpf_dir = bpf_dir or BPF_DIR
@@ -334,6 +337,7 @@ class KernelProbes:
             f"-I{bpf_dir}",
             f"-DLONG_WAIT_NS={int(long_wait_s * 1e9)}ULL",
             f"-DRINGBUF_PAGES={ringbuf_pages}",
+            f"-DHOST_RINGBUF_PAGES={host_ringbuf_pages}",
             f"-DWATCHED_WORDS={watched_words(self._proc.pid_max())}",
             *(f"-D{name}={size}" for name, size in (map_sizes or {}).items()),
         ]
@@ -368,6 +372,11 @@ class KernelProbes:
         self._counters = self._bpf[b"counters"]
         self._accepts = self._bpf[b"accepts"]
         self._fd_writes = self._bpf[b"fd_writes"]
+        self._shares = self._bpf[b"shares"]
+        self._released = self._bpf[b"released"]
+        self._changes = self._bpf[b"changes"]
+        # tid -> (tgid, uaddr, ts) of refusals of threads unwatched then (pi_ops), at the last read
+        self._pi_refusals: dict[int, tuple[int, int, int]] = {}
         self._watching: set[int] = set()
         self._readers: dict[str, BatchReader | None] = {}
         for name, fields in THREAD_FIELDS.items():
@@ -385,7 +394,8 @@ class KernelProbes:
         self._waiting: Mapping[int, frozenset[tuple[int, int]]] = {}  # the last read's
 
     def _open_events(self) -> None:
-        """The ring buffer, and what its records are kept in until the next read."""
+        """The two ring buffers (watched processes' futex events; any process's binds and
+        listens), and what their records are kept in until the next read."""
         self._events: list[ProbeEvent] = []
         self._socket_events: list[SocketEvent] = []
         self._execs: list[ExecEvent] = []
@@ -395,33 +405,55 @@ class KernelProbes:
             self._defs["HW_EVENT_EDEADLK"]: "edeadlk",
             self._defs["HW_EVENT_BIND"]: "bind",
             self._defs["HW_EVENT_LISTEN"]: "listen",
-            self._defs["HW_EVENT_EXEC"]: "exec",
-            self._defs["HW_EVENT_RENAME"]: "rename",
         }
-        self._overflow = 0  # records dropped here because nobody read them: see drain()
-        self._dropped_seen = 0  # records dropped (here and in the kernel) at take_execs
+        self._overflow = 0  # futex records dropped here because nobody read them: see drain()
+        self._host_overflow = 0  # the same for bind and listen records
+        self._changes_lost_seen = 0  # execs and renames lost (changes map full) at take_execs
         self._ring = self._bpf[b"events"]
         self._ring.open_ring_buffer(self._on_event)
+        self._host_ring = self._bpf[b"host_events"]
+        self._host_ring.open_ring_buffer(self._on_host_event)
 
     def _on_event(self, _ctx: object, data: int, _size: int) -> None:
-        pending = len(self._events) + len(self._socket_events) + len(self._execs)
-        if pending + len(self._renamed) >= MAX_PENDING_EVENTS:
+        if len(self._events) >= MAX_PENDING_EVENTS:
             self._overflow += 1
             return
         e = self._ring.event(data)
         kind = self._event_kinds.get(e.kind, str(e.kind))
-        if kind in ("bind", "listen"):
-            self._socket_events.append(
-                SocketEvent(kind, e.ts_ns, e.tgid, e.tid, e.fd, e.family, e.port, e.backlog)
-            )
-        elif kind == "exec":
-            self._execs.append(ExecEvent(e.ts_ns, e.tgid))
-        elif kind == "rename":
-            self._renamed.append(e.tid)
-        else:
-            self._events.append(
-                ProbeEvent(kind, e.ts_ns, e.tgid, e.tid, e.uaddr, e.op, e.duration_ns, e.ret)
-            )
+        self._events.append(
+            ProbeEvent(kind, e.ts_ns, e.tgid, e.tid, e.uaddr, e.op, e.duration_ns, e.ret)
+        )
+
+    def _on_host_event(self, _ctx: object, data: int, _size: int) -> None:
+        if len(self._socket_events) >= MAX_PENDING_EVENTS:
+            self._host_overflow += 1
+            return
+        e = self._host_ring.event(data)
+        kind = self._event_kinds.get(e.kind, str(e.kind))
+        self._socket_events.append(
+            SocketEvent(kind, e.ts_ns, e.tgid, e.tid, e.fd, e.family, e.port, e.backlog)
+        )
+
+    def _take_changes(self) -> None:
+        """Move the changes map's execs and renames into memory, emptying it: each entry is
+        read and deleted at once, so a change after the read marks it afresh. Any change
+        before the delete is seen by discovery's read of /proc, which comes after it."""
+        exec_bit = self._defs["HW_CHANGE_EXEC"]
+        try:
+            batch = list(self._changes.items_lookup_and_delete_batch())
+        except Exception:  # bcc raises bare Exception when the kernel refuses batch ops
+            batch = []
+            for k in list(self._changes.keys()):
+                with contextlib.suppress(KeyError):
+                    v = self._changes[k]
+                    del self._changes[k]
+                    batch.append((k.value, v))
+        taken = [(int(k), v.ts_ns, v.kinds) for k, v in batch]
+        for key, ts_ns, kinds in taken:
+            if kinds & exec_bit:
+                self._execs.append(ExecEvent(ts_ns, key))
+            else:
+                self._renamed.append(key)
 
     def watch(self, tgids: Iterable[int]) -> None:
         """Make the watched set exactly ``tgids`` (PIDs beyond the bitmap cannot be watched)."""
@@ -434,11 +466,26 @@ class KernelProbes:
 
     def forget(self, tids: Iterable[int]) -> None:
         """Drop what is kept for threads that are gone (a thread that dies in a wait never
-        reaches sys_exit; a thread's entry outlives its calls)."""
+        reaches sys_exit; a thread's entry outlives its calls), and give the entries back
+        to their process's share (hw_released: user space is its only writer)."""
+        released: dict[int, list[int]] = {}  # tgid -> [threads, refusals] deleted
         for tid in tids:
-            for table in (self._threads, self._refusals, self._pi_ops):
+            key = ctypes.c_uint32(tid)
+            for i, table in enumerate((self._threads, self._refusals)):
                 with contextlib.suppress(KeyError):
-                    del table[ctypes.c_uint32(tid)]
+                    tgid = table[key].tgid
+                    del table[key]
+                    released.setdefault(tgid, [0, 0])[i] += 1
+            with contextlib.suppress(KeyError):
+                del self._pi_ops[key]
+        for tgid, (threads, refusals) in released.items():
+            key = ctypes.c_uint32(tgid)
+            old = self._released.get(key)
+            leaf = self._released.Leaf(
+                (old.threads if old else 0) + threads, (old.refusals if old else 0) + refusals
+            )
+            with contextlib.suppress(OSError):  # the map full: the process keeps a smaller share
+                self._released[key] = leaf
 
     def forget_processes(self, tgids: Iterable[int]) -> None:
         """Delete everything kept per process for ``tgids`` (gone, or no longer watched), so
@@ -450,6 +497,8 @@ class KernelProbes:
             (self._hist, [k for k in self._hist if k.tgid in gone]),
             (self._fd_writes, [k for k in self._fd_writes if k.tgid in gone]),
             (self._accepts, [ctypes.c_uint32(t) for t in gone]),
+            (self._shares, [ctypes.c_uint32(t) for t in gone]),
+            (self._released, [ctypes.c_uint32(t) for t in gone]),
         ]
         for table in (self._threads, self._refusals, self._pi_ops):  # keyed by TID
             doomed.append(
@@ -525,11 +574,15 @@ class KernelProbes:
         pi_locks = (self._defs["HW_FUTEX_LOCK_PI"], self._defs["HW_FUTEX_LOCK_PI2"])
         dead = []
         pi_waits: list[InflightWait] = []
-        for tid, (start_ns, uaddr, tgid, op) in self._rows("pi_ops"):
+        self._pi_refusals = {}
+        for tid, (start_ns, uaddr, refused_ns, tgid, op) in self._rows("pi_ops"):
             if tgid not in watching or tid in tracked or op not in pi_locks:
                 continue
             if not self._proc.thread_exists(tgid, tid):
                 dead.append(tid)
+                continue
+            if refused_ns:  # refused while unwatched: parked on a word of its own since
+                self._pi_refusals[tid] = (tgid, uaddr, refused_ns)
                 continue
             wait = FutexWait(uaddr=uaddr, op=op, val=0, since_ns=start_ns, source="bpf")
             inflight[tid] = InflightWait(tid, tgid, wait)
@@ -552,19 +605,19 @@ class KernelProbes:
     def take_execs(self) -> list[int] | None:
         """The PIDs that exec'd or were renamed since the last call (or read()), taken out
         of the next reading; None where some may be missing: a tracepoint this kernel lacks,
-        or records dropped since the last call. Cheap: the ring buffer and one counter."""
-        self._bpf.ring_buffer_consume()
+        or changes lost to a full changes map since the last call. Cheap: the changes map
+        and one counter."""
+        self._take_changes()
         execs, self._execs = self._execs, []
         renamed, self._renamed = self._renamed, []
-        dropped = self._overflow + sum(
-            c.events_dropped for per_cpu in self._counters.values() for c in per_cpu
-        )
-        complete = self._all_renames and dropped == self._dropped_seen
-        self._dropped_seen = dropped
+        lost = sum(c.changes_overflowed for per_cpu in self._counters.values() for c in per_cpu)
+        complete = self._all_renames and lost == self._changes_lost_seen
+        self._changes_lost_seen = lost
         return [e.tgid for e in execs] + renamed if complete else None
 
     def read(self) -> ProbeReading:
         self._bpf.ring_buffer_consume()  # every record, woken for or not
+        self._take_changes()
         events, self._events = tuple(self._events), []
         sockets, self._socket_events = tuple(self._socket_events), []
         execs, self._execs = tuple(self._execs), []
@@ -579,6 +632,9 @@ class KernelProbes:
                 refusals[tid] = (tgid, uaddr, ts_ns)
             elif not self._proc.thread_exists(tgid, tid):
                 dead.append(tid)
+        # Refused before the process was watched: kept in pi_ops only (bpf/futex.bpf.c).
+        for tid, refusal in self._pi_refusals.items():
+            refusals.setdefault(tid, refusal)
         if dead:
             self.forget(dead)
         hist: dict[int, dict[int, int]] = {}
@@ -595,6 +651,11 @@ class KernelProbes:
                 for name, _ in c._fields_:
                     counters[name] = counters.get(name, 0) + getattr(c, name)
         counters["events_dropped"] = counters.get("events_dropped", 0) + self._overflow
+        counters["host_events_dropped"] = (
+            counters.get("host_events_dropped", 0) + self._host_overflow
+        )
+        # Every share, so that the daemon forgets those of processes gone or unwatched.
+        shares = {k.value: ProbeShare(v.refused, v.events_dropped) for k, v in self._shares.items()}
         return ProbeReading(
             inflight,
             refusals,
@@ -607,6 +668,7 @@ class KernelProbes:
             threads=frozenset(tracked),
             execs=execs,
             renamed=renamed,
+            shares=shares,
             waiting=self._waiting,
         )
 

@@ -293,7 +293,12 @@ def test_full_map_and_full_ring_buffer_are_counted_and_verdicts_hold(tmp_path: P
     from agent.sources.probe import KernelProbes
 
     with (
-        KernelProbes(long_wait_s=0.5, ringbuf_pages=1, map_sizes={"MAX_THREADS": 4}) as probe,
+        KernelProbes(
+            long_wait_s=0.5,
+            host_ringbuf_pages=1,
+            # the map full (4 entries), not the pool's share of it
+            map_sizes={"MAX_THREADS": 4, "MAX_THREADS_PER_PROCESS": 64},
+        ) as probe,
         Fixture.c("park_pool", "12", "--wait-for-go", ready="WAITING") as pool,
         Fixture.c("deadlock_mutex") as dl,
     ):
@@ -313,7 +318,7 @@ def test_full_map_and_full_ring_buffer_are_counted_and_verdicts_hold(tmp_path: P
                 s.listen(1)
         reading = probe.read()
         assert reading.counters["inflight_full"] > 0, reading.counters
-        assert reading.counters["events_dropped"] > 0, reading.counters
+        assert reading.counters["host_events_dropped"] > 0, reading.counters
         deadline = time.monotonic() + 30
         while True:
             agent.step()
@@ -328,7 +333,7 @@ def test_full_map_and_full_ring_buffer_are_counted_and_verdicts_hold(tmp_path: P
         assert pool_status.processes[0].parked_threads == 13  # /proc seeds what the map lost
         reg = registry_for(lambda: exposition)
         assert (reg.get_sample_value("hangwatch_bpf_map_full_total") or 0) > 0
-        assert (reg.get_sample_value("hangwatch_bpf_events_dropped_total") or 0) > 0
+        assert (reg.get_sample_value("hangwatch_bpf_host_events_dropped_total") or 0) > 0
 
 
 # --- 6. /proc entries that vanish mid-read --------------------------------------------------
