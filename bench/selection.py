@@ -28,6 +28,7 @@ from pathlib import Path
 from agent.config import load
 from agent.observe.discovery import Discovery
 from agent.sources.procfs import ProcFS
+from scripts.fixturelib import AS_NOBODY
 
 SPOOFS = 2000
 STEADY = 20  # scans timed after the first
@@ -60,7 +61,7 @@ def spoofs(cgroup: Path | None) -> Iterator[None]:
     if cgroup is not None:
         made = [p for p in (cgroup.parent.parent, cgroup.parent, cgroup) if not p.exists()]
         cgroup.mkdir(parents=True, exist_ok=True)
-    argv = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    argv = list(AS_NOBODY)
     launcher = subprocess.Popen(
         [*argv, sys.executable, "-c", LAUNCHER, str(SPOOFS)],
         stdin=subprocess.PIPE,

@@ -25,6 +25,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any, Union
 
+# A command run as an unprivileged tenant: uid and gid nobody, no supplementary groups.
+AS_NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+SYSTEM_PYTHON = "/usr/bin/python3"  # what nobody may run: the repository's venv may be closed to it
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 FIXTURES_DIR = REPO_ROOT / "tests" / "fixtures"
 BUILD_DIR = FIXTURES_DIR / "build"

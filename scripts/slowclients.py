@@ -9,8 +9,8 @@ client prints ``READY held=N`` once its connections are open.
 
 from __future__ import annotations
 
-NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
-PYTHON = "/usr/bin/python3"
+from scripts.fixturelib import AS_NOBODY as NOBODY
+from scripts.fixturelib import SYSTEM_PYTHON as PYTHON
 
 CLIENT = r"""
 import socket, sys, time

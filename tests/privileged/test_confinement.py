@@ -29,13 +29,13 @@ from pathlib import Path
 
 import pytest
 
-from scripts.fixturelib import REPO_ROOT, Fixture
+from scripts.fixturelib import AS_NOBODY, REPO_ROOT, SYSTEM_PYTHON, Fixture
 from tests.privileged.daemonlib import INTERVAL, free_port, running_daemon, value, wait_until
 from tests.privileged.harness import RunningDiagnose, diagnose_argv
 from tests.privileged.test_security import CAPS, with_caps
 
-PYTHON = "/usr/bin/python3"  # the system's: present in the chroot through its /usr
-NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+PYTHON = SYSTEM_PYTHON  # present in the chroot through its /usr
+NOBODY = AS_NOBODY
 MARK = "hangwatch-confinement-target"  # in the command line, for the daemon's selector
 PARKED_LINE = "lock.acquire()  # parked here"
 PARK = f"def park(lock):\n    {PARKED_LINE}\n"

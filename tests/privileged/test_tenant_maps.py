@@ -24,7 +24,7 @@ import pytest
 
 from agent.model import ProbeReading
 from agent.sources.probe import KernelProbes
-from scripts.fixturelib import Fixture
+from scripts.fixturelib import AS_NOBODY, Fixture
 from tests.privileged.daemonlib import (
     INTERVAL,
     Samples,
@@ -37,7 +37,7 @@ from tests.privileged.daemonlib import (
 from tests.privileged.daemonlib import wait_until as daemon_wait_until
 
 PYTHON = "/usr/bin/python3"
-NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+NOBODY = AS_NOBODY
 FDS = 16_400  # more than the write map holds (16,384), host-wide, before the shares
 THRESHOLD = 2
 

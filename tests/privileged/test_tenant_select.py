@@ -32,6 +32,7 @@ import yaml
 
 from agent.config import MAX_SERVICES_PER_TARGET, default_text
 from agent.sources.procfs import parse_real_uid
+from scripts.fixturelib import AS_NOBODY
 from tests.privileged.daemonlib import (
     Daemon,
     Samples,
@@ -44,7 +45,7 @@ from tests.privileged.daemonlib import (
 
 SPOOFS = 2000
 SERVER = "python3 -m vllm.entrypoints.openai.api_server --model"
-NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+NOBODY = AS_NOBODY
 # The launcher's own command line names no server (it would fold the sleeps into one
 # service): the name comes in its environment. It forks only once placed in its cgroup, and
 # kills and reaps its children when told to.

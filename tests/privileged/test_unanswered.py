@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from scripts.fixturelib import Fixture, tasks, thread_state, thread_syscall
+from scripts.fixturelib import AS_NOBODY, Fixture, tasks, thread_state, thread_syscall
 from tests.privileged.daemonlib import INTERVAL, free_port, running_daemon, value, wait_until
 from tests.privileged.harness import Diagnosis, RunningDiagnose
 
@@ -101,7 +101,7 @@ print("READY", flush=True)
 sys.stdin.read()
 """
 HALF_REQUEST = "GET / HTTP/1.1\r\nHost: x\r\n"
-NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+NOBODY = AS_NOBODY
 
 
 def _half_client(port: int) -> Fixture:
