@@ -66,17 +66,25 @@ t.start()
 print("READY", flush=True)
 t.join()
 """
-# The same tenant's other process: waits for the py-spy that reads the target to exit, then
-# wakes the target's swap thread (one futex wake: the exec follows within microseconds).
+# The same tenant's other process: lets the first ``skip`` py-spy reads of the target pass,
+# waits for the next one to exit, then wakes the target's swap thread (one futex wake: the
+# exec follows within microseconds). Counted, not timed: a slow start must not race another read.
 WATCHER = """
 import ctypes, mmap, os, select, sys, time
-target, word_path, quiet_s = sys.argv[1], sys.argv[2], float(sys.argv[3])
-start = time.monotonic()
+target, word_path, skip = sys.argv[1], sys.argv[2], int(sys.argv[3])
 needle = b"--pid\\0" + target.encode() + b"\\0"
 word = mmap.mmap(os.open(word_path, os.O_RDWR), 4096)
 addr = ctypes.addressof(ctypes.c_int.from_buffer(word))
 libc = ctypes.CDLL(None)
 seen = set()
+
+def kthread(pid):
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rpartition(b")")[2].split()[1] in (b"0", b"2")
+    except (OSError, IndexError):
+        return False
+
 print("READY", flush=True)
 while True:
     for name in os.listdir("/proc"):
@@ -89,12 +97,15 @@ while True:
         except OSError:
             continue
         if not argv.split(b"\\0", 1)[0].endswith(b"py-spy") or needle not in argv:
-            if b"python" not in argv:  # a Python process may be a fork about to exec py-spy
+            # A Python process may be a fork about to exec py-spy, and one mid-exec reads as
+            # an empty command line: look again. Kernel threads (empty too) are children of 2.
+            if (argv and b"python" not in argv) or (not argv and kthread(name)):
                 seen.add(name)
             os.close(pidfd)
             continue
         seen.add(name)
-        if time.monotonic() - start < quiet_s:  # a read let pass: not the one raced
+        if skip > 0:  # a read let pass: not the one raced
+            skip -= 1
             os.close(pidfd)
             continue
         select.select([pidfd], [], [])  # readable when it exits
@@ -121,9 +132,9 @@ class Race:
         argv = [PYTHON, "-c", RACER, str(self.secret), str(self.word), str(THREADS), str(DEPTH)]
         return Fixture([*NOBODY, *argv], timeout=30)
 
-    def watcher(self, pid: int, quiet_s: float = 0) -> Fixture:
-        """Races the first py-spy that reads ``pid`` after ``quiet_s`` seconds."""
-        argv = [PYTHON, "-c", WATCHER, str(pid), str(self.word), str(quiet_s)]
+    def watcher(self, pid: int, skip: int = 0) -> Fixture:
+        """Races the py-spy that reads ``pid`` after the first ``skip`` of them."""
+        argv = [PYTHON, "-c", WATCHER, str(pid), str(self.word), str(skip)]
         return Fixture([*NOBODY, *argv], timeout=30)
 
     def leaked(self, text: str) -> bool:
@@ -173,7 +184,7 @@ def test_an_exec_between_the_reads_of_the_flight_record_reads_nothing_as_root(
 ) -> None:
     """The daemon reads the stacks twice in a park: for the site, at half the threshold
     (no source lines), and for the flight record, at the change to stalled. The watcher lets
-    the first pass (it starts at the park, and keeps quiet for 3/4 of the threshold)."""
+    the first pass and races the second."""
     port = free_port()
     threshold = 6
     cfg = tmp_path / "hangwatch.yaml"
@@ -184,7 +195,7 @@ def test_an_exec_between_the_reads_of_the_flight_record_reads_nothing_as_root(
     )
     with running_daemon(cfg, port) as d, race.target() as target:
         parked(target.pid, THREADS + 2)
-        with race.watcher(target.pid, quiet_s=threshold * 0.75):
+        with race.watcher(target.pid, skip=1):
             raced(target.pid, timeout=60, log=d.output)
             stalled = f"pid {target.pid}: progressing -> stalled"
             deadline = time.monotonic() + 20  # the flight record follows the change's line
