@@ -122,3 +122,32 @@ def test_idle_process_not_found_samples_and_errors_mid_run(tmp_path: Path) -> No
     reg = registry_for(lambda: d.exposition)
     assert reg.get_sample_value("hangwatch_collector_success", {"collector": "gpu"}) == 0
     assert reg.get_sample_value("hangwatch_gpu_errors_total") >= 1
+
+
+def test_gpu_memory_growing_at_zero_utilisation_is_loading(tmp_path: Path) -> None:
+    """Weights copied to the GPU grow its memory while SM utilisation stays at 0% and every
+    host thread is parked: that is work (loading), and its twin whose memory holds still is
+    not."""
+    fake = FakeNVML(
+        [FakeDevice("GPU-aaaa", "NVIDIA H200", used=10 * GIB, util=0, processes={100: 8 * GIB})]
+    )
+    clock = Clock()
+    d = daemon(tmp_path, fake, clock)
+    states = []
+    for _ in range(4):
+        fake.devices[0].processes[100] = (fake.devices[0].processes[100] or 0) + 2 * GIB
+        tick(d, clock, fake, util=0, stamp=0)
+        states.append(d.exposition.services[0].state if d.exposition else None)
+    assert states[-1] == "progressing", states
+    assert d.session is not None
+    said = reasons(d.session.verdicts()[0].reasons)
+    assert any("GPU memory grew by" in r for r in said), said
+    # The twin, on a host of its own: the memory holds still, nothing else happens.
+    twin_fake = FakeNVML(
+        [FakeDevice("GPU-aaaa", "NVIDIA H200", used=10 * GIB, util=0, processes={100: 8 * GIB})]
+    )
+    twin = daemon(tmp_path / "twin", twin_fake, clock)
+    for _ in range(4):
+        tick(twin, clock, twin_fake, util=0, stamp=0)
+    exp = twin.exposition
+    assert exp is not None and exp.services[0].state != "progressing"
