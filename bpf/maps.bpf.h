@@ -249,6 +249,18 @@ static __always_inline struct hw_share *event_allowed(u32 tgid, u64 now)
 	return s;
 }
 
+/* A reserved event, zeroed (the ring's memory is not) and stamped with who and when. */
+static __always_inline struct hw_event *fill_event(struct hw_event *e, u64 ts, u32 kind,
+						   u32 tgid, u32 tid)
+{
+	__builtin_memset(e, 0, sizeof(*e));
+	e->ts_ns = ts;
+	e->kind = kind;
+	e->tgid = tgid;
+	e->tid = tid;
+	return e;
+}
+
 /* A zeroed record of a watched process's futex event (reserved memory is not zeroed), or
  * NULL, counted against the process (and in events_dropped where the ring was full).
  * The only reserve of `events`: bcc takes the record type from it. */
@@ -263,12 +275,7 @@ static __always_inline struct hw_event *reserve_event(u32 kind, u32 tgid, u32 ti
 		COUNT(events_dropped);
 		return 0;
 	}
-	__builtin_memset(e, 0, sizeof(*e));
-	e->ts_ns = now;
-	e->kind = kind;
-	e->tgid = tgid;
-	e->tid = tid;
-	return e;
+	return fill_event(e, now, kind, tgid, tid);
 }
 
 static __always_inline void submit_event(struct hw_event *e)
@@ -286,12 +293,7 @@ static __always_inline struct hw_event *reserve_host_event(u32 kind, u32 tgid, u
 		COUNT(host_events_dropped);
 		return 0;
 	}
-	__builtin_memset(e, 0, sizeof(*e));
-	e->ts_ns = bpf_ktime_get_ns();
-	e->kind = kind;
-	e->tgid = tgid;
-	e->tid = tid;
-	return e;
+	return fill_event(e, bpf_ktime_get_ns(), kind, tgid, tid);
 }
 
 static __always_inline void submit_host_event(struct hw_event *e)

@@ -154,15 +154,18 @@ def _(f: ev.RequestIncomplete) -> str:
     )
 
 
+def _present(*counted: tuple[int, str]) -> list[str]:
+    """The phrases whose count is not zero, in order."""
+    return [phrase for n, phrase in counted if n]
+
+
 @render.register
 def _(f: ev.WorkWaiting) -> str:
-    pend = []
-    if f.queued:
-        pend.append(f"{plural(f.queued, 'connection')} waiting in the accept queue")
-    if f.unread:
-        pend.append(f"{plural(f.unread, 'byte')} of requests unread")
-    if f.unanswered:
-        pend.append(f"{plural(f.unanswered, 'request')} unanswered for {seconds(f.oldest_s)}")
+    pend = _present(
+        (f.queued, f"{plural(f.queued, 'connection')} waiting in the accept queue"),
+        (f.unread, f"{plural(f.unread, 'byte')} of requests unread"),
+        (f.unanswered, f"{plural(f.unanswered, 'request')} unanswered for {seconds(f.oldest_s)}"),
+    )
     where = "connections accepted on port" if f.accepted_only else "listening on port"
     return f"{where} {_ports(f.ports)}: " + " and ".join(pend)
 
@@ -309,11 +312,10 @@ EXITED = "exited while watched"
 
 @render.register
 def _(f: ev.EvidenceIncomplete) -> str:
-    lost = []
-    if f.entries_refused:
-        lost.append(f"{plural(f.entries_refused, 'thread, fd or refusal')} not recorded")
-    if f.events_dropped:
-        lost.append(f"{plural(f.events_dropped, 'wait event')} dropped")
+    lost = _present(
+        (f.entries_refused, f"{plural(f.entries_refused, 'thread, fd or refusal')} not recorded"),
+        (f.events_dropped, f"{plural(f.events_dropped, 'wait event')} dropped"),
+    )
     what = " and ".join(lost) or "some of its evidence not recorded"
     return (
         f"process {f.pid}: evidence incomplete, {what}: it held its share of the kernel "

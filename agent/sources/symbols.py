@@ -463,15 +463,19 @@ def _holds_a_thread_stack(proc: ProcFS, pid: int, m: MemMap) -> bool:
     return False
 
 
-def _take(proc: ProcFS, pid: int) -> confined.Target | None:
-    """The target fixed before its maps are read: its objects are opened with the rights it
-    had then, and what was read is dropped if it is no longer the same process after."""
+def _while_pinned(
+    proc: ProcFS, pid: int, read: Callable[[confined.Target | None], T | None]
+) -> T | None:
+    """``read`` of a process pinned first: its objects are opened with the rights it had
+    then, and what was read is dropped if it is no longer the same process after."""
     got = confined.Target.take(pid, proc.root)
-    return got if isinstance(got, confined.Target) else None
-
-
-def _unchanged(target: confined.Target | None) -> bool:
-    return target is None or target.changed() is None
+    target = got if isinstance(got, confined.Target) else None
+    try:
+        said = read(target)
+        return said if target is None or target.changed() is None else None
+    finally:
+        if target is not None:
+            target.close()
 
 
 def describe_address(pid: int, addr: int, proc: ProcFS) -> str | None:
@@ -482,13 +486,7 @@ def describe_address(pid: int, addr: int, proc: ProcFS) -> str | None:
     "anonymous memory"; None when the maps cannot be read, nothing is mapped there, or the
     process changed identity (exec'd, or its PID was reused) while it was read. Without a
     fixed identity (a tree without one) nothing is named from its objects."""
-    target = _take(proc, pid)
-    try:
-        said = _describe(pid, addr, proc, target)
-        return said if _unchanged(target) else None
-    finally:
-        if target is not None:
-            target.close()
+    return _while_pinned(proc, pid, lambda target: _describe(pid, addr, proc, target))
 
 
 def _symbol_of(
@@ -635,13 +633,7 @@ def caller_outside_libc(pid: int, tid: int, proc: ProcFS) -> NativeFrame | None:
     The process's identity is fixed before its maps are read and checked after: a frame
     read of a process that exec'd or of a reused PID is None.
     """
-    target = _take(proc, pid)
-    try:
-        frame = _caller(pid, tid, proc, target)
-        return frame if _unchanged(target) else None
-    finally:
-        if target is not None:
-            target.close()
+    return _while_pinned(proc, pid, lambda target: _caller(pid, tid, proc, target))
 
 
 def _caller(pid: int, tid: int, proc: ProcFS, target: confined.Target | None) -> NativeFrame | None:
