@@ -5,13 +5,14 @@ PYTEST_ARGS ?=
 
 
 .DEFAULT_GOAL := help
-.PHONY: help setup setup-tests lint test run demo bench clean
+.PHONY: help setup setup-tests lint check test run demo bench clean
 
 help:
 	@echo "make setup   install what hangwatch needs (apt packages, kernel headers, tracefs, .venv)"
 	@echo "make setup-tests  setup, and the real software the tests run (PyTorch, uvicorn, zmq:"
 	@echo "             a venv of ~5.5 GB outside the checkout, HANGWATCH_REALSW_VENV, once per machine)"
 	@echo "make lint    ruff check, ruff format --check and mypy"
+	@echo "make check   lint and the unprivileged tests (no BPF, no real software): under a minute"
 	@echo "make test    setup, lint, then pytest (extra options: PYTEST_ARGS='-k futex')"
 	@echo "make run     the daemon on its built-in defaults, /metrics on :9817 (root)"
 	@echo "make demo    the daemon watching four demo programs, printing their states live"
@@ -28,6 +29,10 @@ lint: setup
 	$(PY) -m ruff check agent tests scripts bench
 	$(PY) -m ruff format --check agent tests scripts bench
 	$(PY) -m mypy
+
+# The fast lane: the pure core and everything tested without root or real software.
+check: setup lint
+	$(PY) -m pytest -q -p no:cacheprovider tests --ignore=tests/privileged --ignore=tests/realsw $(PYTEST_ARGS)
 
 # lint before pytest: a style failure is cheaper to report than a test run.
 test: setup-tests lint
