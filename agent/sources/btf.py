@@ -1,0 +1,116 @@
+"""Offsets of kernel struct members, from the running kernel's own BTF.
+
+The read probe walks a few kernel structs (a task's fd table to the file's inode and its
+file system); their layout changes between kernel versions and configurations, and the
+kernel headers installed for bcc may belong to another kernel than the one running. The
+BTF the kernel exports (/sys/kernel/btf/vmlinux) describes the running kernel exactly, so
+the offsets come from there, or the walk is not compiled in.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable, Mapping
+
+VMLINUX_BTF = "/sys/kernel/btf/vmlinux"
+BTF_MAX_BYTES = 64 << 20  # vmlinux BTF is a few MB; a larger file is not one
+_MAGIC = 0xEB9F
+# BTF kinds (include/uapi/linux/btf.h) and the bytes each adds after its 12-byte head.
+_INT, _PTR, _ARRAY, _STRUCT, _UNION, _ENUM = 1, 2, 3, 4, 5, 6
+_TYPEDEF, _VOLATILE, _CONST, _RESTRICT = 8, 9, 10, 11
+_FUNC_PROTO, _VAR, _DATASEC, _DECL_TAG, _TYPE_TAG, _ENUM64 = 13, 14, 15, 17, 18, 19
+_QUALIFIERS = {_TYPEDEF, _VOLATILE, _CONST, _RESTRICT, _TYPE_TAG}
+
+
+def _extra(kind: int, vlen: int) -> int:
+    if kind in (_INT, _VAR, _DECL_TAG):
+        return 4
+    if kind == _ARRAY:
+        return 12
+    if kind in (_STRUCT, _UNION, _DATASEC, _ENUM64):
+        return 12 * vlen
+    if kind in (_ENUM, _FUNC_PROTO):
+        return 8 * vlen
+    return 0
+
+
+class Btf:
+    """The types of one BTF blob: struct and union members by name, in bytes."""
+
+    def __init__(self, data: bytes) -> None:
+        magic, _version, _flags, hdr_len = struct.unpack_from("<HBBI", data, 0)
+        if magic != _MAGIC:
+            raise ValueError("not BTF")
+        type_off, type_len, str_off, str_len = struct.unpack_from("<4I", data, 8)
+        self._data = data
+        self._strings = hdr_len + str_off
+        self._str_end = self._strings + str_len
+        # id -> (kind, vlen, size_or_type, where its members start); id 0 is void
+        self._types: list[tuple[int, int, int, int]] = [(0, 0, 0, 0)]
+        self._structs: dict[str, int] = {}
+        pos, end = hdr_len + type_off, hdr_len + type_off + type_len
+        while pos + 12 <= end:
+            name_off, info, size_or_type = struct.unpack_from("<3I", data, pos)
+            kind, vlen = (info >> 24) & 0x1F, info & 0xFFFF
+            self._types.append((kind, vlen, size_or_type, pos + 12))
+            if kind == _STRUCT and name_off:
+                self._structs.setdefault(self._name(name_off), len(self._types) - 1)
+            pos += 12 + _extra(kind, vlen)
+
+    def _name(self, off: int) -> str:
+        start = self._strings + off
+        stop = self._data.find(b"\0", start, self._str_end)
+        return self._data[start:stop].decode(errors="replace")
+
+    def _resolve(self, type_id: int) -> int:
+        """The type behind typedefs and qualifiers."""
+        for _ in range(16):
+            kind, _vlen, target, _ = self._types[type_id]
+            if kind not in _QUALIFIERS:
+                return type_id
+            type_id = target
+        return type_id
+
+    def member_offset(self, struct_name: str, member: str) -> int | None:
+        """Byte offset of ``member`` in ``struct struct_name``, looking into anonymous
+        structs and unions; None where either is unknown or the member is a bit field."""
+        sid = self._structs.get(struct_name)
+        return None if sid is None else self._find(sid, member, 0)
+
+    def _find(self, type_id: int, member: str, depth: int) -> int | None:
+        kind, vlen, _size, at = self._types[type_id]
+        if kind not in (_STRUCT, _UNION) or depth > 8:
+            return None
+        kind_flag = (self._data[at - 12 + 7] >> 7) & 1
+        for i in range(vlen):
+            name_off, mtype, moff = struct.unpack_from("<3I", self._data, at + 12 * i)
+            bits = moff & 0xFFFFFF if kind_flag else moff
+            if name_off and self._name(name_off) == member:
+                return bits // 8 if bits % 8 == 0 else None
+            if not name_off:  # an anonymous struct or union: its members are this one's
+                inner = self._find(self._resolve(mtype), member, depth + 1)
+                if inner is not None:
+                    return bits // 8 + inner
+        return None
+
+
+def member_offsets(
+    wanted: Iterable[tuple[str, str]], path: str = VMLINUX_BTF
+) -> Mapping[tuple[str, str], int] | None:
+    """(struct, member) -> byte offset for each of ``wanted`` in the running kernel; None
+    where the kernel exports no BTF or one of them is not found."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(BTF_MAX_BYTES + 1)
+        if len(data) > BTF_MAX_BYTES:
+            return None
+        btf = Btf(data)
+    except (OSError, ValueError, struct.error):
+        return None
+    out = {}
+    for name, member in wanted:
+        off = btf.member_offset(name, member)
+        if off is None:
+            return None
+        out[(name, member)] = off
+    return out
