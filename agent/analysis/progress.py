@@ -100,10 +100,9 @@ class ProcessProgress:
     def read_storage(self) -> bool:
         """Read from storage at a loader's rate in the window (the floors above)."""
         secs = self.window_ns / NS
-        return (
-            self.storage_read_bytes >= max(1, STORAGE_READ_MIN_BYTES_PER_S * secs)
-            or self.major_faults >= max(1, MAJOR_FAULTS_MIN_PER_S * secs)
-        )
+        return self.storage_read_bytes >= max(
+            1, STORAGE_READ_MIN_BYTES_PER_S * secs
+        ) or self.major_faults >= max(1, MAJOR_FAULTS_MIN_PER_S * secs)
 
     @property
     def logged_bytes(self) -> int:

@@ -109,7 +109,10 @@ def member_offsets(
         return None
     out = {}
     for name, member in wanted:
-        off = btf.member_offset(name, member)
+        try:
+            off = btf.member_offset(name, member)
+        except (IndexError, struct.error):  # a member's type id or name outside the blob
+            off = None
         if off is None:
             return None
         out[(name, member)] = off

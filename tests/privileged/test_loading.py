@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from agent.sources.probe import KernelProbes
 from scripts.fixturelib import Fixture
 from tests.privileged.daemonlib import Daemon, free_port, running_daemon, value, wait_until
 from tests.privileged.harness import Diagnosis, RunningDiagnose, diagnose_argv
@@ -176,16 +177,15 @@ def daemon(
     twin reads stalled (its threads parked past the threshold), so that every window
     scraped from then on is a real one, not a first sight's."""
     port = free_port()
-    targets = "\n".join(
-        f'  - name: load-{m}\n    cmdline: "storage_load {m} "' for m in loaders
-    )
+    targets = "\n".join(f'  - name: load-{m}\n    cmdline: "storage_load {m} "' for m in loaders)
     cfg = tmp_path_factory.mktemp("loading-daemon") / "hangwatch.yaml"
     cfg.write_text(CONFIG.format(port=port, threshold=THRESHOLD, targets=targets))
     with running_daemon(cfg, port) as d:
         wait_until(
             d,
-            lambda s: value(s, "hangwatch_service_state", service="load-timer", state="stalled")
-            == 1,
+            lambda s: (
+                value(s, "hangwatch_service_state", service="load-timer", state="stalled") == 1
+            ),
             "the timer twin to read stalled",
             timeout=60,
         )
@@ -211,3 +211,32 @@ def test_daemon_calls_each_kind_of_loading_progressing(
         )
 
     wait_until(daemon, progressing_by_its_reads, f"load-{mode} progressing, all parked")
+
+
+# --- the read probe itself ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def probes() -> Iterator[KernelProbes]:
+    with KernelProbes() as k:
+        yield k
+
+
+@pytest.mark.parametrize("watch", [True, False])
+def test_the_read_probe_counts_regular_files_only_and_watched_processes_only(
+    probes: KernelProbes, tmp_path: Path, watch: bool
+) -> None:
+    """Exactly the bytes read from a regular file (read, pread64, readv, preadv); nothing of
+    /proc, sysfs or a pipe; nothing at all for a process not watched."""
+    assert probes.counts_file_reads, "no read probe: the kernel's BTF lacks an offset?"
+    data = tmp_path / "data.bin"
+    data.write_bytes(os.urandom(300_000))
+    with Fixture.py("file_reads", data, ready="STARTED") as fx:
+        probes.watch([fx.pid] if watch else [])
+        fx.send("go")
+        want = fx.wait_for("READY").get_int("file_bytes")
+        got = (probes.read().file_reads or {}).get(fx.pid)
+        probes.watch([])
+        probes.forget_processes([fx.pid])
+    assert want == 300_000 + 3 * 4096
+    assert got == (want if watch else None)
