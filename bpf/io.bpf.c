@@ -15,6 +15,9 @@
  *   something was sent). Unwatched processes pay one inlined bitmap test at each
  *   end.
  *
+ * read, pread64, readv, preadv, preadv2 (watched processes): bytes read from regular
+ *   files of storage per tgid in file_reads; see the comment above read_enter.
+ *
  * Part of one object: follows maps.bpf.h (see there). Each tracepoint pair is
  * compiled in only when agent/sources/probe.py found it (-DHAVE_*).
  */
