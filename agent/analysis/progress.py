@@ -127,13 +127,9 @@ class ProcessProgress:
 
     @property
     def did_work(self) -> bool:
-        return bool(
-            self.working_tids
-            or self.wrote_out
-            or self.received_bytes
-            or self.gpu
-            or self.read_storage
-        )
+        if self.read_storage:
+            return True
+        return bool(self.working_tids or self.wrote_out or self.received_bytes or self.gpu)
 
     def signals(self) -> list[ev.Fact]:
         """The evidence of each progress signal seen."""
