@@ -415,6 +415,10 @@ class ProcessSample:
     # Inodes of its sockets that a thread of it is blocked reading (a read or recv on that fd,
     # agent.syscalls.INPUT_READS): it has asked for more of their input and waits for it.
     reading: frozenset[int] = frozenset()
+    # Read from storage since it started: /proc/PID/io read_bytes (block reads) and the
+    # major faults of /proc/PID/stat (page-ins of mapped files); None when unreadable.
+    read_bytes: int | None = None
+    major_faults: int | None = None
 
     def thread(self, tid: int) -> ThreadSample | None:
         for t in self.threads:
@@ -546,6 +550,10 @@ class ProbeReading:
     # tgid -> (TID, start) of each in-flight wait with a start (from ``inflight``); None:
     # not given, derived from ``inflight`` (see waiting_by_process)
     waiting: Mapping[int, frozenset[tuple[int, int]]] | None = None
+    # tgid -> bytes read from regular files since watched (read, pread64, readv, preadv*;
+    # pseudo file systems left out): reads the block layer does not see (the page cache,
+    # network and FUSE file systems). None: the probe cannot tell a regular file here.
+    file_reads: Mapping[int, int] | None = None
 
     def waiting_by_process(self) -> Mapping[int, frozenset[tuple[int, int]]]:
         if self.waiting is not None:

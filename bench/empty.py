@@ -21,7 +21,11 @@ class EmptyPrograms:
         headers = kernel_headers()
         if headers:
             os.environ["BCC_KERNEL_SOURCE"] = headers
+        tracepoints = list(tracepoints)
         text = "\n".join(f"TRACEPOINT_PROBE(syscalls, {tp}) {{ return 0; }}" for tp in tracepoints)
+        if any(tp.endswith("_preadv2") for tp in tracepoints):
+            # The type of its flags, which no header bcc includes defines (see bpf/io.bpf.c).
+            text = "typedef int rwf_t;\n" + text
         self._bpf = BPF(text=text.encode())
 
     def close(self) -> None:

@@ -20,6 +20,9 @@ Parts (``--only PART``, or ``--only WORKLOAD`` for one row group of the overhead
   programs   ns per run of each of hangwatch's BPF programs a workload runs (the kernel's
              run-time accounting, on for this part only): the futex and write paths of a
              watched process, the rename path of any; rounds, medians
+  procio     what the storage counters cost a tick, per process: /proc/PID/io read for
+             wchar alone (before) and for wchar and read_bytes (now), and /proc/PID/stat
+             parsed with its major faults; against getppid(2) in the same run
   scaling    the daemon's CPU and tick time as the host grows: 200 / 1,600 / 6,400 parked
              threads, 100 / 1,000 / 10,000 idle connections, 1,600 threads + 1,000
              connections, each against the same daemon watching nothing in the same run
@@ -75,6 +78,7 @@ PARTS = (
     "scaling",
     "slowclients",
     "programs",
+    "procio",
 )
 # Programs that return at once on the same tracepoints, no daemon: what the tracepoints
 # themselves cost, the floor under any program attached there.
@@ -113,6 +117,10 @@ BENCHES = (
     Bench("write", "write(2) of 1 byte to /dev/null", 1_000_000, 20_000,
           (EMPTY, "unwatched", "watched")),
     Bench("send", "send(2) of 1 byte on a unix socketpair, and its recv(2)", 1_000_000, 20_000,
+          (EMPTY, "unwatched", "watched")),
+    Bench("pread", "pread(2) of 64 bytes of a cached regular file", 1_000_000, 20_000,
+          (EMPTY, "unwatched", "watched")),
+    Bench("read-dev", "read(2) of 1 byte of /dev/zero (not a regular file)", 1_000_000, 20_000,
           (EMPTY, "unwatched", "watched")),
     Bench("rename", "prctl(PR_SET_NAME), any process", 1_000_000, 20_000, ("unwatched",)),
     Bench("gil", "Python, 4 threads contending for the GIL, per step", 20_000_000, 200_000,
@@ -334,6 +342,8 @@ def resources(rep: Report, exe: Path, quick: bool) -> None:
 PROGRAM_PATHS = {
     "futex-wait": (True, ("sys_enter_futex", "sys_exit_futex")),
     "write": (True, ("sys_enter_write", "sys_exit_write")),
+    "pread": (True, ("sys_enter_pread64", "sys_exit_pread64")),
+    "read-dev": (True, ("sys_enter_read", "sys_exit_read")),
     "rename": (False, ("task_rename",)),
 }
 
@@ -377,6 +387,44 @@ def programs(rep: Report, exe: Path, rounds: int, quick: bool) -> None:
     rep.table(
         f"BPF programs' own run time (median of {rounds} round(s))",
         ["workload", "process", "program", "ns/run"],
+        rows,
+    )
+
+
+# --- the storage counters' reads -------------------------------------------------------------
+
+
+def procio(rep: Report, quick: bool) -> None:
+    """What reading the storage counters costs a tick, per process: one /proc/PID/io read,
+    parsed for wchar alone (before) and for wchar and read_bytes (now), and the
+    /proc/PID/stat read the sampler makes anyway, now parsed for major faults too; the
+    reads interleaved in rounds, so that a shared host's load falls on each alike."""
+    from agent.sources.procfs import ProcFS
+
+    proc = ProcFS()
+    pid = os.getpid()
+    reps = 2_000 if quick else 20_000
+    reads: dict[str, Callable[[], object]] = {
+        "getppid(2) (a floor)": os.getppid,
+        "/proc/PID/io: wchar (before)": lambda: proc.io_wchar(pid),
+        "/proc/PID/io: wchar + read_bytes": lambda: proc.io_counts(pid),
+        "/proc/PID/stat, majflt parsed": lambda: proc.stat(pid),
+    }
+    runs: dict[str, list[float]] = {name: [] for name in reads}
+    for _ in range(9):
+        for name, fn in reads.items():
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            runs[name].append((time.perf_counter() - t0) / reps)
+    floor = statistics.median(runs["getppid(2) (a floor)"])
+    rows = [
+        [name, f"{statistics.median(v) * 1e9:.0f}", f"{statistics.median(v) / floor:.2f}x"]
+        for name, v in runs.items()
+    ]
+    rep.table(
+        f"Storage counters per process and tick (median of 9 interleaved runs of {reps:,} calls)",
+        ["read", "ns/call", "ratio to getppid"],
         rows,
     )
 
@@ -870,6 +918,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "slowclients": lambda: slowclients_part(rep, args.quick),
         "maps": lambda: maps(rep, args.quick),
         "programs": lambda: programs(rep, exe, rounds, args.quick),
+        "procio": lambda: procio(rep, args.quick),
         "scaling": lambda: rep.table(
             *scaling.table(*scaling.run(exe, args.quick, WATCH_WORKLOADS))
         ),

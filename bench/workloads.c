@@ -8,6 +8,10 @@
  *   workloads mutex N          uncontended pthread_mutex_lock/unlock: no syscall at all
  *   workloads getppid N        getppid(2), the cheapest syscall there is
  *   workloads write N          write(2) of one byte to /dev/null
+ *   workloads pread N          pread(2) of 64 bytes of a regular file in the page cache (the
+ *                              workload's own binary): the read probe's counted path
+ *   workloads read-dev N       read(2) of one byte of /dev/zero: a read the read probe looks
+ *                              up and leaves out (not a regular file)
  *   workloads send N           send(2) of one byte on a unix datagram socketpair, and the
  *                              recv(2) that drains it (recv is not traced)
  *   workloads rename N         prctl(PR_SET_NAME), two names in turn: the task_rename
@@ -256,6 +260,9 @@ int main(int argc, char **argv)
 		return 2;
 	}
 	int devnull = strcmp(mode, "write") == 0 ? open("/dev/null", O_WRONLY) : -1;
+	int file = strcmp(mode, "pread") == 0 ? open("/proc/self/exe", O_RDONLY)
+		 : strcmp(mode, "read-dev") == 0 ? open("/dev/zero", O_RDONLY)
+						 : -1;
 	int pair[2] = {-1, -1};
 	if (strcmp(mode, "send") == 0 && socketpair(AF_UNIX, SOCK_DGRAM, 0, pair) != 0)
 		die("socketpair");
@@ -289,6 +296,16 @@ int main(int argc, char **argv)
 		for (long i = 0; i < n; i++)
 			if (write(devnull, "x", 1) != 1)
 				die("write");
+	} else if (strcmp(mode, "pread") == 0) {
+		char buf[64];
+		for (long i = 0; i < n; i++)
+			if (pread(file, buf, sizeof buf, 0) != sizeof buf)
+				die("pread");
+	} else if (strcmp(mode, "read-dev") == 0) {
+		char c;
+		for (long i = 0; i < n; i++)
+			if (read(file, &c, 1) != 1)
+				die("read");
 	} else if (strcmp(mode, "send") == 0) {
 		char c;
 		for (long i = 0; i < n; i++)

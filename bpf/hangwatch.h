@@ -24,6 +24,7 @@
 #define HW_THREAD_WAITING 1 /* inside a futex wait: the fields of the wait are this wait's */
 #define HW_THREAD_REFUSED 2 /* a refusal for this thread is in the refusals map */
 #define HW_THREAD_WRITING 4 /* inside a write: write_fd is this call's */
+#define HW_THREAD_READING 8 /* inside a read of a regular file of storage (io.bpf.c) */
 
 /* Futex commands that can be refused with EDEADLK, all PI-only: their word is recorded for
  * every process (pi_ops), the refusal in the refusals map for watched processes only. */
@@ -196,6 +197,8 @@ struct hw_counters {
 	 * process again), so not named *_full, which user space counts as lost evidence */
 	u64 changes_overflowed;
 	u64 host_events_dropped; /* a bind or listen not reported: host_events ring full */
+	u64 read_calls_full;  /* a read of a file not counted: threads map full */
+	u64 file_reads_full;  /* a read of a file not counted: file_reads map full */
 };
 
 #endif /* HANGWATCH_H */

@@ -15,6 +15,9 @@
  *   something was sent). Unwatched processes pay one inlined bitmap test at each
  *   end.
  *
+ * read, pread64, readv, preadv, preadv2 (watched processes): bytes read from regular
+ *   files of storage per tgid in file_reads; see the comment above read_enter.
+ *
  * Part of one object: follows maps.bpf.h (see there). Each tracepoint pair is
  * compiled in only when agent/sources/probe.py found it (-DHAVE_*).
  */
@@ -292,3 +295,119 @@ WRITE_PAIR(sendfile64, out_fd, HW_BUF_NONE, 0, 0)
 #ifdef HAVE_SPLICE
 WRITE_PAIR(splice, fd_out, HW_BUF_NONE, 0, 0)
 #endif
+
+/* Reads of regular files (read, pread64, readv, preadv, preadv2; watched processes): the
+ * bytes each successful call returned, per tgid in file_reads. Only where the offsets of
+ * the fd-table walk came from the running kernel's BTF (-DHW_OFF_*, agent/sources/btf.py):
+ * the headers bcc compiles against may be another kernel's. At sys_enter the fd's file is
+ * looked up in the task's fd table; a regular file outside the pseudo file systems (whose
+ * files are views of the kernel, read every second by monitoring agents) flags the thread
+ * (HW_THREAD_READING, in its `threads` entry, within its process's share), and sys_exit
+ * adds what the call returned. Unwatched processes pay one inlined bitmap test at each end.
+ * The page cache, network and FUSE file systems do no block I/O: this is the count that
+ * sees their reads. */
+#ifdef HW_OFF_TASK_FILES
+#define HW_S_IFMT 0170000
+#define HW_S_IFREG 0100000
+
+static __always_inline int pseudo_fs(u64 magic)
+{
+	switch (magic) {
+	case 0x9fa0:     /* proc */
+	case 0x62656572: /* sysfs */
+	case 0x27e0eb:   /* cgroup */
+	case 0x63677270: /* cgroup2 */
+	case 0x64626720: /* debugfs */
+	case 0x74726163: /* tracefs */
+	case 0x73636673: /* securityfs */
+	case 0xcafe4a11: /* bpf */
+	case 0x62656570: /* configfs */
+	case 0xde5e81e4: /* efivarfs */
+	case 0x6165676c: /* pstore */
+	case 0xf97cff8c: /* selinuxfs */
+		return 1;
+	}
+	return 0;
+}
+
+/* Whether `fd` of the current task is a regular file of storage: the fd table's file, its
+ * inode's mode, its super block's magic, each read at the running kernel's offsets. */
+static __always_inline int storage_file(s64 fd)
+{
+	u64 task = bpf_get_current_task();
+	u64 files = 0, fdt = 0, fds = 0, file = 0, inode = 0, sb = 0, magic = 0;
+	u32 max_fds = 0;
+	u16 mode = 0;
+	if (fd < 0 ||
+	    bpf_probe_read_kernel(&files, sizeof(files), (void *)(task + HW_OFF_TASK_FILES)) ||
+	    !files ||
+	    bpf_probe_read_kernel(&fdt, sizeof(fdt), (void *)(files + HW_OFF_FILES_FDT)) || !fdt ||
+	    bpf_probe_read_kernel(&max_fds, sizeof(max_fds), (void *)(fdt + HW_OFF_FDT_MAX_FDS)) ||
+	    fd >= max_fds ||
+	    bpf_probe_read_kernel(&fds, sizeof(fds), (void *)(fdt + HW_OFF_FDT_FD)) || !fds ||
+	    bpf_probe_read_kernel(&file, sizeof(file), (void *)(fds + fd * sizeof(u64))) ||
+	    !file ||
+	    bpf_probe_read_kernel(&inode, sizeof(inode), (void *)(file + HW_OFF_FILE_INODE)) ||
+	    !inode ||
+	    bpf_probe_read_kernel(&mode, sizeof(mode), (void *)(inode + HW_OFF_INODE_MODE)) ||
+	    (mode & HW_S_IFMT) != HW_S_IFREG ||
+	    bpf_probe_read_kernel(&sb, sizeof(sb), (void *)(inode + HW_OFF_INODE_SB)) || !sb ||
+	    bpf_probe_read_kernel(&magic, sizeof(magic), (void *)(sb + HW_OFF_SB_MAGIC)))
+		return 0;
+	return !pseudo_fs(magic);
+}
+
+static __always_inline int read_enter(s64 fd)
+{
+	u64 id = bpf_get_current_pid_tgid();
+	u32 tgid = id >> 32;
+	if (!is_watched(tgid) || !storage_file(fd))
+		return 0;
+	struct hw_thread *t = thread_entry((u32)id, tgid, COUNTER(read_calls_full));
+	if (t)
+		t->flags |= HW_THREAD_READING;
+	return 0;
+}
+
+static __always_inline int read_exit(long ret)
+{
+	u64 id = bpf_get_current_pid_tgid();
+	u32 tgid = id >> 32;
+	if (!is_watched(tgid))
+		return 0;
+	u32 tid = (u32)id;
+	struct hw_thread *t = threads.lookup(&tid);
+	if (!t || !(t->flags & HW_THREAD_READING))
+		return 0; /* not a file of storage, or entered before the process was watched */
+	t->flags &= ~HW_THREAD_READING;
+	if (ret <= 0)
+		return 0;
+	u64 zero = 0;
+	add_or_count_full(file_reads.lookup_or_try_init(&tgid, &zero), ret,
+			  COUNTER(file_reads_full));
+	return 0;
+}
+
+#define READ_PAIR(name)                                                                  \
+	TRACEPOINT_PROBE(syscalls, sys_enter_##name) { return read_enter((s64)args->fd); } \
+	TRACEPOINT_PROBE(syscalls, sys_exit_##name) { return read_exit(args->ret); }
+
+#ifdef HAVE_READ
+READ_PAIR(read)
+#endif
+#ifdef HAVE_PREAD64
+READ_PAIR(pread64)
+#endif
+#ifdef HAVE_READV
+READ_PAIR(readv)
+#endif
+#ifdef HAVE_PREADV
+READ_PAIR(preadv)
+#endif
+#ifdef HAVE_PREADV2
+/* Its flags' type, which the generated argument struct names and no header bcc includes
+ * defines (the kernel's own typedef is the same int: a C11 redefinition is allowed). */
+typedef int rwf_t;
+READ_PAIR(preadv2)
+#endif
+#endif /* HW_OFF_TASK_FILES */

@@ -37,9 +37,13 @@
 #ifndef MAX_ACCEPTS
 #define MAX_ACCEPTS 4096
 #endif
+#ifndef MAX_FILE_READS
+#define MAX_FILE_READS 4096 /* watched processes that read a regular file: one entry each */
+#endif
 /* Each watched process's share of the maps every process shares: an eighth, so one process
  * cannot fill them; beyond its share it loses its own inserts (counted in its hw_share). The
- * histogram (64 slots a process) and accepts (one entry) cannot grow within a process. */
+ * histogram (64 slots a process), accepts and file_reads (one entry each) cannot grow within
+ * a process. */
 #ifndef MAX_THREADS_PER_PROCESS
 #define MAX_THREADS_PER_PROCESS (MAX_THREADS / 8)
 #endif
@@ -92,6 +96,7 @@ BPF_HASH(wait_hist, struct hw_hist_key, u64, MAX_HIST);        /* (tgid, log2 ns
 BPF_HASH(sock_calls, u64, struct hw_sock_call, MAX_SOCK_CALLS); /* pid_tgid -> bind/listen */
 BPF_HASH(fd_writes, struct hw_fd_key, struct hw_fd_writes, MAX_FD_WRITES);
 BPF_HASH(accepts, u32, u64, MAX_ACCEPTS);                       /* tgid -> accepts */
+BPF_HASH(file_reads, u32, u64, MAX_FILE_READS);                 /* tgid -> bytes read from files */
 
 static __always_inline struct hw_counters *this_cpu_counters(void)
 {

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from agent.analysis.evidence import ReadStorage
 from agent.analysis.progress import ParkSettings, ParkTracker, window_progress
-from agent.model import FutexWait, Snapshot, ThreadSample
+from agent.model import FutexWait, ProcessSample, Snapshot, ThreadSample
 from agent.observe.observer import park_settings
+from agent.report.sentences import render
 from agent.settings import Settings
 from tests.synth import S, parked, process, running
 
@@ -200,3 +202,66 @@ def test_unreadable_io_is_not_progress():
     old = process(10, parked(11), write_bytes=None)
     new = process(10, parked(11), write_bytes=None)
     assert not window_progress(old, new, S, PARK).did_work
+
+
+MIB = 1 << 20
+
+
+def _loading(**counts: int | None) -> tuple[ProcessSample, ProcessSample]:
+    """A parked process before and after a window in which its counters grew by ``counts``
+    (read_bytes, major_faults), having written a 30-byte log line."""
+    old = replace(process(10, parked(11), write_bytes=0), read_bytes=0, major_faults=0)
+    grown = {k: (None if v is None else getattr(old, k) + v) for k, v in counts.items()}
+    return old, replace(process(10, parked(11), write_bytes=30), **grown)
+
+
+def test_block_reads_at_a_loaders_rate_are_work_and_not_a_heartbeat():
+    old, new = _loading(read_bytes=60 * MIB)
+    p = window_progress(old, new, 3 * S, PARK)
+    assert p.block_read_bytes == 60 * MIB and p.read_storage and p.did_work
+    assert not p.heartbeat  # its log line is the log of a load
+    [fact] = [f for f in p.signals() if isinstance(f, ReadStorage)]
+    assert (fact.block_bytes, fact.bytes, fact.window_s) == (60 * MIB, 60 * MIB, 3.0)
+    assert render(fact) == "read 60.0 MiB from storage in 3.0 s"
+
+
+def test_reading_a_config_file_is_not_loading():
+    """Below the floor of 1 MiB a second: the log line alone is a heartbeat."""
+    old, new = _loading(read_bytes=64 * 1024, major_faults=2)
+    p = window_progress(old, new, 3 * S, PARK, file_read=200 * 1024)
+    assert not p.read_storage and not p.did_work and p.heartbeat
+    assert not any(isinstance(f, ReadStorage) for f in p.signals())
+
+
+def test_reads_of_regular_files_the_block_layer_does_not_see_are_work():
+    """The page cache, network and FUSE file systems: only the probe's count sees them."""
+    old, new = _loading(read_bytes=0)
+    p = window_progress(old, new, 3 * S, PARK, file_read=12 * MIB)
+    assert p.file_read_bytes == 12 * MIB and p.read_storage and p.did_work
+    # A read that misses the cache is in both counts: the larger, not the sum
+    old, new = _loading(read_bytes=12 * MIB)
+    assert window_progress(old, new, 3 * S, PARK, file_read=12 * MIB).storage_read_bytes == (
+        12 * MIB
+    )
+
+
+def test_page_ins_of_mapped_files_are_work():
+    old, new = _loading(major_faults=15)
+    p = window_progress(old, new, 3 * S, PARK)
+    assert p.major_faults == 15 and p.read_storage and p.did_work
+    [fact] = [f for f in p.signals() if isinstance(f, ReadStorage)]
+    assert render(fact) == (
+        "read 0 B from storage and paged in mapped files (15 major faults) in 3.0 s"
+    )
+
+
+def test_unreadable_storage_counters_are_not_progress():
+    old, new = _loading(read_bytes=None, major_faults=None)
+    p = window_progress(old, new, 3 * S, PARK)
+    assert p.block_read_bytes is None and p.major_faults == 0 and not p.read_storage
+
+
+def test_a_process_new_in_the_window_read_all_its_counts_in_it():
+    _, new = _loading(read_bytes=8 * MIB)
+    p = window_progress(None, new, 3 * S, PARK)
+    assert p.block_read_bytes == 8 * MIB and p.read_storage

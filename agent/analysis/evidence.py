@@ -103,6 +103,23 @@ class ReceivedIn(Fact):
 
 
 @dataclass(frozen=True)
+class ReadStorage(Fact):
+    """Data read from storage at a loader's rate (agent.analysis.progress): block reads or
+    reads of regular files (bytes), or page-ins of mapped files (major faults), each as its
+    own source counted it."""
+
+    block_bytes: int  # read by the block layer for it (/proc/PID/io read_bytes)
+    file_bytes: int  # taken from regular files by its read calls (the read probe)
+    major_faults: int  # page-ins of mapped files
+    window_s: float
+
+    @property
+    def bytes(self) -> int:
+        """What it read: a read that misses the page cache is in both byte counts."""
+        return max(self.block_bytes, self.file_bytes)
+
+
+@dataclass(frozen=True)
 class Accepted(Fact):
     """Connections accepted in the window: context, never progress on its own."""
 

@@ -28,6 +28,15 @@ NS = 1_000_000_000
 # for a heartbeat: the raylet's debug_state.txt rewrite is 16-20 KB; a log line, a few
 # hundred bytes. More than this is data, whatever else the process did.
 HEARTBEAT_MAX_BYTES = 256 * 1024
+# Least a process must read from storage, per second of the window, for the reading to be
+# work: a loader reads MBs a second even from network storage, while a config file, a
+# tokenizer's vocabulary read once, /etc/hosts or a status file re-read on a timer are KBs.
+STORAGE_READ_MIN_BYTES_PER_S = 1 << 20
+# Least major faults per second of the window that are loading: each is a wait for a page
+# of a mapped file (weights mapped with mmap) to come from storage. Readahead brings up to
+# its window (MBs) in one fault, so a mapped load at 20 MB/s may fault only 5 times a
+# second; a waiting process touching now and then a page the kernel evicted, less often.
+MAJOR_FAULTS_MIN_PER_S = 1
 
 
 @dataclass(frozen=True)
@@ -72,6 +81,28 @@ class ProcessProgress:
     # answered serves nobody; an answer is a write to a client).
     accepts: int | None = None
     gpu: ev.GpuActive | None = None  # what its GPUs did, when they were active
+    # Read from storage in the window, each at the source that cannot miss its kind: bytes
+    # the block layer read for it (/proc/PID/io read_bytes: O_DIRECT, page-cache misses,
+    # mapped pages brought in; None: unreadable), bytes its read calls took from regular
+    # files (the probe: the page cache, network and FUSE file systems, where no block I/O
+    # is done), and its major faults (page-ins of mapped files, block device or not).
+    block_read_bytes: int | None = None
+    file_read_bytes: int = 0
+    major_faults: int = 0
+
+    @property
+    def storage_read_bytes(self) -> int:
+        """Bytes read from storage in the window: a read that misses the page cache is in
+        both counts, so the larger of the two, a lower bound of what was read."""
+        return max(self.block_read_bytes or 0, self.file_read_bytes)
+
+    @property
+    def read_storage(self) -> bool:
+        """Read from storage at a loader's rate in the window (the floors above)."""
+        secs = self.window_ns / NS
+        return self.storage_read_bytes >= max(
+            1, STORAGE_READ_MIN_BYTES_PER_S * secs
+        ) or self.major_faults >= max(1, MAJOR_FAULTS_MIN_PER_S * secs)
 
     @property
     def logged_bytes(self) -> int:
@@ -86,6 +117,7 @@ class ProcessProgress:
             0 < self.logged_bytes <= HEARTBEAT_MAX_BYTES
             and not self.answered_bytes
             and not (self.working_tids or self.received_bytes or self.gpu)
+            and not self.read_storage
         )
 
     @property
@@ -95,6 +127,8 @@ class ProcessProgress:
 
     @property
     def did_work(self) -> bool:
+        if self.read_storage:
+            return True
         return bool(self.working_tids or self.wrote_out or self.received_bytes or self.gpu)
 
     def signals(self) -> list[ev.Fact]:
@@ -107,6 +141,9 @@ class ProcessProgress:
             out.append(ev.WroteOut(self.write_bytes or 0, secs))
         if self.received_bytes:
             out.append(ev.ReceivedIn(self.received_bytes, secs))
+        if self.read_storage:
+            block = self.block_read_bytes or 0
+            out.append(ev.ReadStorage(block, self.file_read_bytes, self.major_faults, secs))
         if self.accepts:
             out.append(ev.Accepted(self.accepts))
         if self.gpu:
@@ -236,13 +273,15 @@ def window_progress(
     received: int = 0,
     answered: int = 0,
     written_to: str | None = None,
+    file_read: int = 0,
 ) -> ProcessProgress:
     """Progress of one process between two snapshots ``window_ns`` apart. ``accepts`` is
     what the probe counted in the window; ``gpu`` says what the GPU did, if it was active;
     ``written_out`` is what it wrote outside the service in the window, by the probe's
     writes per fd (without a probe: /proc/PID/io, which counts every write), ``answered``
     the part of it sent to clients and ``written_to`` the file written most; ``received``
-    what it received from outside (see ProcessProgress.received_bytes)."""
+    what it received from outside (see ProcessProgress.received_bytes); ``file_read`` what
+    the probe saw it read from regular files in the window."""
     if old is not None and old.start_ticks != new.start_ticks:
         old = None  # the PID was reused: all of the new process is new
     if old is None:
@@ -261,6 +300,9 @@ def window_progress(
     written = written_out
     if written is None and old.write_bytes is not None and new.write_bytes is not None:
         written = max(0, new.write_bytes - old.write_bytes)
+    # A process started in the window read all its counts in it (old is then empty).
+    block_read = _grown(old.read_bytes, new.read_bytes, old.threads)
+    faults = _grown(old.major_faults, new.major_faults, old.threads)
     return ProcessProgress(
         pid=new.pid,
         window_ns=window_ns,
@@ -272,4 +314,17 @@ def window_progress(
         written_to=written_to,
         accepts=accepts,
         gpu=gpu,
+        block_read_bytes=block_read,
+        file_read_bytes=file_read,
+        major_faults=faults or 0,
     )
+
+
+def _grown(old: int | None, new: int | None, old_threads: tuple[ThreadSample, ...]) -> int | None:
+    """How much a process's counter grew in the window: all of it for a process new in the
+    window (no threads sampled before), None where either end is unknown."""
+    if new is None:
+        return None
+    if old is None:
+        return new if not old_threads else None
+    return max(0, new - old)

@@ -443,6 +443,7 @@ class Observer:
             received=received_from_outside(old_sample, sample, ends, doors.ports),
             answered=written.answered,
             written_to=written.most_to,
+            file_read=_file_read(pid, latest.reading, old_tick.reading),
         )
         if progress.heartbeat:
             # Its mtimes tell of the heartbeat, not of work: never date from them.
@@ -571,3 +572,12 @@ class Observer:
             if is_file:
                 break
         return out
+
+
+def _file_read(pid: int, latest: ProbeReading, old: ProbeReading) -> int:
+    """Bytes the probe saw the process read from regular files in the window (0 without
+    the count: no probe, or a kernel where it cannot tell a regular file)."""
+    now = (latest.file_reads or {}).get(pid)
+    if now is None:
+        return 0
+    return max(0, now - (old.file_reads or {}).get(pid, 0))

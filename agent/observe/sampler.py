@@ -292,12 +292,12 @@ class Sampler:
             return None
         if quiet and kept is not None and (unlisted or kept.tids == tuple(reads)):
             threads, word_ids = self._shared_words_again(pid, kept.sample)
-            write_bytes = kept.sample.write_bytes
+            write_bytes, read_bytes = kept.sample.write_bytes, kept.sample.read_bytes
             sockets = kept.sockets
         else:
             quiet = False
             threads, word_ids = self._threads(pid, reads, probe)
-            write_bytes = proc.io_wchar(pid)
+            write_bytes, read_bytes = proc.io_counts(pid)  # one read of /proc/PID/io
             sockets = proc.socket_fds(pid)
         sample = ProcessSample(
             pid=pid,
@@ -306,6 +306,8 @@ class Sampler:
             start_ticks=st.start_ticks,
             threads=threads,
             write_bytes=write_bytes,
+            read_bytes=read_bytes,
+            major_faults=st.major_faults,
             word_ids=word_ids,
             plumbing=self._plumbing_of(pid, key),
             age_s=max(0.0, self._uptime_s - st.start_ticks / CLK_TCK),

@@ -103,6 +103,14 @@ def _(f: ev.ReceivedIn) -> str:
 
 
 @render.register
+def _(f: ev.ReadStorage) -> str:
+    read = f"read {size(f.bytes)} from storage"
+    if f.major_faults:
+        read += f" and paged in mapped files ({plural(f.major_faults, 'major fault')})"
+    return f"{read} in {f.window_s:.1f} s"
+
+
+@render.register
 def _(f: ev.Accepted) -> str:
     return f"accepted {plural(f.connections, 'connection')}"
 

@@ -32,6 +32,7 @@ from ..model import (
     SocketEvent,
 )
 from ..settings import LONG_WAIT_S
+from .btf import VMLINUX_BTF, member_offsets
 from .procfs import ProcFS
 
 FALLBACK_HEADERS = "/usr/src/hangwatch-kernel-headers"
@@ -58,6 +59,25 @@ OPTIONAL_SYSCALLS = {
     "sendmmsg": "HAVE_SENDMMSG",
     "sendfile64": "HAVE_SENDFILE64",
     "splice": "HAVE_SPLICE",
+    # Reads of regular files (compiled in with the offsets of FD_WALK only).
+    "read": "HAVE_READ",
+    "pread64": "HAVE_PREAD64",
+    "readv": "HAVE_READV",
+    "preadv": "HAVE_PREADV",
+    "preadv2": "HAVE_PREADV2",
+}
+# The kernel struct members the read probe walks from a task to a file's type and file
+# system (bpf/io.bpf.c storage_file), as -D names of their byte offsets in the running
+# kernel (agent.sources.btf).
+FD_WALK = {
+    "HW_OFF_TASK_FILES": ("task_struct", "files"),
+    "HW_OFF_FILES_FDT": ("files_struct", "fdt"),
+    "HW_OFF_FDT_MAX_FDS": ("fdtable", "max_fds"),
+    "HW_OFF_FDT_FD": ("fdtable", "fd"),
+    "HW_OFF_FILE_INODE": ("file", "f_inode"),
+    "HW_OFF_INODE_MODE": ("inode", "i_mode"),
+    "HW_OFF_INODE_SB": ("inode", "i_sb"),
+    "HW_OFF_SB_MAGIC": ("super_block", "s_magic"),
 }
 # Other tracepoints compiled in only where the kernel has them: (category, name) -> -D flag.
 OPTIONAL_TRACEPOINTS = {
@@ -310,6 +330,15 @@ def optional_flags(bpf_class: Any) -> list[str]:
     return flags
 
 
+def fd_walk_flags(btf_path: str = VMLINUX_BTF) -> list[str]:
+    """-D flags with the byte offsets of FD_WALK in the running kernel, or none where its
+    BTF does not give them all (the read probe is then left out)."""
+    found = member_offsets(FD_WALK.values(), btf_path)
+    if found is None:
+        return []
+    return [f"-D{name}={found[member]}" for name, member in FD_WALK.items()]
+
+
 class KernelProbes:
     """All of hangwatch's BPF programs in one object, attached for as long as it lives
     (use as a context manager): futex waits, bind/listen, accepts and writes."""
@@ -342,6 +371,10 @@ class KernelProbes:
             *(f"-D{name}={size}" for name, size in (map_sizes or {}).items()),
         ]
         optional = optional_flags(bpf_class)
+        walk = fd_walk_flags()
+        # Else ProbeReading.file_reads is None: reads of files are not counted here.
+        self.counts_file_reads = bool(walk) and "-DHAVE_READ" in optional
+        optional += walk
         # Every exec and rename is an event only with both tracepoints: see take_execs.
         self._all_renames = {"-DHAVE_SCHED_PROCESS_EXEC", "-DHAVE_TASK_RENAME"} <= set(optional)
         self._bpf = self._load(bpf_class, bpf_dir, [*settings, *optional])
@@ -371,6 +404,7 @@ class KernelProbes:
         self._hist = self._bpf[b"wait_hist"]
         self._counters = self._bpf[b"counters"]
         self._accepts = self._bpf[b"accepts"]
+        self._file_reads = self._bpf[b"file_reads"]
         self._fd_writes = self._bpf[b"fd_writes"]
         self._shares = self._bpf[b"shares"]
         self._released = self._bpf[b"released"]
@@ -497,6 +531,7 @@ class KernelProbes:
             (self._hist, [k for k in self._hist if k.tgid in gone]),
             (self._fd_writes, [k for k in self._fd_writes if k.tgid in gone]),
             (self._accepts, [ctypes.c_uint32(t) for t in gone]),
+            (self._file_reads, [ctypes.c_uint32(t) for t in gone]),
             (self._shares, [ctypes.c_uint32(t) for t in gone]),
             (self._released, [ctypes.c_uint32(t) for t in gone]),
         ]
@@ -641,6 +676,11 @@ class KernelProbes:
         for k, n in self._hist.items():
             hist.setdefault(k.tgid, {})[k.slot] = n.value
         accepts = {k.value: n.value for k, n in self._accepts.items()}
+        file_reads = (
+            {k.value: n.value for k, n in self._file_reads.items()}
+            if self.counts_file_reads
+            else None
+        )
         writes: dict[int, dict[int, FdWrites]] = {}
         for k, v in self._fd_writes.items():
             tail = bytes(v.tail)[: min(v.tail_len, len(v.tail))]
@@ -670,6 +710,7 @@ class KernelProbes:
             renamed=renamed,
             shares=shares,
             waiting=self._waiting,
+            file_reads=file_reads,
         )
 
     def tracepoints(self) -> list[str]:

@@ -101,6 +101,9 @@ class ProcStat:
     start_ticks: int
     num_threads: int = 0  # of the process (a thread's own stat repeats its process's)
     cpu: int | None = None  # the CPU it last ran on (field 39, processor)
+    # Major faults (field 12): waits for a page of a mapped file (or swap) to come from
+    # storage; in /proc/PID/stat, summed over every thread of the process.
+    major_faults: int | None = None
 
 
 @dataclass(frozen=True)
@@ -128,7 +131,7 @@ def parse_stat(text: str) -> ProcStat | None:
     comm = printable(text[lp + 1 : rp], limit=64)
     threads = _uint(rest[17], limit=1 << 31) or 0
     cpu = _uint(rest[36], limit=1 << 20) if len(rest) > 36 else None
-    return ProcStat(pid, comm, rest[0], ppid, start, threads, cpu)
+    return ProcStat(pid, comm, rest[0], ppid, start, threads, cpu, _uint(rest[9]))
 
 
 def parse_cgroup_path(text: str) -> str | None:
@@ -196,8 +199,13 @@ def parse_schedstat(text: str) -> int | None:
 
 
 def parse_io_wchar(text: str) -> int | None:
+    return parse_io_field(text, "wchar")
+
+
+def parse_io_field(text: str, name: str) -> int | None:
+    """One counter of /proc/PID/io (``wchar``, ``read_bytes``), None where absent."""
     for line in text.splitlines():
-        if line.startswith("wchar:"):
+        if line.startswith(f"{name}:"):
             parts = line.split()
             return _uint(parts[1]) if len(parts) == 2 else None
     return None
@@ -673,6 +681,15 @@ class ProcFS:
     def io_wchar(self, pid: int) -> int | None:
         text = self._read(pid, "io")
         return parse_io_wchar(text) if text else None
+
+    def io_counts(self, pid: int) -> tuple[int | None, int | None]:
+        """(wchar, read_bytes) of /proc/PID/io from one read: what the process wrote, and
+        what it read from block devices (O_DIRECT, page-cache misses, mapped-file page-ins
+        that went to the disk); (None, None) where unreadable."""
+        text = self._read(pid, "io")
+        if not text:
+            return None, None
+        return parse_io_wchar(text), parse_io_field(text, "read_bytes")
 
     def _fd_names(self, pid: int) -> list[str]:
         """The process's fds, the first FDS_WALKED_MAX of them (a process may hold a

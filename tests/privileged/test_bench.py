@@ -26,6 +26,9 @@ OVERHEAD_ROWS = [
     ("uncontended pthread mutex lock+unlock", "watched"),
     ("getppid(2)", "none"),
     ("getppid(2)", "unwatched"),
+    ("pread(2) of 64 bytes of a cached regular file", "unwatched"),
+    ("pread(2) of 64 bytes of a cached regular file", "watched"),
+    ("read(2) of 1 byte of /dev/zero (not a regular file)", "watched"),
     ("Python, 4 threads contending for the GIL, per step", "none"),
     ("Python, 4 threads contending for the GIL, per step", "watched"),
 ]
@@ -67,5 +70,6 @@ def test_bench_suite_quick_reports_every_row() -> None:
         assert re.search(rf"^{what}\s+{NUM}\s+[+-]{NUM}\s+{NUM}\s+{NUM}", out, re.M), msg
     for who in ("alone", "140 slow clients"):  # slowclients: scrapes, latencies, threads, fds
         assert re.search(rf"^{who}\s+\d+\s+{NUM}\s+{NUM}\s+{NUM}\s+\d+\s+\d+$", out, re.M), msg
+    assert re.search(rf"^/proc/PID/io: wchar \+ read_bytes\s+\d+\s+{NUM}x$", out, re.M), msg
     target = r"^1,600 parked threads \(8 x 200\) \+ 1,000 idle connections\s.*\s(met|NOT met)$"
     assert re.search(target, out, re.M), msg

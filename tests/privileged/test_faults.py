@@ -368,7 +368,8 @@ class VanishingProcFS(ProcFS):
 
 PROC_READS = (
     *("pids", "stat", "cmdline", "environ", "tids", "thread_stat", "thread_cpu_ns"),
-    *("thread_exec_start_ms", "thread_syscall", "tgid_of", "io_wchar", "socket_inodes"),
+    *("thread_exec_start_ms", "thread_syscall", "tgid_of", "io_wchar", "io_counts"),
+    *("socket_inodes",),
     *("socket_fds", "socket_protocol", "tcp_lookup"),
     *("fd_target", "net_namespace", "tcp_sockets", "maps", "open_memory"),
     *("argv", "plumbing", "ephemeral_from", "own_exec_start_ms", "pipes_read"),

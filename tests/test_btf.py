@@ -1,0 +1,55 @@
+"""The BTF reader that gives the read probe its kernel offsets: members found by name, in
+anonymous structs and unions too, and no offset at all where anything is missing."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import pytest
+
+from agent.sources.btf import member_offsets
+
+_STRUCT, _UNION, _INT, _TYPEDEF = 4, 5, 1, 8
+
+
+def _blob(typedef_last: bool = False) -> bytes:
+    """struct file { int a; union { int x; int f_inode; }; } in BTF, with ``f_inode`` at
+    byte 8 inside an anonymous union reached through a typedef; ``typedef_last``: the
+    typedef comes after the struct (read past where the struct was found)."""
+    names = b"\0file\0a\0x\0f_inode\0int\0"
+    off = {n: names.index(n.encode() + b"\0") for n in ("file", "a", "x", "f_inode", "int")}
+    integer = struct.pack("<3I", off["int"], _INT << 24, 4) + struct.pack("<I", 32)  # id 1
+    union = struct.pack("<3I", 0, (_UNION << 24) | 2, 8)  # id 2
+    union += struct.pack("<3I", off["x"], 1, 0) + struct.pack("<3I", off["f_inode"], 1, 0)
+    typedef = struct.pack("<3I", 0, _TYPEDEF << 24, 2)
+    typedef_id = 4 if typedef_last else 3
+
+    file = struct.pack("<3I", off["file"], (_STRUCT << 24) | 2, 16)
+    file += struct.pack("<3I", off["a"], 1, 0) + struct.pack("<3I", 0, typedef_id, 64)
+    types = integer + union + (file + typedef if typedef_last else typedef + file)
+    header = struct.pack("<HBBI4I", 0xEB9F, 1, 0, 24, 0, len(types), len(types), len(names))
+    return header + types + names
+
+
+@pytest.mark.parametrize("typedef_last", [False, True])
+def test_members_are_found_inside_anonymous_unions(tmp_path: Path, typedef_last: bool) -> None:
+    path = tmp_path / "btf"
+    path.write_bytes(_blob(typedef_last))
+    got = member_offsets([("file", "a"), ("file", "f_inode")], str(path))
+    assert got == {("file", "a"): 0, ("file", "f_inode"): 8}
+
+
+def test_a_missing_member_or_struct_gives_no_offsets(tmp_path: Path) -> None:
+    path = tmp_path / "btf"
+    path.write_bytes(_blob())
+    assert member_offsets([("file", "f_inode"), ("file", "nope")], str(path)) is None
+    assert member_offsets([("inode", "i_mode")], str(path)) is None
+
+
+def test_no_btf_or_not_btf_gives_no_offsets(tmp_path: Path) -> None:
+    assert member_offsets([("file", "a")], str(tmp_path / "absent")) is None
+    (tmp_path / "junk").write_bytes(b"\0" * 64)
+    assert member_offsets([("file", "a")], str(tmp_path / "junk")) is None
+    (tmp_path / "cut").write_bytes(_blob()[:40])
+    assert member_offsets([("file", "a")], str(tmp_path / "cut")) is None
