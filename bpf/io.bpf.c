@@ -298,7 +298,7 @@ WRITE_PAIR(splice, fd_out, HW_BUF_NONE, 0, 0)
 
 /* Reads of regular files (read, pread64, readv, preadv, preadv2; watched processes): the
  * bytes each successful call returned, per tgid in file_reads. Only where the offsets of
- * the fd-table walk came from the running kernel's BTF (-DHW_OFF_*, agent/sources/btf.py):
+ * the fd-table walk came from the running kernel's BTF (-DHAVE_FD_WALK, agent/sources/btf.py):
  * the headers bcc compiles against may be another kernel's. At sys_enter the fd's file is
  * looked up in the task's fd table; a regular file outside the pseudo file systems (whose
  * files are views of the kernel, read every second by monitoring agents) flags the thread
@@ -306,7 +306,7 @@ WRITE_PAIR(splice, fd_out, HW_BUF_NONE, 0, 0)
  * adds what the call returned. Unwatched processes pay one inlined bitmap test at each end.
  * The page cache, network and FUSE file systems do no block I/O: this is the count that
  * sees their reads. */
-#ifdef HW_OFF_TASK_FILES
+#ifdef HAVE_FD_WALK
 #define HW_S_IFMT 0170000
 #define HW_S_IFREG 0100000
 
@@ -410,4 +410,4 @@ READ_PAIR(preadv)
 typedef int rwf_t;
 READ_PAIR(preadv2)
 #endif
-#endif /* HW_OFF_TASK_FILES */
+#endif /* HAVE_FD_WALK */

@@ -7,6 +7,8 @@ import struct
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from agent.sources.btf import member_offsets
 
@@ -53,3 +55,45 @@ def test_no_btf_or_not_btf_gives_no_offsets(tmp_path: Path) -> None:
     assert member_offsets([("file", "a")], str(tmp_path / "junk")) is None
     (tmp_path / "cut").write_bytes(_blob()[:40])
     assert member_offsets([("file", "a")], str(tmp_path / "cut")) is None
+
+
+def _nested_blob() -> bytes:
+    """struct common { int pad; int num; }; struct sock { int z; struct common c; }: ``num``
+    at byte 4 of ``c``, and ``c`` at byte 8 of ``sock``."""
+    names = b"\0common\0pad\0num\0sock\0z\0c\0int\0"
+    off = {n: names.index(n.encode() + b"\0") for n in ("common", "pad", "num", "sock", "z", "c")}
+    off["int"] = names.index(b"int\0")
+    integer = struct.pack("<3I", off["int"], _INT << 24, 4) + struct.pack("<I", 32)  # id 1
+    common = struct.pack("<3I", off["common"], (_STRUCT << 24) | 2, 8)  # id 2
+    common += struct.pack("<3I", off["pad"], 1, 0) + struct.pack("<3I", off["num"], 1, 32)
+    sock = struct.pack("<3I", off["sock"], (_STRUCT << 24) | 2, 16)  # id 3
+    sock += struct.pack("<3I", off["z"], 1, 0) + struct.pack("<3I", off["c"], 2, 64)
+    types = integer + common + sock
+    header = struct.pack("<HBBI4I", 0xEB9F, 1, 0, 24, 0, len(types), len(types), len(names))
+    return header + types + names
+
+
+def test_a_dotted_member_is_followed_through_named_structs(tmp_path: Path) -> None:
+    path = tmp_path / "btf"
+    path.write_bytes(_nested_blob())
+    assert member_offsets([("sock", "c.num"), ("sock", "c")], str(path)) == {
+        ("sock", "c.num"): 12,
+        ("sock", "c"): 8,
+    }
+    assert member_offsets([("sock", "num")], str(path)) is None  # not anonymous: not looked in
+    assert member_offsets([("sock", "z.num")], str(path)) is None  # an int has no members
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_a_damaged_blob_gives_offsets_or_none_and_never_fails(tmp_path_factory, data) -> None:
+    """Bytes flipped or cut anywhere: the reader answers (an offset or None), it never
+    raises and never loops (every walk is bounded by the blob and a depth)."""
+    blob = bytearray(_nested_blob())
+    for _ in range(data.draw(st.integers(0, 6))):
+        blob[data.draw(st.integers(0, len(blob) - 1))] = data.draw(st.integers(0, 255))
+    cut = data.draw(st.integers(0, len(blob)))
+    path = tmp_path_factory.mktemp("btf") / "btf"
+    path.write_bytes(bytes(blob[:cut]))
+    got = member_offsets([("sock", "c.num"), ("common", "pad")], str(path))
+    assert got is None or all(isinstance(v, int) for v in got.values())

@@ -1,7 +1,7 @@
 """Offsets of kernel struct members, from the running kernel's own BTF.
 
-The read probe walks a few kernel structs (a task's fd table to the file's inode and its
-file system); their layout changes between kernel versions and configurations, and the
+The read and write probes walk a few kernel structs (a task's fd table to the file, its
+inode and file system, a socket's family, protocol and local port); their layout changes between kernel versions and configurations, and the
 kernel headers installed for bcc may belong to another kernel than the one running. The
 BTF the kernel exports (/sys/kernel/btf/vmlinux) describes the running kernel exactly, so
 the offsets come from there, or the walk is not compiled in.
@@ -102,11 +102,22 @@ class Btf:
 
     def member_offset(self, struct_name: str, member: str) -> int | None:
         """Byte offset of ``member`` in ``struct struct_name``, looking into anonymous
-        structs and unions; None where either is unknown or the member is a bit field."""
-        sid = self._struct_id(struct_name)
-        return None if sid is None else self._find(sid, member, 0)
+        structs and unions, and along a dotted path through named ones
+        ("__sk_common.skc_num"); None where either is unknown or the member is a bit field."""
+        type_id = self._struct_id(struct_name)
+        total = 0
+        for name in member.split("."):
+            if type_id is None:
+                return None
+            found = self._find(self._resolve(type_id), name, 0)
+            if found is None:
+                return None
+            off, type_id = found
+            total += off
+        return total
 
-    def _find(self, type_id: int, member: str, depth: int) -> int | None:
+    def _find(self, type_id: int, member: str, depth: int) -> tuple[int, int] | None:
+        """(byte offset, type id) of ``member`` in a struct or union."""
         kind, vlen, _size, at = self._type(type_id)
         if kind not in (_STRUCT, _UNION) or depth > 8:
             return None
@@ -115,11 +126,11 @@ class Btf:
             name_off, mtype, moff = _HEAD.unpack_from(self._data, at + 12 * i)
             bits = moff & 0xFFFFFF if kind_flag else moff
             if name_off and self._name(name_off) == member:
-                return bits // 8 if bits % 8 == 0 else None
+                return (bits // 8, mtype) if bits % 8 == 0 else None
             if not name_off:  # an anonymous struct or union: its members are this one's
                 inner = self._find(self._resolve(mtype), member, depth + 1)
                 if inner is not None:
-                    return bits // 8 + inner
+                    return bits // 8 + inner[0], inner[1]
         return None
 
 
@@ -146,3 +157,32 @@ def member_offsets(
             return None
         out[(name, member)] = off
     return out
+
+
+# The members the probes' fd walk reads (bpf/io.bpf.c), as -D names of their byte offsets.
+FD_WALK = {
+    "HW_OFF_TASK_FILES": ("task_struct", "files"),
+    "HW_OFF_FILES_FDT": ("files_struct", "fdt"),
+    "HW_OFF_FDT_MAX_FDS": ("fdtable", "max_fds"),
+    "HW_OFF_FDT_FD": ("fdtable", "fd"),
+    "HW_OFF_FILE_INODE": ("file", "f_inode"),
+    "HW_OFF_FILE_PRIVATE": ("file", "private_data"),
+    "HW_OFF_INODE_MODE": ("inode", "i_mode"),
+    "HW_OFF_INODE_INO": ("inode", "i_ino"),
+    "HW_OFF_INODE_SB": ("inode", "i_sb"),
+    "HW_OFF_SB_MAGIC": ("super_block", "s_magic"),
+    "HW_OFF_SOCKET_SK": ("socket", "sk"),
+    "HW_OFF_SK_FAMILY": ("sock", "__sk_common.skc_family"),
+    "HW_OFF_SK_NUM": ("sock", "__sk_common.skc_num"),
+    "HW_OFF_SK_PROTOCOL": ("sock", "sk_protocol"),
+}
+
+
+def fd_walk_flags(btf_path: str = VMLINUX_BTF) -> list[str]:
+    """-DHAVE_FD_WALK and the byte offsets of FD_WALK in the running kernel, or nothing where
+    its BTF does not give them all (the probes then leave the walk out: no reads of files
+    are counted, and written fds are named by user space only)."""
+    found = member_offsets(FD_WALK.values(), btf_path)
+    if found is None:
+        return []
+    return ["-DHAVE_FD_WALK", *(f"-D{name}={found[member]}" for name, member in FD_WALK.items())]

@@ -32,7 +32,7 @@ from ..model import (
     SocketEvent,
 )
 from ..settings import LONG_WAIT_S
-from .btf import VMLINUX_BTF, member_offsets
+from .btf import fd_walk_flags
 from .procfs import ProcFS
 
 FALLBACK_HEADERS = "/usr/src/hangwatch-kernel-headers"
@@ -65,19 +65,6 @@ OPTIONAL_SYSCALLS = {
     "readv": "HAVE_READV",
     "preadv": "HAVE_PREADV",
     "preadv2": "HAVE_PREADV2",
-}
-# The kernel struct members the read probe walks from a task to a file's type and file
-# system (bpf/io.bpf.c storage_file), as -D names of their byte offsets in the running
-# kernel (agent.sources.btf).
-FD_WALK = {
-    "HW_OFF_TASK_FILES": ("task_struct", "files"),
-    "HW_OFF_FILES_FDT": ("files_struct", "fdt"),
-    "HW_OFF_FDT_MAX_FDS": ("fdtable", "max_fds"),
-    "HW_OFF_FDT_FD": ("fdtable", "fd"),
-    "HW_OFF_FILE_INODE": ("file", "f_inode"),
-    "HW_OFF_INODE_MODE": ("inode", "i_mode"),
-    "HW_OFF_INODE_SB": ("inode", "i_sb"),
-    "HW_OFF_SB_MAGIC": ("super_block", "s_magic"),
 }
 # Other tracepoints compiled in only where the kernel has them: (category, name) -> -D flag.
 OPTIONAL_TRACEPOINTS = {
@@ -330,15 +317,6 @@ def optional_flags(bpf_class: Any) -> list[str]:
     return flags
 
 
-def fd_walk_flags(btf_path: str = VMLINUX_BTF) -> list[str]:
-    """-D flags with the byte offsets of FD_WALK in the running kernel, or none where its
-    BTF does not give them all (the read probe is then left out)."""
-    found = member_offsets(FD_WALK.values(), btf_path)
-    if found is None:
-        return []
-    return [f"-D{name}={found[member]}" for name, member in FD_WALK.items()]
-
-
 class KernelProbes:
     """All of hangwatch's BPF programs in one object, attached for as long as it lives
     (use as a context manager): futex waits, bind/listen, accepts and writes."""
@@ -373,7 +351,7 @@ class KernelProbes:
         optional = optional_flags(bpf_class)
         walk = fd_walk_flags()
         # Else ProbeReading.file_reads is None: reads of files are not counted here.
-        self.counts_file_reads = bool(walk) and "-DHAVE_READ" in optional
+        self.counts_file_reads = "-DHAVE_FD_WALK" in walk and "-DHAVE_READ" in optional
         optional += walk
         # Every exec and rename is an event only with both tracepoints: see take_execs.
         self._all_renames = {"-DHAVE_SCHED_PROCESS_EXEC", "-DHAVE_TASK_RENAME"} <= set(optional)
