@@ -4,7 +4,9 @@
  *   sys_enter in sock_calls, and a successful call becomes one ring-buffer
  *   event at sys_exit. Only AF_INET/AF_INET6 binds are kept.
  * accept, accept4 (watched processes): successful calls counted per tgid in
- *   accepts, at sys_exit only: a blocked accept is already visible in /proc.
+ *   accepts, at sys_exit only: a blocked accept is already visible in /proc. The
+ *   accepted fd's local port (a TCP socket's) gets an entry in door_writes, within the
+ *   process's share of that map: the ports it serves on.
  * write, writev, pwrite64, and the calls that answer over a socket or copy into
  *   an fd without write(2): sendto (send(2) on x86-64 and arm64 is sendto),
  *   sendmsg, sendmmsg, sendfile64, splice (watched processes): the fd written is
@@ -12,14 +14,58 @@
  *   written, the call and its time go to fd_writes[(tgid, fd)], a new fd within
  *   the process's share of that map (maps.bpf.h). sendmmsg returns
  *   messages, not bytes: each message counts as one byte (the count says only that
- *   something was sent). Unwatched processes pay one inlined bitmap test at each
- *   end.
+ *   something was sent). A write to a TCP socket whose local port has an entry in
+ *   door_writes (a connection accepted there) is also counted in that entry, and in
+ *   the fd's door_bytes: the kernel names the fd at write time, so an answer on a
+ *   connection closed at once is placed all the same. Unwatched processes pay one
+ *   inlined bitmap test at each end.
  *
  * Part of one object: follows maps.bpf.h (see there). Each tracepoint pair is
  * compiled in only when agent/sources/probe.py found it (-DHAVE_*).
  */
 
+#include <linux/fdtable.h>
+#include <net/sock.h>
+
 #define SOCKADDR_IN_LEN 16
+#define HW_S_IFMT 00170000
+#define HW_S_IFSOCK 0140000
+#define HW_IPPROTO_TCP 6
+
+/* The local port of the calling thread's fd `fd` if it is a TCP socket (AF_INET/AF_INET6),
+ * else 0: the fd table walked as the kernel holds it now, every read bounded and checked. */
+static __always_inline u32 fd_tcp_port(s32 fd)
+{
+	struct task_struct *task = (struct task_struct *)bpf_get_current_task();
+	struct files_struct *files = 0;
+	struct fdtable *fdt = 0;
+	struct file **fds = 0;
+	struct file *file = 0;
+	struct inode *inode = 0;
+	unsigned int max_fds = 0;
+	umode_t mode = 0;
+	if (fd < 0 || bpf_probe_read_kernel(&files, sizeof(files), &task->files) || !files ||
+	    bpf_probe_read_kernel(&fdt, sizeof(fdt), &files->fdt) || !fdt ||
+	    bpf_probe_read_kernel(&max_fds, sizeof(max_fds), &fdt->max_fds) ||
+	    (u32)fd >= max_fds || bpf_probe_read_kernel(&fds, sizeof(fds), &fdt->fd) || !fds ||
+	    bpf_probe_read_kernel(&file, sizeof(file), &fds[fd]) || !file ||
+	    bpf_probe_read_kernel(&inode, sizeof(inode), &file->f_inode) || !inode ||
+	    bpf_probe_read_kernel(&mode, sizeof(mode), &inode->i_mode) ||
+	    (mode & HW_S_IFMT) != HW_S_IFSOCK)
+		return 0;
+	struct socket *sock = 0;
+	struct sock *sk = 0;
+	u16 family = 0, protocol = 0, port = 0;
+	if (bpf_probe_read_kernel(&sock, sizeof(sock), &file->private_data) || !sock ||
+	    bpf_probe_read_kernel(&sk, sizeof(sk), &sock->sk) || !sk ||
+	    bpf_probe_read_kernel(&family, sizeof(family), &sk->__sk_common.skc_family) ||
+	    (family != HW_AF_INET && family != HW_AF_INET6) ||
+	    bpf_probe_read_kernel(&protocol, sizeof(protocol), &sk->sk_protocol) ||
+	    protocol != HW_IPPROTO_TCP ||
+	    bpf_probe_read_kernel(&port, sizeof(port), &sk->__sk_common.skc_num))
+		return 0;
+	return port;
+}
 
 static __always_inline int sock_call_enter(struct hw_sock_call *call)
 {
@@ -120,10 +166,23 @@ static __always_inline int write_exit(long ret)
 			return 0;
 		}
 	}
+	u64 now = bpf_ktime_get_ns();
 	__sync_fetch_and_add(&st->bytes, ret);
 	__sync_fetch_and_add(&st->calls, 1);
-	st->last_ns = bpf_ktime_get_ns(); /* a racing writer may store an older time: harmless */
+	st->last_ns = now; /* a racing writer may store an older time: harmless */
 	keep_tail(st, t, ret);
+	/* A connection accepted on a port the process serves on: counted by that port now,
+	 * while the fd still names it. Only existing entries: the accept probe makes them. */
+	struct hw_port_key door = {.tgid = tgid, .port = fd_tcp_port(key.fd)};
+	if (!door.port)
+		return 0;
+	struct hw_port_writes *pw = door_writes.lookup(&door);
+	if (!pw)
+		return 0; /* an outbound connection, or accepted before the process was watched */
+	__sync_fetch_and_add(&pw->bytes, ret);
+	__sync_fetch_and_add(&pw->calls, 1);
+	pw->last_ns = now;
+	__sync_fetch_and_add(&st->door_bytes, ret);
 	return 0;
 }
 
@@ -202,6 +261,18 @@ static __always_inline int accept_exit(long ret)
 		return 0;
 	u64 zero = 0;
 	add_or_count_full(accepts.lookup_or_try_init(&tgid, &zero), 1, COUNTER(accepts_full));
+	/* The port it accepted on: its writes on such connections are counted per port. */
+	struct hw_port_key door = {.tgid = tgid, .port = fd_tcp_port((s32)ret)};
+	if (!door.port || door_writes.lookup(&door))
+		return 0;
+	if (!claim(tgid, SHARE(door_writes), NOT_RELEASED, MAX_DOOR_WRITES_PER_PROCESS))
+		return 0;
+	struct hw_port_writes none = {};
+	if (door_writes.insert(&door, &none)) {
+		unclaim(tgid, SHARE(door_writes)); /* the map full, or another CPU's insert */
+		if (!door_writes.lookup(&door))
+			COUNT(door_writes_full);
+	}
 	return 0;
 }
 

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from agent.analysis.progress import ParkSettings, ParkTracker, window_progress
+from agent.analysis import evidence as ev
+from agent.analysis.progress import (
+    HEARTBEAT_MAX_BYTES,
+    HEARTBEAT_MAX_CALLS,
+    ParkSettings,
+    ParkTracker,
+    ProcessProgress,
+    window_progress,
+)
 from agent.model import FutexWait, Snapshot, ThreadSample
 from agent.observe.observer import park_settings
 from agent.settings import Settings
@@ -185,15 +193,57 @@ def test_window_progress_counts_cpu_above_the_floor_and_bytes_written():
     p = window_progress(old, new, 5 * S, settings)
     assert p.working_tids == (12,) and p.did_work and p.write_bytes == 0
     new2 = process(10, parked(11, cpu=1 * MS), parked(12, cpu=10 * MS), write_bytes=612)
+    # /proc/PID/io alone (no probe) cannot name where 512 bytes went: progress, not a heartbeat
     p2 = window_progress(old, new2, 5 * S, settings)
-    # 512 bytes and nothing else: a heartbeat, not work; the same beside CPU work counts
-    assert p2.working_tids == () and p2.write_bytes == 512 and p2.heartbeat and not p2.did_work
+    assert p2.working_tids == () and p2.write_bytes == 512 and not p2.heartbeat and p2.did_work
+    # The same 512 bytes in 2 calls to one named log and nothing else: a heartbeat
+    log = {"written_out": 512, "written_to": "/var/log/x.log", "logged_to": 1, "logged_calls": 2}
+    p2 = window_progress(old, new2, 5 * S, settings, **log)  # type: ignore[arg-type]
+    assert p2.heartbeat and not p2.did_work
     new3 = process(10, parked(11, cpu=1 * MS), parked(12, cpu=300 * MS), write_bytes=612)
-    p3 = window_progress(old, new3, 5 * S, settings)
+    p3 = window_progress(old, new3, 5 * S, settings, **log)  # type: ignore[arg-type]
     assert p3.write_bytes == 512 and not p3.heartbeat and p3.did_work
     # Answers to clients always count
     p4 = window_progress(old, new2, 5 * S, settings, written_out=512, answered=512)
     assert not p4.heartbeat and p4.did_work
+
+
+def _beat(**kw: object) -> ProcessProgress:
+    """A process that wrote one small status line to one named log and did nothing else,
+    changed by ``kw``."""
+    base: dict[str, object] = {
+        "pid": 10,
+        "window_ns": 3 * S,
+        "write_bytes": 200,
+        "written_to": "/var/log/engine.log",
+        "logged_to": 1,
+        "logged_calls": 1,
+    }
+    return ProcessProgress(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def test_a_heartbeat_is_proven_by_its_shape_and_the_absence_of_any_other_work():
+    assert _beat().heartbeat and not _beat().did_work
+    # Any other work makes the same write progress: each kind of the accounting
+    for other in (
+        {"working_tids": (11,)},
+        {"answered_bytes": 100, "write_bytes": 300},
+        {"received_bytes": 4096},
+        {"gpu": ev.GpuActive((0,), 50.0, 0)},
+    ):
+        assert _beat(**other).other_work and not _beat(**other).heartbeat, other
+        assert _beat(**other).did_work, other
+
+
+def test_a_write_not_shaped_like_a_heartbeat_is_progress():
+    # Its destination unnamed (an answer on a connection closed before it was read)
+    assert not _beat(unplaced_bytes=200).heartbeat and _beat(unplaced_bytes=200).did_work
+    assert not _beat(logged_to=0, written_to=None).heartbeat  # nothing named at all
+    assert not _beat(logged_to=2).heartbeat  # to two places: not one status file
+    assert not _beat(logged_calls=HEARTBEAT_MAX_CALLS + 1).heartbeat  # too many calls
+    assert not _beat(logged_calls=None).heartbeat  # calls not counted: not proven
+    assert not _beat(write_bytes=HEARTBEAT_MAX_BYTES + 1).heartbeat  # data, not a line
+    assert _beat(logged_calls=HEARTBEAT_MAX_CALLS).heartbeat
 
 
 def test_unreadable_io_is_not_progress():

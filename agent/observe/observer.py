@@ -100,6 +100,9 @@ class Written:
     answered: int = 0
     most_to: str | None = None
     files: tuple[str, ...] = ()  # the fd links written, not to clients
+    unplaced: int = 0  # of total: to an fd that could not be named, or a port of nobody's
+    destinations: int = 0  # named files, terminals and pipes out written to
+    calls: int | None = None  # write calls to those (None: no probe)
 
 
 @dataclass(frozen=True)
@@ -431,7 +434,7 @@ class Observer:
             accepts = latest.reading.accepts[pid] - old_tick.reading.accepts.get(pid, 0)
         gpu = self.gpu_history.facts(pid, latest.gpu, old_tick.gpu, snap.mono_ns)
         old_sample = old_tick.snapshot.processes.get(pid)
-        written = self._written_out(pid, latest.reading, old_tick.reading, ends)
+        written = self._written_out(pid, latest.reading, old_tick.reading, ends, doors)
         progress = window_progress(
             old_sample,
             sample,
@@ -443,6 +446,9 @@ class Observer:
             received=received_from_outside(old_sample, sample, ends, doors.ports),
             answered=written.answered,
             written_to=written.most_to,
+            unplaced=written.unplaced,
+            logged_to=written.destinations,
+            logged_calls=written.calls,
         )
         if progress.heartbeat:
             # Its mtimes tell of the heartbeat, not of work: never date from them.
@@ -505,19 +511,41 @@ class Observer:
         )
 
     def _written_out(
-        self, pid: int, latest: ProbeReading, old: ProbeReading, ends: ServiceEnds
+        self,
+        pid: int,
+        latest: ProbeReading,
+        old: ProbeReading,
+        ends: ServiceEnds,
+        doors: FrontDoors,
     ) -> Written:
-        """What the process wrote in the window that left the service (agent.analysis.outbound), by the
-        probe's count per fd (total None without a probe)."""
+        """What the process wrote in the window that left the service (agent.analysis.outbound),
+        by the probe's count per fd and, for connections it accepted, per local port: an
+        answer at a front door counts as one whatever became of its connection, one at an
+        internal door stays inside (total None without a probe)."""
         if self.probe is None:
             return Written(None)
         before = old.writes.get(pid, {})
-        total = answered = 0
+        total = answered = unplaced = calls = 0
         files: dict[str, int] = {}
         links: list[str] = []
+        ports_before = old.door_writes.get(pid, {})
+        listening = {d.port for d in doors.doors}
+        for port, pw in latest.door_writes.get(pid, {}).items():
+            prev_port = ports_before.get(port)
+            delta = pw.bytes - (prev_port.bytes if prev_port is not None else 0)
+            if delta <= 0 or (port in listening and port not in doors.ports):
+                continue  # nothing new, or an internal door: the service talking to itself
+            total += delta
+            if port in doors.ports:
+                answered += delta
+            else:
+                unplaced += delta  # accepted at a port no longer listening: not placed
         for fd, w in latest.writes.get(pid, {}).items():
             prev = before.get(fd)
-            delta = w.bytes - (prev.bytes if prev is not None else 0)
+            # The bytes of its accepted connections were placed by their port, above.
+            delta = w.bytes - w.door_bytes
+            if prev is not None:
+                delta -= prev.bytes - prev.door_bytes
             name = self._fd_names.get((pid, fd))
             where = ends.destination(name)
             if delta <= 0 or where not in LEAVES:
@@ -525,13 +553,15 @@ class Observer:
             total += delta
             if where == CLIENT:
                 answered += delta
+            elif name is None:
+                unplaced += delta
             else:
                 key = describe_fd(name, fd)
                 files[key] = files.get(key, 0) + delta
-                if name is not None:
-                    links.append(name)
+                links.append(name)
+                calls += w.calls - (prev.calls if prev is not None else 0)
         most = max(files, key=lambda k: files[k]) if files else None
-        return Written(total, answered, most, tuple(links))
+        return Written(total, answered, most, tuple(links), unplaced, len(files), calls)
 
     def _name_written_fds(self, reading: ProbeReading) -> None:
         """Name each fd when it is written (a log closed later is still named), and only
