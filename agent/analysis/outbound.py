@@ -16,9 +16,9 @@ front-end serving over a unix socket would go unseen).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 
-from ..model import Connection, ProcessSample
+from ..model import Connection, FdWrites, PortWrites, ProcessSample
 
 FILE = "file"
 TERMINAL = "terminal"
@@ -97,3 +97,35 @@ def received_from_outside(
             continue  # not read at the window's start: its count says nothing of the window
         total += max(0, c.bytes_received - (before.get(c.inode) or 0))
     return total
+
+
+def door_answers(
+    latest: Mapping[int, PortWrites],
+    old: Mapping[int, PortWrites],
+    front_ports: Collection[int],
+    listening: Collection[int],
+) -> tuple[int, int]:
+    """A process's writes in the window on connections it accepted, placed by the port they
+    were accepted on (counted by the probe when written, whatever became of the connection):
+    (answers to clients, at a front door; bytes not placed, at a port that no longer
+    listens). An internal door's (every peer a process of the service) stay inside."""
+    answered = unplaced = 0
+    for port, pw in latest.items():
+        prev = old.get(port)
+        delta = pw.bytes - (prev.bytes if prev is not None else 0)
+        if delta <= 0:
+            continue
+        if port in front_ports:
+            answered += delta
+        elif port not in listening:
+            unplaced += delta
+    return answered, unplaced
+
+
+def fd_rest(latest: FdWrites, old: FdWrites | None) -> int:
+    """Bytes written to an fd in the window that are placed by its name: all but those on
+    connections accepted at a counted port (``door_answers`` places those)."""
+    delta = latest.bytes - latest.door_bytes
+    if old is not None:
+        delta -= old.bytes - old.door_bytes
+    return delta

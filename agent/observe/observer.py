@@ -30,7 +30,15 @@ from ..analysis.frontdoor import FrontDoorConfig, FrontDoors, front_doors
 from ..analysis.gpu import GpuHistory, gpu_active
 from ..analysis.last_progress import last_progress
 from ..analysis.nowaker import no_waker
-from ..analysis.outbound import CLIENT, LEAVES, ServiceEnds, inode_of, received_from_outside
+from ..analysis.outbound import (
+    CLIENT,
+    LEAVES,
+    ServiceEnds,
+    door_answers,
+    fd_rest,
+    inode_of,
+    received_from_outside,
+)
 from ..analysis.progress import ParkSettings, ParkTracker, window_progress
 from ..analysis.waitgraph import WaitForGraph, WordGroup
 from ..model import (
@@ -525,27 +533,19 @@ class Observer:
         if self.probe is None:
             return Written(None)
         before = old.writes.get(pid, {})
-        total = answered = unplaced = calls = 0
+        calls = 0
         files: dict[str, int] = {}
         links: list[str] = []
-        ports_before = old.door_writes.get(pid, {})
-        listening = {d.port for d in doors.doors}
-        for port, pw in latest.door_writes.get(pid, {}).items():
-            prev_port = ports_before.get(port)
-            delta = pw.bytes - (prev_port.bytes if prev_port is not None else 0)
-            if delta <= 0 or (port in listening and port not in doors.ports):
-                continue  # nothing new, or an internal door: the service talking to itself
-            total += delta
-            if port in doors.ports:
-                answered += delta
-            else:
-                unplaced += delta  # accepted at a port no longer listening: not placed
+        answered, unplaced = door_answers(
+            latest.door_writes.get(pid, {}),
+            old.door_writes.get(pid, {}),
+            doors.ports,
+            {d.port for d in doors.doors},
+        )
+        total = answered + unplaced
         for fd, w in latest.writes.get(pid, {}).items():
             prev = before.get(fd)
-            # The bytes of its accepted connections were placed by their port, above.
-            delta = w.bytes - w.door_bytes
-            if prev is not None:
-                delta -= prev.bytes - prev.door_bytes
+            delta = fd_rest(w, prev)
             name = self._fd_names.get((pid, fd))
             where = ends.destination(name)
             if delta <= 0 or where not in LEAVES:
