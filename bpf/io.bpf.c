@@ -24,47 +24,52 @@
  * compiled in only when agent/sources/probe.py found it (-DHAVE_*).
  */
 
-#include <linux/fdtable.h>
-#include <net/sock.h>
-
 #define SOCKADDR_IN_LEN 16
 #define HW_S_IFMT 00170000
 #define HW_S_IFSOCK 0140000
 #define HW_IPPROTO_TCP 6
 
+/* One kernel pointer at `base + off`, or 0 where it cannot be read. */
+static __always_inline u64 kernel_ptr(u64 base, u32 off)
+{
+	u64 p = 0;
+	if (!base || bpf_probe_read_kernel(&p, sizeof(p), (void *)(base + off)))
+		return 0;
+	return p;
+}
+
 /* The local port of the calling thread's fd `fd` if it is a TCP socket (AF_INET/AF_INET6),
- * else 0: the fd table walked as the kernel holds it now, every read bounded and checked. */
+ * else 0: the fd table walked as the kernel holds it now (task->files->fdt->fd[fd], the
+ * file's inode mode, file->private_data's socket, its sock), every read bounded and
+ * checked. The members' offsets are the running kernel's, read from its BTF by
+ * agent/sources/btf.py: no header tree need match the kernel. */
 static __always_inline u32 fd_tcp_port(s32 fd)
 {
-	struct task_struct *task = (struct task_struct *)bpf_get_current_task();
-	struct files_struct *files = 0;
-	struct fdtable *fdt = 0;
-	struct file **fds = 0;
-	struct file *file = 0;
-	struct inode *inode = 0;
-	unsigned int max_fds = 0;
-	umode_t mode = 0;
-	if (fd < 0 || bpf_probe_read_kernel(&files, sizeof(files), &task->files) || !files ||
-	    bpf_probe_read_kernel(&fdt, sizeof(fdt), &files->fdt) || !fdt ||
-	    bpf_probe_read_kernel(&max_fds, sizeof(max_fds), &fdt->max_fds) ||
-	    (u32)fd >= max_fds || bpf_probe_read_kernel(&fds, sizeof(fds), &fdt->fd) || !fds ||
-	    bpf_probe_read_kernel(&file, sizeof(file), &fds[fd]) || !file ||
-	    bpf_probe_read_kernel(&inode, sizeof(inode), &file->f_inode) || !inode ||
-	    bpf_probe_read_kernel(&mode, sizeof(mode), &inode->i_mode) ||
+#ifdef HAVE_FD_WALK
+	u64 task = bpf_get_current_task();
+	u64 fdt = kernel_ptr(kernel_ptr(task, OFF_TASK_FILES), OFF_FILES_FDT);
+	u32 max_fds = 0;
+	if (fd < 0 || !fdt || bpf_probe_read_kernel(&max_fds, sizeof(max_fds), (void *)(fdt + OFF_FDT_MAX_FDS)) ||
+	    (u32)fd >= max_fds)
+		return 0;
+	u64 file = kernel_ptr(kernel_ptr(fdt, OFF_FDT_FD), (u32)fd * sizeof(u64));
+	u64 inode = kernel_ptr(file, OFF_FILE_INODE);
+	u16 mode = 0;
+	if (!inode || bpf_probe_read_kernel(&mode, sizeof(mode), (void *)(inode + OFF_INODE_MODE)) ||
 	    (mode & HW_S_IFMT) != HW_S_IFSOCK)
 		return 0;
-	struct socket *sock = 0;
-	struct sock *sk = 0;
+	u64 sk = kernel_ptr(kernel_ptr(file, OFF_FILE_PRIVATE), OFF_SOCKET_SK);
 	u16 family = 0, protocol = 0, port = 0;
-	if (bpf_probe_read_kernel(&sock, sizeof(sock), &file->private_data) || !sock ||
-	    bpf_probe_read_kernel(&sk, sizeof(sk), &sock->sk) || !sk ||
-	    bpf_probe_read_kernel(&family, sizeof(family), &sk->__sk_common.skc_family) ||
+	if (!sk || bpf_probe_read_kernel(&family, sizeof(family), (void *)(sk + OFF_SK_FAMILY)) ||
 	    (family != HW_AF_INET && family != HW_AF_INET6) ||
-	    bpf_probe_read_kernel(&protocol, sizeof(protocol), &sk->sk_protocol) ||
+	    bpf_probe_read_kernel(&protocol, sizeof(protocol), (void *)(sk + OFF_SK_PROTOCOL)) ||
 	    protocol != HW_IPPROTO_TCP ||
-	    bpf_probe_read_kernel(&port, sizeof(port), &sk->__sk_common.skc_num))
+	    bpf_probe_read_kernel(&port, sizeof(port), (void *)(sk + OFF_SK_NUM)))
 		return 0;
 	return port;
+#else
+	return 0; /* no BTF: fds are named by user space only, as before */
+#endif
 }
 
 static __always_inline int sock_call_enter(struct hw_sock_call *call)

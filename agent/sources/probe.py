@@ -33,6 +33,7 @@ from ..model import (
     SocketEvent,
 )
 from ..settings import LONG_WAIT_S
+from .btf import fd_walk_flags
 from .procfs import ProcFS
 
 FALLBACK_HEADERS = "/usr/src/hangwatch-kernel-headers"
@@ -342,7 +343,8 @@ class KernelProbes:
             f"-DWATCHED_WORDS={watched_words(self._proc.pid_max())}",
             *(f"-D{name}={size}" for name, size in (map_sizes or {}).items()),
         ]
-        optional = optional_flags(bpf_class)
+        # The fd walk's offsets, from the running kernel's BTF (none: fds named as before).
+        optional = optional_flags(bpf_class) + fd_walk_flags()
         # Every exec and rename is an event only with both tracepoints: see take_execs.
         self._all_renames = {"-DHAVE_SCHED_PROCESS_EXEC", "-DHAVE_TASK_RENAME"} <= set(optional)
         self._bpf = self._load(bpf_class, bpf_dir, [*settings, *optional])
