@@ -114,6 +114,8 @@ BENCHES = (
           (EMPTY, "unwatched", "watched")),
     Bench("send", "send(2) of 1 byte on a unix socketpair, and its recv(2)", 1_000_000, 20_000,
           (EMPTY, "unwatched", "watched")),
+    Bench("answer", "send(2) of 1 byte on an accepted loopback TCP connection, and its recv(2)",
+          1_000_000, 20_000, (EMPTY, "unwatched", "watched")),
     Bench("rename", "prctl(PR_SET_NAME), any process", 1_000_000, 20_000, ("unwatched",)),
     Bench("gil", "Python, 4 threads contending for the GIL, per step", 20_000_000, 200_000,
           ("watched",)),
@@ -334,6 +336,10 @@ def resources(rep: Report, exe: Path, quick: bool) -> None:
 PROGRAM_PATHS = {
     "futex-wait": (True, ("sys_enter_futex", "sys_exit_futex")),
     "write": (True, ("sys_enter_write", "sys_exit_write")),
+    # The same exit program on a unix socket (the fd walk stops at the family) and on an
+    # accepted TCP connection (the walk to its port, the per-port count): the answer's cost.
+    "send": (True, ("sys_enter_sendto", "sys_exit_sendto")),
+    "answer": (True, ("sys_enter_sendto", "sys_exit_sendto")),
     "rename": (False, ("task_rename",)),
 }
 
