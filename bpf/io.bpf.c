@@ -177,7 +177,11 @@ static __always_inline int write_exit(long ret)
 	st->last_ns = now; /* a racing writer may store an older time: harmless */
 	keep_tail(st, t, ret);
 	/* A connection accepted on a port the process serves on: counted by that port now,
-	 * while the fd still names it. Only existing entries: the accept probe makes them. */
+	 * while the fd still names it. Only existing entries: the accept probe makes them, so
+	 * a process that never accepted a TCP connection pays one lookup, not the fd walk. */
+	struct hw_share *sh = shares.lookup(&tgid);
+	if (!sh || !sh->door_writes)
+		return 0;
 	struct hw_port_key door = {.tgid = tgid, .port = fd_tcp_port(key.fd)};
 	if (!door.port)
 		return 0;
