@@ -504,6 +504,9 @@ class FdWrites:
     # Of ``bytes``, those written on TCP connections accepted at a port counted in
     # ProbeReading.door_writes: placed by that port, not by the fd's name.
     door_bytes: int = 0
+    # Of ``bytes``, those the kernel saw written to a unix socket (plumbing, wherever the fd
+    # went after): counted for processes that accepted a connection.
+    unix_bytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,7 @@
 #define HW_EAGAIN 11 /* a futex wait whose word had changed: it returned without sleeping */
 #define HW_AF_INET 2
 #define HW_AF_INET6 10
+#define HW_AF_UNIX 1
 
 /* One thread of a watched process, keyed by TID, updated in place: created at its
  * first futex wait or write, deleted by user space when the thread or the process
@@ -179,6 +180,9 @@ struct hw_fd_writes {
 	/* Of `bytes`, those written while the fd was a TCP socket accepted on a port counted
 	 * in door_writes: user space places them by that port, not by the fd's name. */
 	u64 door_bytes;
+	/* Of `bytes`, those written while the fd was a unix socket (the service's own plumbing,
+	 * agent/analysis/outbound.py), seen where the fd was walked: known even once it closed. */
+	u64 unix_bytes;
 };
 
 /* TCP writes of one watched process on the connections accepted at one of its local ports

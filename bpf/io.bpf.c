@@ -39,11 +39,11 @@ static __always_inline u64 kernel_ptr(u64 base, u32 off)
 }
 
 /* The local port of the calling thread's fd `fd` if it is a TCP socket (AF_INET/AF_INET6),
- * else 0: the fd table walked as the kernel holds it now (task->files->fdt->fd[fd], the
+ * else 0, and in *is_unix whether it is a unix socket: the fd table walked as the kernel holds it now (task->files->fdt->fd[fd], the
  * file's inode mode, file->private_data's socket, its sock), every read bounded and
  * checked. The members' offsets are the running kernel's, read from its BTF by
  * agent/sources/btf.py: no header tree need match the kernel. */
-static __always_inline u32 fd_tcp_port(s32 fd)
+static __always_inline u32 fd_socket(s32 fd, u32 *is_unix)
 {
 #ifdef HAVE_FD_WALK
 	u64 task = bpf_get_current_task();
@@ -60,8 +60,10 @@ static __always_inline u32 fd_tcp_port(s32 fd)
 		return 0;
 	u64 sk = kernel_ptr(kernel_ptr(file, OFF_FILE_PRIVATE), OFF_SOCKET_SK);
 	u16 family = 0, protocol = 0, port = 0;
-	if (!sk || bpf_probe_read_kernel(&family, sizeof(family), (void *)(sk + OFF_SK_FAMILY)) ||
-	    (family != HW_AF_INET && family != HW_AF_INET6) ||
+	if (!sk || bpf_probe_read_kernel(&family, sizeof(family), (void *)(sk + OFF_SK_FAMILY)))
+		return 0;
+	*is_unix = family == HW_AF_UNIX;
+	if ((family != HW_AF_INET && family != HW_AF_INET6) ||
 	    bpf_probe_read_kernel(&protocol, sizeof(protocol), (void *)(sk + OFF_SK_PROTOCOL)) ||
 	    protocol != HW_IPPROTO_TCP ||
 	    bpf_probe_read_kernel(&port, sizeof(port), (void *)(sk + OFF_SK_NUM)))
@@ -176,13 +178,15 @@ static __always_inline int write_exit(long ret)
 	__sync_fetch_and_add(&st->calls, 1);
 	st->last_ns = now; /* a racing writer may store an older time: harmless */
 	keep_tail(st, t, ret);
-	/* A connection accepted on a port the process serves on: counted by that port now,
-	 * while the fd still names it. Only existing entries: the accept probe makes them, so
-	 * a process that never accepted a TCP connection pays one lookup, not the fd walk. */
-	struct hw_share *sh = shares.lookup(&tgid);
-	if (!sh || !sh->door_writes)
+	/* A connection it accepted: placed now, while the fd still names it (a short connection
+	 * is closed before user space can look). Only a process that accepted a connection
+	 * since it was watched walks its fd table; the others pay one lookup. */
+	if (!accepts.lookup(&tgid))
 		return 0;
-	struct hw_port_key door = {.tgid = tgid, .port = fd_tcp_port(key.fd)};
+	u32 is_unix = 0;
+	struct hw_port_key door = {.tgid = tgid, .port = fd_socket(key.fd, &is_unix)};
+	if (is_unix)
+		__sync_fetch_and_add(&st->unix_bytes, ret); /* the service's plumbing */
 	if (!door.port)
 		return 0;
 	struct hw_port_writes *pw = door_writes.lookup(&door);
@@ -271,7 +275,8 @@ static __always_inline int accept_exit(long ret)
 	u64 zero = 0;
 	add_or_count_full(accepts.lookup_or_try_init(&tgid, &zero), 1, COUNTER(accepts_full));
 	/* The port it accepted on: its writes on such connections are counted per port. */
-	struct hw_port_key door = {.tgid = tgid, .port = fd_tcp_port((s32)ret)};
+	u32 is_unix = 0;
+	struct hw_port_key door = {.tgid = tgid, .port = fd_socket((s32)ret, &is_unix)};
 	if (!door.port || door_writes.lookup(&door))
 		return 0;
 	if (!claim(tgid, SHARE(door_writes), NOT_RELEASED, MAX_DOOR_WRITES_PER_PROCESS))

@@ -83,3 +83,6 @@ def test_an_fd_keeps_only_the_bytes_its_name_places() -> None:
     after = FdWrites(5, bytes=4200, calls=40, last_ns=2, door_bytes=4000)
     assert fd_rest(after, before) == 100  # the log's 100 bytes, not the 3100 answers
     assert fd_rest(after, None) == 200
+    # A unix socket accepted and closed since: the kernel said so when it was written
+    plumbing = FdWrites(6, bytes=500, calls=5, last_ns=2, unix_bytes=500)
+    assert fd_rest(plumbing, FdWrites(6, bytes=100, calls=1, last_ns=1, unix_bytes=100)) == 0

@@ -124,8 +124,9 @@ def door_answers(
 
 def fd_rest(latest: FdWrites, old: FdWrites | None) -> int:
     """Bytes written to an fd in the window that are placed by its name: all but those on
-    connections accepted at a counted port (``door_answers`` places those)."""
-    delta = latest.bytes - latest.door_bytes
+    connections accepted at a counted port (``door_answers`` places those) and those the
+    kernel saw go to a unix socket (inside the service, whatever the fd names now)."""
+    delta = latest.bytes - latest.door_bytes - latest.unix_bytes
     if old is not None:
-        delta -= old.bytes - old.door_bytes
+        delta -= old.bytes - old.door_bytes - old.unix_bytes
     return delta
