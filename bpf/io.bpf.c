@@ -178,11 +178,8 @@ static __always_inline int write_exit(long ret)
 	__sync_fetch_and_add(&st->calls, 1);
 	st->last_ns = now; /* a racing writer may store an older time: harmless */
 	keep_tail(st, t, ret);
-	/* A connection it accepted: placed now, while the fd still names it (a short connection
-	 * is closed before user space can look). Only a process that accepted a connection
-	 * since it was watched walks its fd table; the others pay one lookup. */
-	if (!accepts.lookup(&tgid))
-		return 0;
+	/* What the fd is, now, while it still names it: a short connection (an answer, an
+	 * event loop's self-pipe socketpair) is closed before user space can look. */
 	u32 is_unix = 0;
 	struct hw_port_key door = {.tgid = tgid, .port = fd_socket(key.fd, &is_unix)};
 	if (is_unix)
