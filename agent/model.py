@@ -507,6 +507,10 @@ class FdWrites:
     # Of ``bytes``, those the kernel saw written to a unix socket (plumbing, wherever the fd
     # went after): counted for processes that accepted a connection.
     unix_bytes: int = 0
+    # Of ``bytes``, those written while it was a regular file, and the last one's inode
+    # number (0: none): a file written and closed within a tick is still a named file.
+    file_bytes: int = 0
+    file_ino: int = 0
 
 
 @dataclass(frozen=True)

@@ -183,6 +183,10 @@ struct hw_fd_writes {
 	/* Of `bytes`, those written while the fd was a unix socket (the service's own plumbing,
 	 * agent/analysis/outbound.py), seen where the fd was walked: known even once it closed. */
 	u64 unix_bytes;
+	/* Of `bytes`, those written while the fd was a regular file, and the inode number of the
+	 * last one: a file opened, written and closed within a tick is still a named file. */
+	u64 file_bytes;
+	u64 file_ino;
 };
 
 /* TCP writes of one watched process on the connections accepted at one of its local ports

@@ -27,6 +27,7 @@
 #define SOCKADDR_IN_LEN 16
 #define HW_S_IFMT 00170000
 #define HW_S_IFSOCK 0140000
+#define HW_S_IFREG 0100000
 #define HW_IPPROTO_TCP 6
 
 /* One kernel pointer at `base + off`, or 0 where it cannot be read. */
@@ -39,11 +40,11 @@ static __always_inline u64 kernel_ptr(u64 base, u32 off)
 }
 
 /* The local port of the calling thread's fd `fd` if it is a TCP socket (AF_INET/AF_INET6),
- * else 0, and in *is_unix whether it is a unix socket: the fd table walked as the kernel holds it now (task->files->fdt->fd[fd], the
+ * else 0; in *is_unix whether it is a unix socket, in *file_ino a regular file's inode number: the fd table walked as the kernel holds it now (task->files->fdt->fd[fd], the
  * file's inode mode, file->private_data's socket, its sock), every read bounded and
  * checked. The members' offsets are the running kernel's, read from its BTF by
  * agent/sources/btf.py: no header tree need match the kernel. */
-static __always_inline u32 fd_socket(s32 fd, u32 *is_unix)
+static __always_inline u32 fd_socket(s32 fd, u32 *is_unix, u64 *file_ino)
 {
 #ifdef HAVE_FD_WALK
 	u64 task = bpf_get_current_task();
@@ -55,8 +56,13 @@ static __always_inline u32 fd_socket(s32 fd, u32 *is_unix)
 	u64 file = kernel_ptr(kernel_ptr(fdt, OFF_FDT_FD), (u32)fd * sizeof(u64));
 	u64 inode = kernel_ptr(file, OFF_FILE_INODE);
 	u16 mode = 0;
-	if (!inode || bpf_probe_read_kernel(&mode, sizeof(mode), (void *)(inode + OFF_INODE_MODE)) ||
-	    (mode & HW_S_IFMT) != HW_S_IFSOCK)
+	if (!inode || bpf_probe_read_kernel(&mode, sizeof(mode), (void *)(inode + OFF_INODE_MODE)))
+		return 0;
+	if ((mode & HW_S_IFMT) == HW_S_IFREG) {
+		*file_ino = kernel_ptr(inode, OFF_INODE_INO); /* an unsigned long, as a pointer */
+		return 0;
+	}
+	if ((mode & HW_S_IFMT) != HW_S_IFSOCK)
 		return 0;
 	u64 sk = kernel_ptr(kernel_ptr(file, OFF_FILE_PRIVATE), OFF_SOCKET_SK);
 	u16 family = 0, protocol = 0, port = 0;
@@ -181,9 +187,14 @@ static __always_inline int write_exit(long ret)
 	/* What the fd is, now, while it still names it: a short connection (an answer, an
 	 * event loop's self-pipe socketpair) is closed before user space can look. */
 	u32 is_unix = 0;
-	struct hw_port_key door = {.tgid = tgid, .port = fd_socket(key.fd, &is_unix)};
+	u64 file_ino = 0;
+	struct hw_port_key door = {.tgid = tgid, .port = fd_socket(key.fd, &is_unix, &file_ino)};
 	if (is_unix)
 		__sync_fetch_and_add(&st->unix_bytes, ret); /* the service's plumbing */
+	if (file_ino) {
+		__sync_fetch_and_add(&st->file_bytes, ret);
+		st->file_ino = file_ino;
+	}
 	if (!door.port)
 		return 0;
 	struct hw_port_writes *pw = door_writes.lookup(&door);
@@ -273,7 +284,8 @@ static __always_inline int accept_exit(long ret)
 	add_or_count_full(accepts.lookup_or_try_init(&tgid, &zero), 1, COUNTER(accepts_full));
 	/* The port it accepted on: its writes on such connections are counted per port. */
 	u32 is_unix = 0;
-	struct hw_port_key door = {.tgid = tgid, .port = fd_socket((s32)ret, &is_unix)};
+	u64 file_ino = 0;
+	struct hw_port_key door = {.tgid = tgid, .port = fd_socket((s32)ret, &is_unix, &file_ino)};
 	if (!door.port || door_writes.lookup(&door))
 		return 0;
 	if (!claim(tgid, SHARE(door_writes), NOT_RELEASED, MAX_DOOR_WRITES_PER_PROCESS))

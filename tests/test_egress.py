@@ -14,6 +14,7 @@ from agent.analysis.outbound import (
     TERMINAL,
     UNKNOWN,
     ServiceEnds,
+    closed_file,
     door_answers,
     fd_rest,
 )
@@ -86,3 +87,15 @@ def test_an_fd_keeps_only_the_bytes_its_name_places() -> None:
     # A unix socket accepted and closed since: the kernel said so when it was written
     plumbing = FdWrites(6, bytes=500, calls=5, last_ns=2, unix_bytes=500)
     assert fd_rest(plumbing, FdWrites(6, bytes=100, calls=1, last_ns=1, unix_bytes=100)) == 0
+
+
+def test_a_file_closed_before_its_name_was_read_is_still_a_file() -> None:
+    """The raylet rewrites debug_state.txt through a new fd each time: the kernel saw a
+    regular file (inode 77) at the write, so it is one named destination, not unplaced."""
+    before = FdWrites(9, bytes=100, calls=1, last_ns=1, file_bytes=100, file_ino=70)
+    after = FdWrites(9, bytes=19_900, calls=2, last_ns=2, file_bytes=19_900, file_ino=77)
+    assert closed_file(after, before, fd_rest(after, before)) == "a file (inode 77)"
+    # Some of it went elsewhere (a socket since closed): not all placed, so not named
+    mixed = FdWrites(9, bytes=19_900, calls=3, last_ns=2, file_bytes=10_000, file_ino=77)
+    assert closed_file(mixed, before, fd_rest(mixed, before)) is None
+    assert closed_file(FdWrites(9, 5, 1, 1), None, 5) is None  # never a file

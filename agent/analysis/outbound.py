@@ -130,3 +130,13 @@ def fd_rest(latest: FdWrites, old: FdWrites | None) -> int:
     if old is not None:
         delta -= old.bytes - old.door_bytes - old.unix_bytes
     return delta
+
+
+def closed_file(latest: FdWrites, old: FdWrites | None, rest: int) -> str | None:
+    """What to call a file the kernel saw written through this fd when its name could not be
+    read (opened, written and closed within a tick): "a file (inode N)", if all of ``rest``
+    (the fd's bytes placed by name, ``fd_rest``) went to regular files; else None."""
+    to_files = latest.file_bytes - (old.file_bytes if old is not None else 0)
+    if latest.file_ino and rest > 0 and to_files >= rest:
+        return f"a file (inode {latest.file_ino})"
+    return None

@@ -34,6 +34,7 @@ from ..analysis.outbound import (
     CLIENT,
     LEAVES,
     ServiceEnds,
+    closed_file,
     door_answers,
     fd_rest,
     inode_of,
@@ -551,14 +552,16 @@ class Observer:
             if delta <= 0 or where not in LEAVES:
                 continue
             total += delta
+            closed = closed_file(w, prev, delta) if name is None else None
             if where == CLIENT:
                 answered += delta
-            elif name is None:
+            elif name is None and closed is None:
                 unplaced += delta
             else:
-                key = describe_fd(name, fd)
+                key = closed or describe_fd(name, fd)
                 files[key] = files.get(key, 0) + delta
-                links.append(name)
+                if name is not None:
+                    links.append(name)
                 calls += w.calls - (prev.calls if prev is not None else 0)
         most = max(files, key=lambda k: files[k]) if files else None
         return Written(total, answered, most, tuple(links), unplaced, len(files), calls)

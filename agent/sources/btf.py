@@ -118,6 +118,7 @@ FD_WALK = (
     ("OFF_FILE_INODE", "file", "f_inode"),
     ("OFF_FILE_PRIVATE", "file", "private_data"),
     ("OFF_INODE_MODE", "inode", "i_mode"),
+    ("OFF_INODE_INO", "inode", "i_ino"),
     ("OFF_SOCKET_SK", "socket", "sk"),
     ("OFF_SK_FAMILY", "sock", "__sk_common.skc_family"),
     ("OFF_SK_NUM", "sock", "__sk_common.skc_num"),

@@ -650,7 +650,15 @@ class KernelProbes:
         for k, v in self._fd_writes.items():
             tail = bytes(v.tail)[: min(v.tail_len, len(v.tail))]
             writes.setdefault(k.tgid, {})[k.fd] = FdWrites(
-                k.fd, v.bytes, v.calls, v.last_ns, tail, v.door_bytes, v.unix_bytes
+                k.fd,
+                v.bytes,
+                v.calls,
+                v.last_ns,
+                tail,
+                v.door_bytes,
+                v.unix_bytes,
+                v.file_bytes,
+                v.file_ino,
             )
         door_writes: dict[int, dict[int, PortWrites]] = {}
         for k, v in self._door_writes.items():
