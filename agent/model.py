@@ -505,6 +505,27 @@ class FdWrites:
     # The last bytes of the last write (up to 16; empty where its buffer was not read): how
     # an HTTP answer on a socket ends (agent.analysis.answers).
     tail: builtins.bytes = b""  # (the field `bytes` above shadows the type)
+    # Of ``bytes``, those written on TCP connections accepted at a port counted in
+    # ProbeReading.door_writes: placed by that port, not by the fd's name.
+    door_bytes: int = 0
+    # Of ``bytes``, those the kernel saw written to a unix socket (plumbing, wherever the fd
+    # went after): counted for processes that accepted a connection.
+    unix_bytes: int = 0
+    # Of ``bytes``, those written while it was a regular file, and the last one's inode
+    # number (0: none): a file written and closed within a tick is still a named file.
+    file_bytes: int = 0
+    file_ino: int = 0
+
+
+@dataclass(frozen=True)
+class PortWrites:
+    """TCP writes of a watched process on the connections it accepted at one local port,
+    since it was watched: counted when written, so a connection closed at once still counts."""
+
+    port: int
+    bytes: int
+    calls: int
+    last_ns: int  # CLOCK_MONOTONIC of the last write; 0: none yet
 
 
 @dataclass(frozen=True)
@@ -541,6 +562,8 @@ class ProbeReading:
     accepts: Mapping[int, int] = field(default_factory=dict)  # tgid -> accepts since watched
     # tgid -> fd -> writes since watched
     writes: Mapping[int, Mapping[int, FdWrites]] = field(default_factory=dict)
+    # tgid -> local port it accepted a TCP connection on -> its writes on such connections
+    door_writes: Mapping[int, Mapping[int, PortWrites]] = field(default_factory=dict)
     # TIDs the kernel keeps an entry for (watched processes): forget them once gone
     threads: frozenset[int] = frozenset()
     execs: tuple[ExecEvent, ...] = ()  # drained since the last read

@@ -122,6 +122,8 @@ BENCHES = (
           (EMPTY, "unwatched", "watched")),
     Bench("read-dev", "read(2) of 1 byte of /dev/zero (not a regular file)", 1_000_000, 20_000,
           (EMPTY, "unwatched", "watched")),
+    Bench("answer", "send(2) of 1 byte on an accepted loopback TCP connection, and its recv(2)",
+          1_000_000, 20_000, (EMPTY, "unwatched", "watched")),
     Bench("rename", "prctl(PR_SET_NAME), any process", 1_000_000, 20_000, ("unwatched",)),
     Bench("gil", "Python, 4 threads contending for the GIL, per step", 20_000_000, 200_000,
           ("watched",)),
@@ -344,6 +346,10 @@ PROGRAM_PATHS = {
     "write": (True, ("sys_enter_write", "sys_exit_write")),
     "pread": (True, ("sys_enter_pread64", "sys_exit_pread64")),
     "read-dev": (True, ("sys_enter_read", "sys_exit_read")),
+    # The same exit program on a unix socket (the fd walk stops at the family) and on an
+    # accepted TCP connection (the walk to its port, the per-port count): the answer's cost.
+    "send": (True, ("sys_enter_sendto", "sys_exit_sendto")),
+    "answer": (True, ("sys_enter_sendto", "sys_exit_sendto")),
     "rename": (False, ("task_rename",)),
 }
 

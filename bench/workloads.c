@@ -14,6 +14,9 @@
  *                              up and leaves out (not a regular file)
  *   workloads send N           send(2) of one byte on a unix datagram socketpair, and the
  *                              recv(2) that drains it (recv is not traced)
+ *   workloads answer N         send(2) of one byte on a loopback TCP connection it accepted
+ *                              (after its go line, so a watching probe sees the accept), and
+ *                              the recv(2) of it at the connecting end: a server's answer
  *   workloads rename N         prctl(PR_SET_NAME), two names in turn: the task_rename
  *                              tracepoint that any process can fire in a loop
  *   workloads futex-rate R S   about R EAGAIN futex calls per second for S seconds
@@ -34,6 +37,7 @@
 #include <fcntl.h>
 #include <linux/futex.h>
 #include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdio.h>
@@ -246,6 +250,28 @@ static void serve(int lfd, long n)
 	}
 }
 
+/* A connection to itself over loopback: *client is the connecting end, the accepted end is
+ * returned, Nagle off on both so each 1-byte send goes at once. */
+static int answer_connection(int *client)
+{
+	struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+	socklen_t len = sizeof a;
+	int one = 1;
+	int lfd = socket(AF_INET, SOCK_STREAM, 0);
+	if (lfd < 0 || bind(lfd, (struct sockaddr *)&a, sizeof a) != 0 || listen(lfd, 1) != 0 ||
+	    getsockname(lfd, (struct sockaddr *)&a, &len) != 0)
+		die("answer listen");
+	*client = socket(AF_INET, SOCK_STREAM, 0);
+	if (*client < 0 || connect(*client, (struct sockaddr *)&a, sizeof a) != 0)
+		die("answer connect");
+	int fd = accept(lfd, NULL, NULL);
+	if (fd < 0)
+		die("answer accept");
+	setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+	setsockopt(*client, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+	return fd;
+}
+
 int main(int argc, char **argv)
 {
 	if (argc < 3) {
@@ -270,6 +296,9 @@ int main(int argc, char **argv)
 	char go[16];
 	if (!fgets(go, sizeof go, stdin))
 		return 1;
+
+	int client = -1;
+	int answer = strcmp(mode, "answer") == 0 ? answer_connection(&client) : -1;
 
 	double t0 = now_ns();
 	if (strcmp(mode, "futex-wait") == 0) {
@@ -311,6 +340,11 @@ int main(int argc, char **argv)
 		for (long i = 0; i < n; i++)
 			if (send(pair[0], "x", 1, 0) != 1 || recv(pair[1], &c, 1, 0) != 1)
 				die("send");
+	} else if (strcmp(mode, "answer") == 0) {
+		char c;
+		for (long i = 0; i < n; i++)
+			if (send(answer, "x", 1, 0) != 1 || recv(client, &c, 1, 0) != 1)
+				die("answer");
 	} else if (strcmp(mode, "pingpong") == 0) {
 		printf("%.1f\n", pingpong(n));
 		return 0;

@@ -45,6 +45,7 @@
 #define HW_EAGAIN 11 /* a futex wait whose word had changed: it returned without sleeping */
 #define HW_AF_INET 2
 #define HW_AF_INET6 10
+#define HW_AF_UNIX 1
 
 /* One thread of a watched process, keyed by TID, updated in place: created at its
  * first futex wait or write, deleted by user space when the thread or the process
@@ -100,6 +101,8 @@ struct hw_refusal {
 struct hw_share {
 	u32 threads;   /* entries inserted in `threads` */
 	u32 fd_writes; /* entries inserted in `fd_writes` */
+	u32 door_writes; /* entries inserted in `door_writes` */
+	u32 pad;
 	u32 refusals;  /* entries inserted in `refusals`, less those the kernel deleted */
 	u32 window_events; /* ring-buffer events sent in the window that began at window_ns */
 	u64 window_ns;
@@ -175,6 +178,30 @@ struct hw_fd_writes {
 	u8 tail[HW_TAIL_LEN];
 	u32 tail_len;
 	u32 pad;
+	/* Of `bytes`, those written while the fd was a TCP socket accepted on a port counted
+	 * in door_writes: user space places them by that port, not by the fd's name. */
+	u64 door_bytes;
+	/* Of `bytes`, those written while the fd was a unix socket (the service's own plumbing,
+	 * agent/analysis/outbound.py), seen where the fd was walked: known even once it closed. */
+	u64 unix_bytes;
+	/* Of `bytes`, those written while the fd was a regular file, and the inode number of the
+	 * last one: a file opened, written and closed within a tick is still a named file. */
+	u64 file_bytes;
+	u64 file_ino;
+};
+
+/* TCP writes of one watched process on the connections accepted at one of its local ports
+ * (keyed by the port its accept probe saw): counted as they are written, so an answer on a
+ * connection closed before user space looks is still placed. */
+struct hw_port_key {
+	u32 tgid;
+	u32 port; /* host byte order */
+};
+
+struct hw_port_writes {
+	u64 bytes;
+	u64 calls;
+	u64 last_ns; /* bpf_ktime_get_ns() at the last one's sys_exit */
 };
 
 /* Per-CPU counters: every full map and failed reserve is counted. User
@@ -192,6 +219,7 @@ struct hw_counters {
 	u64 write_calls_full; /* a write not counted: threads map full */
 	u64 fd_writes_full;   /* a write not counted: fd_writes map full */
 	u64 accepts_full;     /* an accept not counted: accepts map full */
+	u64 door_writes_full; /* a door's writes not counted: door_writes map full */
 	u64 shares_full;      /* a watched process's insert refused: shares map full */
 	/* an exec or rename not kept, the changes map full: not a loss (discovery reads every
 	 * process again), so not named *_full, which user space counts as lost evidence */

@@ -4,7 +4,9 @@
  *   sys_enter in sock_calls, and a successful call becomes one ring-buffer
  *   event at sys_exit. Only AF_INET/AF_INET6 binds are kept.
  * accept, accept4 (watched processes): successful calls counted per tgid in
- *   accepts, at sys_exit only: a blocked accept is already visible in /proc.
+ *   accepts, at sys_exit only: a blocked accept is already visible in /proc. The
+ *   accepted fd's local port (a TCP socket's) gets an entry in door_writes, within the
+ *   process's share of that map: the ports it serves on.
  * write, writev, pwrite64, and the calls that answer over a socket or copy into
  *   an fd without write(2): sendto (send(2) on x86-64 and arm64 is sendto),
  *   sendmsg, sendmmsg, sendfile64, splice (watched processes): the fd written is
@@ -12,8 +14,11 @@
  *   written, the call and its time go to fd_writes[(tgid, fd)], a new fd within
  *   the process's share of that map (maps.bpf.h). sendmmsg returns
  *   messages, not bytes: each message counts as one byte (the count says only that
- *   something was sent). Unwatched processes pay one inlined bitmap test at each
- *   end.
+ *   something was sent). A write to a TCP socket whose local port has an entry in
+ *   door_writes (a connection accepted there) is also counted in that entry, and in
+ *   the fd's door_bytes: the kernel names the fd at write time, so an answer on a
+ *   connection closed at once is placed all the same. Unwatched processes pay one
+ *   inlined bitmap test at each end.
  *
  * read, pread64, readv, preadv, preadv2 (watched processes): bytes read from regular
  *   files of storage per tgid in file_reads; see the comment above read_enter.
@@ -23,6 +28,76 @@
  */
 
 #define SOCKADDR_IN_LEN 16
+#define HW_S_IFMT 00170000
+#define HW_S_IFSOCK 0140000
+#define HW_S_IFREG 0100000
+#define HW_IPPROTO_TCP 6
+
+/* One kernel pointer at `base + off`, or 0 where it cannot be read. */
+static __always_inline u64 kernel_ptr(u64 base, u32 off)
+{
+	u64 p = 0;
+	if (!base || bpf_probe_read_kernel(&p, sizeof(p), (void *)(base + off)))
+		return 0;
+	return p;
+}
+
+#ifdef HAVE_FD_WALK
+/* The file behind the calling thread's fd `fd` and its inode's mode (in *mode), or 0: the fd
+ * table walked as the kernel holds it now (task->files->fdt->fd[fd], the fd checked against
+ * max_fds, the file's inode), every read bounded and checked. The members' offsets are the
+ * running kernel's, read from its BTF by agent/sources/btf.py: no header tree need match the
+ * kernel. Shared by the write probe (what a write's fd is) and the read probe (whether a
+ * read's fd is a file of storage). */
+static __always_inline u64 fd_file(s64 fd, u64 *inode, u16 *mode)
+{
+	u64 fdt = kernel_ptr(kernel_ptr(bpf_get_current_task(), HW_OFF_TASK_FILES),
+			     HW_OFF_FILES_FDT);
+	u32 max_fds = 0;
+	if (fd < 0 || !fdt ||
+	    bpf_probe_read_kernel(&max_fds, sizeof(max_fds), (void *)(fdt + HW_OFF_FDT_MAX_FDS)) ||
+	    fd >= max_fds)
+		return 0;
+	u64 file = kernel_ptr(kernel_ptr(fdt, HW_OFF_FDT_FD), (u32)fd * sizeof(u64));
+	*inode = kernel_ptr(file, HW_OFF_FILE_INODE);
+	if (!*inode || bpf_probe_read_kernel(mode, sizeof(*mode), (void *)(*inode + HW_OFF_INODE_MODE)))
+		return 0;
+	return file;
+}
+#endif
+
+/* The local port of the calling thread's fd `fd` if it is a TCP socket (AF_INET/AF_INET6),
+ * else 0; in *is_unix whether it is a unix socket, in *file_ino a regular file's inode
+ * number (fd_file's walk, then file->private_data's socket and its sock). */
+static __always_inline u32 fd_socket(s32 fd, u32 *is_unix, u64 *file_ino)
+{
+#ifdef HAVE_FD_WALK
+	u64 inode = 0;
+	u16 mode = 0;
+	u64 file = fd_file(fd, &inode, &mode);
+	if (!file)
+		return 0;
+	if ((mode & HW_S_IFMT) == HW_S_IFREG) {
+		*file_ino = kernel_ptr(inode, HW_OFF_INODE_INO); /* an unsigned long, as a pointer */
+		return 0;
+	}
+	if ((mode & HW_S_IFMT) != HW_S_IFSOCK)
+		return 0;
+	u64 sk = kernel_ptr(kernel_ptr(file, HW_OFF_FILE_PRIVATE), HW_OFF_SOCKET_SK);
+	u16 family = 0, protocol = 0, port = 0;
+	if (!sk || bpf_probe_read_kernel(&family, sizeof(family), (void *)(sk + HW_OFF_SK_FAMILY)))
+		return 0;
+	*is_unix = family == HW_AF_UNIX;
+	if ((family != HW_AF_INET && family != HW_AF_INET6) ||
+	    bpf_probe_read_kernel(&protocol, sizeof(protocol), (void *)(sk + HW_OFF_SK_PROTOCOL)) ||
+	    protocol != HW_IPPROTO_TCP ||
+	    bpf_probe_read_kernel(&port, sizeof(port), (void *)(sk + HW_OFF_SK_NUM)))
+		return 0;
+	return port;
+#else
+	return 0; /* no BTF: fds are named by user space only, as before */
+#endif
+}
 
 static __always_inline int sock_call_enter(struct hw_sock_call *call)
 {
@@ -123,10 +198,31 @@ static __always_inline int write_exit(long ret)
 			return 0;
 		}
 	}
+	u64 now = bpf_ktime_get_ns();
 	__sync_fetch_and_add(&st->bytes, ret);
 	__sync_fetch_and_add(&st->calls, 1);
-	st->last_ns = bpf_ktime_get_ns(); /* a racing writer may store an older time: harmless */
+	st->last_ns = now; /* a racing writer may store an older time: harmless */
 	keep_tail(st, t, ret);
+	/* What the fd is, now, while it still names it: a short connection (an answer, an
+	 * event loop's self-pipe socketpair) is closed before user space can look. */
+	u32 is_unix = 0;
+	u64 file_ino = 0;
+	struct hw_port_key door = {.tgid = tgid, .port = fd_socket(key.fd, &is_unix, &file_ino)};
+	if (is_unix)
+		__sync_fetch_and_add(&st->unix_bytes, ret); /* the service's plumbing */
+	if (file_ino) {
+		__sync_fetch_and_add(&st->file_bytes, ret);
+		st->file_ino = file_ino;
+	}
+	if (!door.port)
+		return 0;
+	struct hw_port_writes *pw = door_writes.lookup(&door);
+	if (!pw)
+		return 0; /* an outbound connection, or accepted before the process was watched */
+	__sync_fetch_and_add(&pw->bytes, ret);
+	__sync_fetch_and_add(&pw->calls, 1);
+	pw->last_ns = now;
+	__sync_fetch_and_add(&st->door_bytes, ret);
 	return 0;
 }
 
@@ -205,6 +301,20 @@ static __always_inline int accept_exit(long ret)
 		return 0;
 	u64 zero = 0;
 	add_or_count_full(accepts.lookup_or_try_init(&tgid, &zero), 1, COUNTER(accepts_full));
+	/* The port it accepted on: its writes on such connections are counted per port. */
+	u32 is_unix = 0;
+	u64 file_ino = 0;
+	struct hw_port_key door = {.tgid = tgid, .port = fd_socket((s32)ret, &is_unix, &file_ino)};
+	if (!door.port || door_writes.lookup(&door))
+		return 0;
+	if (!claim(tgid, SHARE(door_writes), NOT_RELEASED, MAX_DOOR_WRITES_PER_PROCESS))
+		return 0;
+	struct hw_port_writes none = {};
+	if (door_writes.insert(&door, &none)) {
+		unclaim(tgid, SHARE(door_writes)); /* the map full, or another CPU's insert */
+		if (!door_writes.lookup(&door))
+			COUNT(door_writes_full);
+	}
 	return 0;
 }
 
@@ -307,9 +417,6 @@ WRITE_PAIR(splice, fd_out, HW_BUF_NONE, 0, 0)
  * The page cache, network and FUSE file systems do no block I/O: this is the count that
  * sees their reads. */
 #ifdef HAVE_FD_WALK
-#define HW_S_IFMT 0170000
-#define HW_S_IFREG 0100000
-
 static __always_inline int pseudo_fs(u64 magic)
 {
 	switch (magic) {
@@ -330,29 +437,16 @@ static __always_inline int pseudo_fs(u64 magic)
 	return 0;
 }
 
-/* Whether `fd` of the current task is a regular file of storage: the fd table's file, its
- * inode's mode, its super block's magic, each read at the running kernel's offsets. */
+/* Whether `fd` of the current task is a regular file of storage: fd_file's walk, then the
+ * inode's super block magic. */
 static __always_inline int storage_file(s64 fd)
 {
-	u64 task = bpf_get_current_task();
-	u64 files = 0, fdt = 0, fds = 0, file = 0, inode = 0, sb = 0, magic = 0;
-	u32 max_fds = 0;
+	u64 inode = 0, magic = 0;
 	u16 mode = 0;
-	if (fd < 0 ||
-	    bpf_probe_read_kernel(&files, sizeof(files), (void *)(task + HW_OFF_TASK_FILES)) ||
-	    !files ||
-	    bpf_probe_read_kernel(&fdt, sizeof(fdt), (void *)(files + HW_OFF_FILES_FDT)) || !fdt ||
-	    bpf_probe_read_kernel(&max_fds, sizeof(max_fds), (void *)(fdt + HW_OFF_FDT_MAX_FDS)) ||
-	    fd >= max_fds ||
-	    bpf_probe_read_kernel(&fds, sizeof(fds), (void *)(fdt + HW_OFF_FDT_FD)) || !fds ||
-	    bpf_probe_read_kernel(&file, sizeof(file), (void *)(fds + fd * sizeof(u64))) ||
-	    !file ||
-	    bpf_probe_read_kernel(&inode, sizeof(inode), (void *)(file + HW_OFF_FILE_INODE)) ||
-	    !inode ||
-	    bpf_probe_read_kernel(&mode, sizeof(mode), (void *)(inode + HW_OFF_INODE_MODE)) ||
-	    (mode & HW_S_IFMT) != HW_S_IFREG ||
-	    bpf_probe_read_kernel(&sb, sizeof(sb), (void *)(inode + HW_OFF_INODE_SB)) || !sb ||
-	    bpf_probe_read_kernel(&magic, sizeof(magic), (void *)(sb + HW_OFF_SB_MAGIC)))
+	if (!fd_file(fd, &inode, &mode) || (mode & HW_S_IFMT) != HW_S_IFREG)
+		return 0;
+	u64 sb = kernel_ptr(inode, HW_OFF_INODE_SB);
+	if (!sb || bpf_probe_read_kernel(&magic, sizeof(magic), (void *)(sb + HW_OFF_SB_MAGIC)))
 		return 0;
 	return !pseudo_fs(magic);
 }

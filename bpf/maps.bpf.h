@@ -34,6 +34,9 @@
 #ifndef MAX_FD_WRITES
 #define MAX_FD_WRITES 16384
 #endif
+#ifndef MAX_DOOR_WRITES
+#define MAX_DOOR_WRITES 4096 /* (watched process, local port it accepted on) */
+#endif
 #ifndef MAX_ACCEPTS
 #define MAX_ACCEPTS 4096
 #endif
@@ -49,6 +52,9 @@
 #endif
 #ifndef MAX_FD_WRITES_PER_PROCESS
 #define MAX_FD_WRITES_PER_PROCESS (MAX_FD_WRITES / 8)
+#endif
+#ifndef MAX_DOOR_WRITES_PER_PROCESS
+#define MAX_DOOR_WRITES_PER_PROCESS (MAX_DOOR_WRITES / 8)
 #endif
 #ifndef MAX_REFUSALS_PER_PROCESS
 #define MAX_REFUSALS_PER_PROCESS (MAX_REFUSALS / 8)
@@ -97,6 +103,7 @@ BPF_HASH(sock_calls, u64, struct hw_sock_call, MAX_SOCK_CALLS); /* pid_tgid -> b
 BPF_HASH(fd_writes, struct hw_fd_key, struct hw_fd_writes, MAX_FD_WRITES);
 BPF_HASH(accepts, u32, u64, MAX_ACCEPTS);                       /* tgid -> accepts */
 BPF_HASH(file_reads, u32, u64, MAX_FILE_READS);                 /* tgid -> bytes read from files */
+BPF_HASH(door_writes, struct hw_port_key, struct hw_port_writes, MAX_DOOR_WRITES);
 
 static __always_inline struct hw_counters *this_cpu_counters(void)
 {

@@ -3,6 +3,7 @@ anonymous structs and unions too, and no offset at all where anything is missing
 
 from __future__ import annotations
 
+import os
 import struct
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.sources.btf import member_offsets
+from agent.sources.btf import FD_WALK, VMLINUX_BTF, fd_walk_flags, member_offsets
 
 _STRUCT, _UNION, _INT, _TYPEDEF = 4, 5, 1, 8
 
@@ -97,3 +98,12 @@ def test_a_damaged_blob_gives_offsets_or_none_and_never_fails(tmp_path_factory, 
     path.write_bytes(bytes(blob[:cut]))
     got = member_offsets([("sock", "c.num"), ("common", "pad")], str(path))
     assert got is None or all(isinstance(v, int) for v in got.values())
+
+
+def test_the_running_kernel_has_every_member_of_the_walk() -> None:
+    """Every member the probes' fd walk reads is found in this kernel's BTF (CI's kernel has
+    BTF: there a missing one fails, not skips)."""
+    if not os.path.exists(VMLINUX_BTF) and not os.environ.get("CI"):
+        pytest.skip("this kernel exports no BTF")
+    flags = fd_walk_flags()
+    assert flags[:1] == ["-DHAVE_FD_WALK"] and len(flags) == 1 + len(FD_WALK), flags

@@ -50,6 +50,8 @@ def facts(
         write_bytes={"write": 4096, "answer": 4096, "bigwrite": 2**20}.get(work or ""),
         answered_bytes=4096 if work == "answer" else 0,
         written_to="/var/log/engine.log" if work in ("write", "bigwrite") else None,
+        logged_to=1 if work in ("write", "bigwrite") else 0,
+        logged_calls=1 if work in ("write", "bigwrite") else None,
     )
     return ProcessFacts(
         sample, prog, n if parked_n is None else parked_n, parked_s, cycles, front_door_ports=doors

@@ -183,7 +183,7 @@ def test_as_json_rounds_floats_and_nests_facts() -> None:
         "comm": "python",
         "facts": [
             {"kind": "cpu_work", "threads": 2, "cpu_s": 1.5, "window_s": 5.0},
-            {"kind": "wrote_out", "bytes": 2048, "window_s": 5.0},
+            {"kind": "wrote_out", "bytes": 2048, "window_s": 5.0, "answered": 0},
         ],
     }
     cycle = ev.as_json(ev.LockCycle(LINKS))

@@ -4,8 +4,16 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from agent.analysis import evidence as ev
 from agent.analysis.evidence import ReadStorage
-from agent.analysis.progress import ParkSettings, ParkTracker, window_progress
+from agent.analysis.progress import (
+    HEARTBEAT_MAX_BYTES,
+    HEARTBEAT_MAX_CALLS,
+    ParkSettings,
+    ParkTracker,
+    ProcessProgress,
+    window_progress,
+)
 from agent.model import FutexWait, ProcessSample, Snapshot, ThreadSample
 from agent.observe.observer import park_settings
 from agent.report.sentences import render
@@ -187,15 +195,57 @@ def test_window_progress_counts_cpu_above_the_floor_and_bytes_written():
     p = window_progress(old, new, 5 * S, settings)
     assert p.working_tids == (12,) and p.did_work and p.write_bytes == 0
     new2 = process(10, parked(11, cpu=1 * MS), parked(12, cpu=10 * MS), write_bytes=612)
+    # /proc/PID/io alone (no probe) cannot name where 512 bytes went: progress, not a heartbeat
     p2 = window_progress(old, new2, 5 * S, settings)
-    # 512 bytes and nothing else: a heartbeat, not work; the same beside CPU work counts
-    assert p2.working_tids == () and p2.write_bytes == 512 and p2.heartbeat and not p2.did_work
+    assert p2.working_tids == () and p2.write_bytes == 512 and not p2.heartbeat and p2.did_work
+    # The same 512 bytes in 2 calls to one named log and nothing else: a heartbeat
+    log = {"written_out": 512, "written_to": "/var/log/x.log", "logged_to": 1, "logged_calls": 2}
+    p2 = window_progress(old, new2, 5 * S, settings, **log)  # type: ignore[arg-type]
+    assert p2.heartbeat and not p2.did_work
     new3 = process(10, parked(11, cpu=1 * MS), parked(12, cpu=300 * MS), write_bytes=612)
-    p3 = window_progress(old, new3, 5 * S, settings)
+    p3 = window_progress(old, new3, 5 * S, settings, **log)  # type: ignore[arg-type]
     assert p3.write_bytes == 512 and not p3.heartbeat and p3.did_work
     # Answers to clients always count
     p4 = window_progress(old, new2, 5 * S, settings, written_out=512, answered=512)
     assert not p4.heartbeat and p4.did_work
+
+
+def _beat(**kw: object) -> ProcessProgress:
+    """A process that wrote one small status line to one named log and did nothing else,
+    changed by ``kw``."""
+    base: dict[str, object] = {
+        "pid": 10,
+        "window_ns": 3 * S,
+        "write_bytes": 200,
+        "written_to": "/var/log/engine.log",
+        "logged_to": 1,
+        "logged_calls": 1,
+    }
+    return ProcessProgress(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def test_a_heartbeat_is_proven_by_its_shape_and_the_absence_of_any_other_work():
+    assert _beat().heartbeat and not _beat().did_work
+    # Any other work makes the same write progress: each kind of the accounting
+    for other in (
+        {"working_tids": (11,)},
+        {"answered_bytes": 100, "write_bytes": 300},
+        {"received_bytes": 4096},
+        {"gpu": ev.GpuActive((0,), 50.0, 0)},
+    ):
+        assert _beat(**other).other_work and not _beat(**other).heartbeat, other
+        assert _beat(**other).did_work, other
+
+
+def test_a_write_not_shaped_like_a_heartbeat_is_progress():
+    # Its destination unnamed (an answer on a connection closed before it was read)
+    assert not _beat(unplaced_bytes=200).heartbeat and _beat(unplaced_bytes=200).did_work
+    assert not _beat(logged_to=0, written_to=None).heartbeat  # nothing named at all
+    assert not _beat(logged_to=2).heartbeat  # to two places: not one status file
+    assert not _beat(logged_calls=HEARTBEAT_MAX_CALLS + 1).heartbeat  # too many calls
+    assert not _beat(logged_calls=None).heartbeat  # calls not counted: not proven
+    assert not _beat(write_bytes=HEARTBEAT_MAX_BYTES + 1).heartbeat  # data, not a line
+    assert _beat(logged_calls=HEARTBEAT_MAX_CALLS).heartbeat
 
 
 def test_unreadable_io_is_not_progress():
@@ -217,18 +267,19 @@ def _loading(**counts: int | None) -> tuple[ProcessSample, ProcessSample]:
 
 def test_block_reads_at_a_loaders_rate_are_work_and_not_a_heartbeat():
     old, new = _loading(read_bytes=60 * MIB)
-    p = window_progress(old, new, 3 * S, PARK)
+    p = window_progress(old, new, 3 * S, PARK, logged_to=1, logged_calls=1)
     assert p.block_read_bytes == 60 * MIB and p.read_storage and p.did_work
-    assert not p.heartbeat  # its log line is the log of a load
+    assert p.heartbeat_shaped and not p.heartbeat  # its log line is the log of a load
     [fact] = [f for f in p.signals() if isinstance(f, ReadStorage)]
     assert (fact.block_bytes, fact.bytes, fact.window_s) == (60 * MIB, 60 * MIB, 3.0)
     assert render(fact) == "read 60.0 MiB from storage in 3.0 s"
 
 
 def test_reading_a_config_file_is_not_loading():
-    """Below the floor of 1 MiB a second: the log line alone is a heartbeat."""
+    """Below the floor of 1 MiB a second: the log line alone (one call, to one named file)
+    is a heartbeat."""
     old, new = _loading(read_bytes=64 * 1024, major_faults=2)
-    p = window_progress(old, new, 3 * S, PARK, file_read=200 * 1024)
+    p = window_progress(old, new, 3 * S, PARK, file_read=200 * 1024, logged_to=1, logged_calls=1)
     assert not p.read_storage and not p.did_work and p.heartbeat
     assert not any(isinstance(f, ReadStorage) for f in p.signals())
 

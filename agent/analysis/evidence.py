@@ -80,6 +80,7 @@ class WroteOut(Fact):
 
     bytes: int
     window_s: float
+    answered: int = 0  # of ``bytes``, answers to clients
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,9 @@ front-end serving over a unix socket would go unseen).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 
-from ..model import Connection, ProcessSample
+from ..model import Connection, FdWrites, PortWrites, ProcessSample
 
 FILE = "file"
 TERMINAL = "terminal"
@@ -97,3 +97,46 @@ def received_from_outside(
             continue  # not read at the window's start: its count says nothing of the window
         total += max(0, c.bytes_received - (before.get(c.inode) or 0))
     return total
+
+
+def door_answers(
+    latest: Mapping[int, PortWrites],
+    old: Mapping[int, PortWrites],
+    front_ports: Collection[int],
+    listening: Collection[int],
+) -> tuple[int, int]:
+    """A process's writes in the window on connections it accepted, placed by the port they
+    were accepted on (counted by the probe when written, whatever became of the connection):
+    (answers to clients, at a front door; bytes not placed, at a port that no longer
+    listens). An internal door's (every peer a process of the service) stay inside."""
+    answered = unplaced = 0
+    for port, pw in latest.items():
+        prev = old.get(port)
+        delta = pw.bytes - (prev.bytes if prev is not None else 0)
+        if delta <= 0:
+            continue
+        if port in front_ports:
+            answered += delta
+        elif port not in listening:
+            unplaced += delta
+    return answered, unplaced
+
+
+def fd_rest(latest: FdWrites, old: FdWrites | None) -> int:
+    """Bytes written to an fd in the window that are placed by its name: all but those on
+    connections accepted at a counted port (``door_answers`` places those) and those the
+    kernel saw go to a unix socket (inside the service, whatever the fd names now)."""
+    delta = latest.bytes - latest.door_bytes - latest.unix_bytes
+    if old is not None:
+        delta -= old.bytes - old.door_bytes - old.unix_bytes
+    return delta
+
+
+def closed_file(latest: FdWrites, old: FdWrites | None, rest: int) -> str | None:
+    """What to call a file the kernel saw written through this fd when its name could not be
+    read (opened, written and closed within a tick): "a file (inode N)", if all of ``rest``
+    (the fd's bytes placed by name, ``fd_rest``) went to regular files; else None."""
+    to_files = latest.file_bytes - (old.file_bytes if old is not None else 0)
+    if latest.file_ino and rest > 0 and to_files >= rest:
+        return f"a file (inode {latest.file_ino})"
+    return None

@@ -5,15 +5,25 @@ uses almost no CPU, so it stays parked. Each signal is one field of
 ``ProcessProgress``; the daemon's probes (writes per fd, accepts) and the GPU
 source feed the same fields, so the classifier has one place to look.
 
-A write to a file is progress only with work behind it. Real engines write on a timer
-while they wait: Ray's autoscaler monitor appends its cluster status to monitor.log every
-5 s, the raylet rewrites debug_state.txt (16-20 KB) every 10 s, vLLM's EngineCore logs "No
-available shared memory broadcast block found in 60 seconds" each minute its Worker does
-not answer, and its API server logs a stats line every 10 s for a while after the last
-request. So small file writes (``HEARTBEAT_MAX_BYTES`` in a window) by a process that did
-nothing else in the window (no thread above the CPU floor, no data from outside, no answer
-to a client, no GPU work) are a heartbeat, not progress. A loading log comes with the CPU
-or the data of the load, a checkpoint with its bytes, and answers to clients always count.
+A write is progress unless it is proven a heartbeat. A process waiting for something writes
+on a timer (a status line each minute, a state file rewritten every few seconds), so a write
+alone does not show work; but the absence of other work proves nothing where some work goes
+unseen, so the proof has two parts, both from one window:
+
+* no other work, by the whole accounting (``ProcessProgress.other_work``: a thread above the
+  CPU floor, an answer to a client, data received from outside, data read from storage, GPU
+  work): a loading log comes with the CPU or the reads of the load, a checkpoint with its
+  bytes;
+* the shape of a status write: small (``HEARTBEAT_MAX_BYTES``), few calls
+  (``HEARTBEAT_MAX_CALLS``), all to one destination that was named (a regular file, a
+  terminal, a pipe out of the service). A write whose destination could not be named (its
+  fd closed before it was read) is counted as progress: an answer on a connection closed at
+  once looks like that, and an unseen answer is what must never read as idle.
+
+Examples: Ray's autoscaler monitor appending its status to monitor.log every 5 s, vLLM's
+EngineCore logging "No available shared memory broadcast block found in 60 seconds" each
+minute its Worker does not answer. Answers to clients always count: the probe places them by
+the port they were accepted on when they are written (ProbeReading.door_writes).
 """
 
 from __future__ import annotations
@@ -37,6 +47,9 @@ STORAGE_READ_MIN_BYTES_PER_S = 1 << 20
 # its window (MBs) in one fault, so a mapped load at 20 MB/s may fault only 5 times a
 # second; a waiting process touching now and then a page the kernel evicted, less often.
 MAJOR_FAULTS_MIN_PER_S = 1
+# Most write calls to that one file in one window: a status write is a line or a file
+# rewritten now and then; a process writing more often than this is logging work.
+HEARTBEAT_MAX_CALLS = 64
 
 
 @dataclass(frozen=True)
@@ -74,6 +87,12 @@ class ProcessProgress:
     answered_bytes: int = 0
     # The file written most in the window, as its fd link names it (for a heartbeat's words).
     written_to: str | None = None
+    # Of ``logged_bytes``: those whose destination could not be named (the fd closed, or no
+    # probe to place them), how many named destinations the rest went to, and in how many
+    # calls (None: not counted).
+    unplaced_bytes: int = 0
+    logged_to: int = 0
+    logged_calls: int | None = None
     # Data received from outside the service, not requests at a front door (tcp_info of its
     # other connections: weights streamed from storage, a peer rank on another host).
     received_bytes: int = 0
@@ -110,15 +129,33 @@ class ProcessProgress:
         return (self.write_bytes or 0) - self.answered_bytes
 
     @property
-    def heartbeat(self) -> bool:
-        """Its only work in the window was a small write to a file: a status write on a
-        timer (see the module docstring), not progress."""
+    def other_work(self) -> bool:
+        """Work of any kind but writes to files, terminals and pipes: what a heartbeat must
+        be alone with. Every kind of work the accounting sees belongs here."""
+        return bool(
+            self.working_tids
+            or self.answered_bytes
+            or self.received_bytes
+            or self.gpu
+            or self.read_storage
+        )
+
+    @property
+    def heartbeat_shaped(self) -> bool:
+        """Its writes look like a status write: small, few, all to one named destination."""
         return (
             0 < self.logged_bytes <= HEARTBEAT_MAX_BYTES
-            and not self.answered_bytes
-            and not (self.working_tids or self.received_bytes or self.gpu)
-            and not self.read_storage
+            and not self.unplaced_bytes
+            and self.logged_to == 1
+            and self.logged_calls is not None
+            and self.logged_calls <= HEARTBEAT_MAX_CALLS
         )
+
+    @property
+    def heartbeat(self) -> bool:
+        """Proven a status write on a timer (see the module docstring), not progress: the
+        shape of one, and no other work in the window."""
+        return self.heartbeat_shaped and not self.other_work
 
     @property
     def wrote_out(self) -> bool:
@@ -127,9 +164,7 @@ class ProcessProgress:
 
     @property
     def did_work(self) -> bool:
-        if self.read_storage:
-            return True
-        return bool(self.working_tids or self.wrote_out or self.received_bytes or self.gpu)
+        return self.other_work or self.wrote_out
 
     def signals(self) -> list[ev.Fact]:
         """The evidence of each progress signal seen."""
@@ -138,7 +173,7 @@ class ProcessProgress:
         if self.working_tids:
             out.append(ev.CpuWork(len(self.working_tids), self.cpu_ns / NS, secs))
         if self.wrote_out:
-            out.append(ev.WroteOut(self.write_bytes or 0, secs))
+            out.append(ev.WroteOut(self.write_bytes or 0, secs, self.answered_bytes))
         if self.received_bytes:
             out.append(ev.ReceivedIn(self.received_bytes, secs))
         if self.read_storage:
@@ -274,14 +309,18 @@ def window_progress(
     answered: int = 0,
     written_to: str | None = None,
     file_read: int = 0,
+    unplaced: int = 0,
+    logged_to: int = 0,
+    logged_calls: int | None = None,
 ) -> ProcessProgress:
     """Progress of one process between two snapshots ``window_ns`` apart. ``accepts`` is
     what the probe counted in the window; ``gpu`` says what the GPU did, if it was active;
     ``written_out`` is what it wrote outside the service in the window, by the probe's
     writes per fd (without a probe: /proc/PID/io, which counts every write), ``answered``
-    the part of it sent to clients and ``written_to`` the file written most; ``received``
-    what it received from outside (see ProcessProgress.received_bytes); ``file_read`` what
-    the probe saw it read from regular files in the window."""
+    the part of it sent to clients and ``written_to`` the file written most; ``unplaced``,
+    ``logged_to`` and ``logged_calls`` describe the rest (see ProcessProgress);
+    ``received`` what it received from outside (see ProcessProgress.received_bytes);
+    ``file_read`` what the probe saw it read from regular files in the window."""
     if old is not None and old.start_ticks != new.start_ticks:
         old = None  # the PID was reused: all of the new process is new
     if old is None:
@@ -312,6 +351,9 @@ def window_progress(
         received_bytes=received,
         answered_bytes=answered,
         written_to=written_to,
+        unplaced_bytes=unplaced,
+        logged_to=logged_to,
+        logged_calls=logged_calls,
         accepts=accepts,
         gpu=gpu,
         block_read_bytes=block_read,

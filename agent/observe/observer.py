@@ -30,7 +30,16 @@ from ..analysis.frontdoor import FrontDoorConfig, FrontDoors, front_doors
 from ..analysis.gpu import GpuHistory, gpu_active
 from ..analysis.last_progress import last_progress
 from ..analysis.nowaker import no_waker
-from ..analysis.outbound import CLIENT, LEAVES, ServiceEnds, inode_of, received_from_outside
+from ..analysis.outbound import (
+    CLIENT,
+    LEAVES,
+    ServiceEnds,
+    closed_file,
+    door_answers,
+    fd_rest,
+    inode_of,
+    received_from_outside,
+)
 from ..analysis.progress import ParkSettings, ParkTracker, window_progress
 from ..analysis.waitgraph import WaitForGraph, WordGroup
 from ..model import (
@@ -100,6 +109,9 @@ class Written:
     answered: int = 0
     most_to: str | None = None
     files: tuple[str, ...] = ()  # the fd links written, not to clients
+    unplaced: int = 0  # of total: to an fd that could not be named, or a port of nobody's
+    destinations: int = 0  # named files, terminals and pipes out written to
+    calls: int | None = None  # write calls to those (None: no probe)
 
 
 @dataclass(frozen=True)
@@ -431,7 +443,7 @@ class Observer:
             accepts = latest.reading.accepts[pid] - old_tick.reading.accepts.get(pid, 0)
         gpu = self.gpu_history.facts(pid, latest.gpu, old_tick.gpu, snap.mono_ns)
         old_sample = old_tick.snapshot.processes.get(pid)
-        written = self._written_out(pid, latest.reading, old_tick.reading, ends)
+        written = self._written_out(pid, latest.reading, old_tick.reading, ends, doors)
         progress = window_progress(
             old_sample,
             sample,
@@ -444,6 +456,9 @@ class Observer:
             answered=written.answered,
             written_to=written.most_to,
             file_read=_file_read(pid, latest.reading, old_tick.reading),
+            unplaced=written.unplaced,
+            logged_to=written.destinations,
+            logged_calls=written.calls,
         )
         if progress.heartbeat:
             # Its mtimes tell of the heartbeat, not of work: never date from them.
@@ -506,33 +521,51 @@ class Observer:
         )
 
     def _written_out(
-        self, pid: int, latest: ProbeReading, old: ProbeReading, ends: ServiceEnds
+        self,
+        pid: int,
+        latest: ProbeReading,
+        old: ProbeReading,
+        ends: ServiceEnds,
+        doors: FrontDoors,
     ) -> Written:
-        """What the process wrote in the window that left the service (agent.analysis.outbound), by the
-        probe's count per fd (total None without a probe)."""
+        """What the process wrote in the window that left the service (agent.analysis.outbound),
+        by the probe's count per fd and, for connections it accepted, per local port: an
+        answer at a front door counts as one whatever became of its connection, one at an
+        internal door stays inside (total None without a probe)."""
         if self.probe is None:
             return Written(None)
         before = old.writes.get(pid, {})
-        total = answered = 0
+        calls = 0
         files: dict[str, int] = {}
         links: list[str] = []
+        answered, unplaced = door_answers(
+            latest.door_writes.get(pid, {}),
+            old.door_writes.get(pid, {}),
+            doors.ports,
+            {d.port for d in doors.doors},
+        )
+        total = answered + unplaced
         for fd, w in latest.writes.get(pid, {}).items():
             prev = before.get(fd)
-            delta = w.bytes - (prev.bytes if prev is not None else 0)
+            delta = fd_rest(w, prev)
             name = self._fd_names.get((pid, fd))
             where = ends.destination(name)
             if delta <= 0 or where not in LEAVES:
                 continue
             total += delta
+            closed = closed_file(w, prev, delta) if name is None else None
             if where == CLIENT:
                 answered += delta
+            elif name is None and closed is None:
+                unplaced += delta
             else:
-                key = describe_fd(name, fd)
+                key = closed or describe_fd(name, fd)
                 files[key] = files.get(key, 0) + delta
                 if name is not None:
                     links.append(name)
+                calls += w.calls - (prev.calls if prev is not None else 0)
         most = max(files, key=lambda k: files[k]) if files else None
-        return Written(total, answered, most, tuple(links))
+        return Written(total, answered, most, tuple(links), unplaced, len(files), calls)
 
     def _name_written_fds(self, reading: ProbeReading) -> None:
         """Name each fd when it is written (a log closed later is still named), and only

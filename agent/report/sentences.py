@@ -86,6 +86,11 @@ def _(f: ev.CpuWork) -> str:
 
 @render.register
 def _(f: ev.WroteOut) -> str:
+    if f.answered:
+        return (
+            f"wrote {size(f.bytes)} to files or clients in {f.window_s:.1f} s, "
+            f"{size(f.answered)} of it answers to clients"
+        )
     return f"wrote {size(f.bytes)} to files or clients in {f.window_s:.1f} s"
 
 

@@ -25,6 +25,7 @@ from ..model import (
     FdWrites,
     FutexWait,
     InflightWait,
+    PortWrites,
     ProbeEvent,
     ProbeReading,
     ProbeShare,
@@ -384,6 +385,7 @@ class KernelProbes:
         self._accepts = self._bpf[b"accepts"]
         self._file_reads = self._bpf[b"file_reads"]
         self._fd_writes = self._bpf[b"fd_writes"]
+        self._door_writes = self._bpf[b"door_writes"]
         self._shares = self._bpf[b"shares"]
         self._released = self._bpf[b"released"]
         self._changes = self._bpf[b"changes"]
@@ -508,6 +510,7 @@ class KernelProbes:
         doomed = [
             (self._hist, [k for k in self._hist if k.tgid in gone]),
             (self._fd_writes, [k for k in self._fd_writes if k.tgid in gone]),
+            (self._door_writes, [k for k in self._door_writes if k.tgid in gone]),
             (self._accepts, [ctypes.c_uint32(t) for t in gone]),
             (self._file_reads, [ctypes.c_uint32(t) for t in gone]),
             (self._shares, [ctypes.c_uint32(t) for t in gone]),
@@ -662,7 +665,22 @@ class KernelProbes:
         writes: dict[int, dict[int, FdWrites]] = {}
         for k, v in self._fd_writes.items():
             tail = bytes(v.tail)[: min(v.tail_len, len(v.tail))]
-            writes.setdefault(k.tgid, {})[k.fd] = FdWrites(k.fd, v.bytes, v.calls, v.last_ns, tail)
+            writes.setdefault(k.tgid, {})[k.fd] = FdWrites(
+                k.fd,
+                v.bytes,
+                v.calls,
+                v.last_ns,
+                tail,
+                v.door_bytes,
+                v.unix_bytes,
+                v.file_bytes,
+                v.file_ino,
+            )
+        door_writes: dict[int, dict[int, PortWrites]] = {}
+        for k, v in self._door_writes.items():
+            door_writes.setdefault(k.tgid, {})[k.port] = PortWrites(
+                k.port, v.bytes, v.calls, v.last_ns
+            )
         counters: dict[str, int] = {}
         for per_cpu in self._counters.values():
             for c in per_cpu:
@@ -683,6 +701,7 @@ class KernelProbes:
             socket_events=sockets,
             accepts=accepts,
             writes=writes,
+            door_writes=door_writes,
             threads=frozenset(tracked),
             execs=execs,
             renamed=renamed,

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import re
+import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -32,6 +34,7 @@ from tests.realsw.raylib import RayJob
 from tests.realsw.test_verdicts import (
     HANG_THRESHOLD,
     HOLD_S,
+    answers_counted,
     culprit_is,
     diagnose,
     expect,
@@ -82,6 +85,33 @@ def test_serve_idle_is_idle(serve_cluster: RayJob) -> None:
         pytest.skip("the shared cluster is already loaded (test order)")
     d = diagnose(job.driver)
     expect(d, job.driver, "serve_idle", "idle")
+
+
+def test_serve_short_connections_is_progressing(serve_cluster: RayJob) -> None:
+    """Requests from outside, each on a new connection (as curl and health checkers), about
+    25 a second: every connection closes before a tick can name its fd. The proxy's answers
+    are its progress, counted when written; not "all threads parked"."""
+    job = serve_cluster
+    if job.seen("LOADING"):
+        pytest.skip("the shared cluster is already loaded (test order)")
+    answered, stop = [0], threading.Event()
+
+    def ask() -> None:
+        while not stop.wait(0.04):
+            with urllib.request.urlopen(f"http://127.0.0.1:{job.port}/", timeout=10) as r:
+                r.read()
+            answered[0] += 1
+
+    client = threading.Thread(target=ask, daemon=True)
+    client.start()
+    try:
+        wait_until(lambda: answered[0] >= 5, 60, "the first answers through the proxy")
+        d = diagnose(job.driver)
+    finally:
+        stop.set()
+        client.join(timeout=15)
+    svc = expect(d, job.driver, "serve_short", "progressing")
+    assert answers_counted(svc), d.explain("the proxy's answers were not counted")
 
 
 def test_serve_load_is_progressing(serve_cluster: RayJob) -> None:

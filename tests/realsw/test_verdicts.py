@@ -254,6 +254,26 @@ def test_serving_serving_is_progressing(tmp_path: Path) -> None:
     expect(d, st.pid, "serving", "progressing")
 
 
+def answers_counted(svc: dict[str, Any]) -> bool:
+    """Whether a process of the service was seen answering clients in the window."""
+    words = " ".join(str(r) for p in svc.get("processes", []) for r in p.get("reasons", []))
+    return "of it answers to clients" in words
+
+
+def test_serving_short_connections_is_progressing(tmp_path: Path) -> None:
+    """~5 requests a second, each on a new connection with ``Connection: close``: the
+    front-end's answers are written to fds closed long before the tick looks at them, and
+    they are its only work but an access log line each. Answers, counted when written."""
+    client = ["--mode", "close", "--interval", "0.2"]
+    with serving_stack("serving", tmp_path, client=client) as st:
+        assert st.client is not None
+        st.client.wait_for("READY")
+        st.client.wait_for("STATS")
+        d = diagnose(st.pid)
+    svc = expect(d, st.pid, "serving-close", "progressing")
+    assert answers_counted(svc), d.explain("the front-end's answers were not counted")
+
+
 def test_serving_loading_is_progressing(tmp_path: Path) -> None:
     """The scheduler receives 64 MiB of weights at 2 MiB/s over TCP (32 s), logging each MiB."""
     with weight_server(rate_mib=2, mib=64) as ws:

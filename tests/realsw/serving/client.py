@@ -7,6 +7,8 @@ Modes, and what it prints (flushed):
 * ``once``: one request, no timeout. ``SENDING``, then ``ANSWER ...`` if it ever comes.
 * ``continuous``: one keep-alive connection, a request every ``--interval`` s.
   ``READY answered=1`` after the first answer, then ``STATS answered=N`` twice a second.
+* ``close``: as ``continuous``, but each request on a new connection with ``Connection:
+  close`` (as curl and health checkers): the server closes it once it has answered.
 * ``retry``: each attempt a new connection that gives up after ``--timeout`` s, then the next.
   ``TIMEOUT attempt=N`` per attempt that timed out (``ANSWER`` if one is answered).
 * ``queue``: ``--connections`` concurrent requests, one every ``--spacing`` s, no timeouts.
@@ -33,9 +35,14 @@ def once(url: str, args: argparse.Namespace) -> None:
 
 def continuous(url: str, args: argparse.Namespace) -> None:
     answered, last = 0, time.monotonic()
+    short = args.mode == "close"
     with httpx.Client(timeout=30) as client:
         while True:
-            r = client.post(url, json=BODY)
+            if short:  # a connection of its own, closed by the server after the answer
+                with httpx.Client(timeout=30, headers={"Connection": "close"}) as one:
+                    r = one.post(url, json=BODY)
+            else:
+                r = client.post(url, json=BODY)
             r.raise_for_status()
             answered += 1
             if answered == 1:
@@ -73,7 +80,13 @@ def queue(url: str, args: argparse.Namespace) -> None:
     threading.Event().wait()
 
 
-MODES = {"once": once, "continuous": continuous, "retry": retry, "queue": queue}
+MODES = {
+    "once": once,
+    "continuous": continuous,
+    "close": continuous,
+    "retry": retry,
+    "queue": queue,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
