@@ -45,9 +45,10 @@ def find_culprit(v: ServiceVerdict, procs: Sequence[ProcessFacts]) -> ev.Culprit
     3. the request's holder: where the oldest unanswered request dates the stop, the one
        process it was seen to reach last, over connections inside the service, if one of its
        untimed futex waits began then;
-    4. waits begun at the stop: the most untimed futex waits that began then (a stop dated
-       by a write: only in the process that wrote and whose main thread stopped then), or,
-       where that names no one after a write, at the date of the one main thread stopped;
+    4. waits begun at the stop: the most untimed futex waits that began then, but in the
+       request's client and those that passed it on (they wait for its answer); a stop dated
+       by a write: only in the process that wrote and whose main thread stopped then, or,
+       where that names no one, at the date of the one main thread stopped;
     5. undated: the most untimed futex waits less timed waits.
     """
     if not procs:
@@ -95,7 +96,7 @@ def _by_dated_waits(v: ServiceVerdict, procs: Sequence[ProcessFacts]) -> Score |
     # A write by a process whose main thread did not stop with it (a status line) may date
     # the stop after the hang; one main thread stopped in an untimed wait dates it instead.
     # Two or more: which began the hang is unknown.
-    mains = [f.waits.main_untimed_s for f in procs if f.waits and f.waits.main_untimed_s]
+    mains = [m for f in procs if f.waits and (m := f.waits.main_untimed_s) is not None]
     if len(mains) != 1:
         return None
     return _leader(_began_at(mains[0], procs, last))
