@@ -1,5 +1,6 @@
 """The process that holds a service up (agent.analysis.culprit.find_culprit): properties over a few
-hundred seeded random services, and the shapes its docstring was written from."""
+hundred seeded random services, and one test per shape behind its criteria, named for the shape
+(the run it was seen in is in its docstring)."""
 
 from __future__ import annotations
 
