@@ -534,3 +534,37 @@ def test_a_request_seen_to_reach_two_processes_last_names_no_holder() -> None:
     proxy = replace(proxy, connections=(*proxy.connections, link(51100, 7100, None, None)))
     v, procs = stopped((driver, proxy, replica, controller, other), 40.2, request=True)
     assert find_culprit(v, procs) is None
+
+
+def test_a_main_threads_stop_dates_the_hang_and_every_process_counts() -> None:
+    """torch, rank 1 stopped taking part while rank 0 waits in all_reduce (a local run's
+    numbers): no write; the stop is dated by the last main thread to stop in an untimed
+    wait, rank 0's, 1 ms after rank 1's. That date is the hang's own, not a status line's:
+    every process counts its waits begun then, and rank 1's three (its main thread and its
+    two idle gloo threads) outnumber rank 0's two (its other gloo thread waits with the
+    collective's timeout). Counted only in the process whose thread dated it, rank 0 was
+    named."""
+    rank0 = up(
+        process(
+            2219,
+            untimed(2219, 22.0655),
+            untimed(2225, 22.065),
+            timed(2226, 22.0, 0x9000),
+            comm="python3",
+        )
+    )
+    rank1 = up(
+        process(
+            2220,
+            untimed(2220, 22.066),
+            untimed(2227, 22.131),
+            untimed(2228, 22.0657),
+            comm="python3",
+        )
+    )
+    procs = [facts(p, process_waits(p, NOW)) for p in (rank0, rank1)]
+    v = verdict(procs)
+    v.seconds_since_progress = 22.065
+    v.reasons = [ev.LastProgress("ran", ev.Thread(2219, "python3"), 2219, 22.065)]
+    got = find_culprit(v, procs)
+    assert got is not None and (got.pid, got.threads) == (2220, 3), got

@@ -47,8 +47,9 @@ def find_culprit(v: ServiceVerdict, procs: Sequence[ProcessFacts]) -> ev.Culprit
        untimed futex waits began then;
     4. waits begun at the stop: the most untimed futex waits that began then, but in the
        request's client and those that passed it on (they wait for its answer); a stop dated
-       by a write: only in the process that wrote and whose main thread stopped then, or,
-       where that names no one, at the date of the one main thread stopped;
+       by a write or a send, not by a main thread's stop: only in the process that made it and
+       whose main thread stopped then, or, where that names no one, at the date of the one
+       main thread stopped;
     5. undated: the most untimed futex waits less timed waits.
     """
     if not procs:
@@ -90,8 +91,11 @@ def _by_dated_waits(v: ServiceVerdict, procs: Sequence[ProcessFacts]) -> Score |
         # Those that sent the request on wait for its answer: their waits are not the hang's.
         return _leader(s for s in _began_at(stop, procs, last) if s.pid not in senders)
     stop = v.seconds_since_progress
-    got = _leader(_began_at(stop, procs, last, writer_only=True))
-    if got is not None:
+    dated_by = next((r.what for r in v.reasons if isinstance(r, ev.LastProgress)), None)
+    # A main thread's stop in an untimed wait ("ran") dates the hang itself: every process
+    # counts. Any other date (a write, a send) may be a status line's, after the hang.
+    got = _leader(_began_at(stop, procs, last, writer_only=dated_by != "ran"))
+    if got is not None or dated_by == "ran":
         return got
     # A write by a process whose main thread did not stop with it (a status line) may date
     # the stop after the hang; one main thread stopped in an untimed wait dates it instead.
