@@ -1,5 +1,6 @@
 """The process that holds a service up (agent.analysis.culprit.find_culprit): properties over a few
-hundred seeded random services, and the shapes its docstring was written from."""
+hundred seeded random services, and one test per shape behind its criteria, named for the shape
+(the run it was seen in is in its docstring)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from agent.analysis import evidence as ev
 from agent.analysis.classify import STALLED, ProcessFacts, ServiceVerdict, process_waits
 from agent.analysis.culprit import find_culprit
 from agent.analysis.progress import ProcessProgress
-from agent.model import ProcessSample, ThreadSample
+from agent.model import Connection, Listener, ProcessSample, ThreadSample
 from agent.report import sentences as words
 from tests.synth import S, parked, process
 
@@ -208,7 +209,8 @@ def proc(pid: int, comm: str, *threads: ThreadSample) -> ProcessFacts:
     return facts(sample, process_waits(sample, NOW))
 
 
-def test_dataloader_worker_stuck_in_getitem_against_its_polling_main_process() -> None:
+def test_undated_a_process_waiting_on_itself_leads_one_that_polls_with_a_timeout() -> None:
+    """A DataLoader worker stuck in ``__getitem__`` against its main process polling it."""
     main = proc(
         100,
         "python",
@@ -222,7 +224,8 @@ def test_dataloader_worker_stuck_in_getitem_against_its_polling_main_process() -
     assert culprit([worker, main]) == got
 
 
-def test_rank_that_stopped_taking_part_against_the_rank_in_the_collective() -> None:
+def test_undated_idle_pool_threads_lead_a_process_waiting_with_a_timeout_for_data() -> None:
+    """A torch rank that stopped taking part against the rank waiting in the collective."""
     launcher = proc(10, "torchrun", waiting(10, 230, True))  # its monitor's sleep
     stopped = proc(
         20,
@@ -247,7 +250,8 @@ def test_rank_that_stopped_taking_part_against_the_rank_in_the_collective() -> N
     assert "3 threads wait with no timeout" in words.render(got)
 
 
-def test_child_forked_with_a_lock_held_against_the_parent_joining_it() -> None:
+def test_undated_a_child_on_a_copied_lock_leads_a_parent_joining_it_with_a_timeout() -> None:
+    """A child forked with a lock held, against the parent joining it 5 s at a time."""
     parent = proc(
         50,
         "python",
@@ -289,7 +293,7 @@ def test_thread_pools_parked_since_start_up_are_background() -> None:
     assert got is not None and got.pid == 10, got
 
 
-def test_the_process_whose_threads_began_to_wait_when_the_service_stopped() -> None:
+def test_the_most_waits_begun_when_the_request_came_lead_fewer_begun_then() -> None:
     """Real vLLM, a request hung in the Worker's step, 36 s ago by tcp_info: the API server's
     4 request threads began to wait then; so did the Worker's main thread and the 26 gloo
     run-loop threads the step had woken, read 1.9 s older through se.exec_start (another CPU's
@@ -344,7 +348,9 @@ def test_a_status_write_after_the_hang_does_not_hide_the_one_main_thread_that_st
     assert find_culprit(v, procs) is None
 
 
-def test_the_process_whose_work_dates_the_stop_before_an_idle_worker_whose_main_re_parked() -> None:
+def test_at_a_main_threads_date_the_process_that_made_the_last_progress_leads_that_main_thread() -> (
+    None
+):
     """Real Ray, an actor calling itself (a CI run's numbers): the actor logged its last line
     35.9 s ago and one of its threads began an untimed wait then (its main thread waits in
     ray.get with a timeout); an idle worker's main thread woke and parked again 36.2 s ago, as
@@ -396,7 +402,7 @@ def test_the_waits_a_status_write_woke_do_not_hide_the_one_main_thread_that_stop
     assert got.age_s == pytest.approx(41.19, abs=0.01)
 
 
-def test_waits_near_a_status_write_count_only_in_a_process_that_stopped_with_it() -> None:
+def test_status_write_by_another_process_does_not_date_the_hang() -> None:
     """Real Ray, an actor calling itself (a second CI run's numbers): the GCS dumped its event
     stats 10.4 s ago, just before the observation, so that write dates the stop. An idle
     worker's two pool threads had parked 11.3 and 10.5 s ago and the actor's one 10.3 s ago:
@@ -421,3 +427,144 @@ def test_waits_near_a_status_write_count_only_in_a_process_that_stopped_with_it(
     v, procs = stopped((gcs, idle, actor), 10.402, request=True)
     got = find_culprit(v, procs)
     assert got is not None and got.pid == 15120, got
+
+
+# --- the request's holder: followed over connections inside the service ------------------------
+
+DOOR = 8000  # the service's front door
+
+
+def link(local: int, remote: int, recv_s: float | None, sent_s: float | None) -> Connection:
+    """One end of a loopback connection, with its tcp_info dates where known."""
+    ms = [None if t is None else int(t * 1000) for t in (recv_s, sent_s)]
+    return Connection("127.0.0.1", local, "127.0.0.1", remote, local, 0, 0, ms[0], ms[1])
+
+
+def serving(pid: int, comm: str, *threads: ThreadSample, conns=(), ports=()) -> ProcessSample:
+    listeners = tuple(Listener(2, "127.0.0.1", p, 0, 128) for p in ports)
+    return replace(up(process(pid, *threads, comm=comm, listeners=listeners)), connections=conns)
+
+
+def serve_event(
+    replica_waits: int = 1, passed_on: bool = True, client_waits: int = 0, bystander_waits: int = 0
+) -> list[ProcessSample]:
+    """Ray Serve, a replica's request thread waiting on an Event nobody sets (a CI run's
+    shape): the proxy read the request 40.2 s ago at its front door and passed it over its
+    connection to the replica's server port (``passed_on``; else later traffic hid it), and
+    the replica answered on its own connection that it took it. The client (the driver, a
+    process of the service) and a bystander (the Serve controller) may have threads that
+    parked within the band of the request's date, as pool threads re-park at any time."""
+    recv = 40.0 if passed_on else 3.0
+    driver = serving(
+        10,
+        "python",
+        *(untimed(11 + i, 36.5) for i in range(client_waits)),
+        conns=(link(50000, DOOR, None, 40.2),),
+    )
+    proxy = serving(
+        20,
+        "ray::ProxyActor",
+        untimed(21, 9.7),
+        conns=(
+            link(DOOR, 50000, 40.2, 40.2),
+            link(51000, 7000, None, None),  # to the replica's server: no tcp_info
+            link(6000, 52000, recv, recv),
+        ),
+        ports=(DOOR, 6000),
+    )
+    replica = serving(
+        30,
+        "ray::ServeReplica",
+        *(untimed(31 + i, 39.9) for i in range(replica_waits)),
+        untimed(39, 2.6),
+        conns=(link(7000, 51000, recv, recv), link(52000, 6000, None, None)),
+        ports=(7000,),
+    )
+    controller = serving(
+        40, "ray::ServeController", *(untimed(41 + i, 37.0) for i in range(bystander_waits))
+    )
+    return [driver, proxy, replica, controller]
+
+
+def test_a_request_passed_on_inside_the_service_is_held_by_the_process_it_reached_last() -> None:
+    """The request went from the proxy to the replica (and the replica's word that it took
+    it back): the replica holds it, whatever another process's threads did then."""
+    v, procs = stopped(serve_event(bystander_waits=2), 40.2, request=True)
+    got = find_culprit(v, procs)
+    assert got is not None and (got.pid, got.threads) == (30, 1), got
+    assert got.age_s == pytest.approx(39.9)
+    for seed in range(3):  # nor does the order of the processes matter
+        assert find_culprit(v, random.Random(seed).sample(procs, len(procs))) == got
+    # Not seen to pass on: the counts decide, and two waits begun then outnumber one.
+    v, procs = stopped(serve_event(bystander_waits=2, passed_on=False), 40.2, request=True)
+    got = find_culprit(v, procs)
+    assert got is not None and got.pid == 40, got
+
+
+def test_the_client_of_the_oldest_request_waits_for_it_and_does_not_hold_it() -> None:
+    """The client that sent the request is a process of the service (a driver) and two of
+    its threads parked then: it waits for the answer; the replica, by its one wait, leads
+    those left, wherever the request is seen to have gone."""
+    for passed_on in (True, False):
+        v, procs = stopped(serve_event(client_waits=2, passed_on=passed_on), 40.2, request=True)
+        got = find_culprit(v, procs)
+        assert got is not None and got.pid == 30, (passed_on, got)
+
+
+def test_a_process_the_request_reached_that_did_not_stop_then_does_not_hold_it() -> None:
+    """The request reached the replica, but none of its waits began then (as if it passed
+    the request on where no connection shows, a pipe or shared memory): the counts decide,
+    and the one process whose threads began to wait then is named."""
+    v, procs = stopped(serve_event(replica_waits=0, bystander_waits=1), 40.2, request=True)
+    got = find_culprit(v, procs)
+    assert got is not None and got.pid == 40, got
+
+
+def test_a_request_seen_to_reach_two_processes_last_names_no_holder() -> None:
+    """The proxy passed data to two replicas when the request came: which one holds it is
+    not known, and the counts (one wait begun then in each) tie: no one is named."""
+    driver, proxy, replica, controller = serve_event()
+    other = serving(
+        50,
+        "ray::ServeReplica",
+        untimed(51, 40.0),
+        conns=(link(7100, 51100, 40.1, 40.1),),
+        ports=(7100,),
+    )
+    proxy = replace(proxy, connections=(*proxy.connections, link(51100, 7100, None, None)))
+    v, procs = stopped((driver, proxy, replica, controller, other), 40.2, request=True)
+    assert find_culprit(v, procs) is None
+
+
+def test_a_main_threads_stop_dates_the_hang_and_every_process_counts() -> None:
+    """torch, rank 1 stopped taking part while rank 0 waits in all_reduce (a local run's
+    numbers): no write; the stop is dated by the last main thread to stop in an untimed
+    wait, rank 0's, 1 ms after rank 1's. That date is the hang's own, not a status line's:
+    every process counts its waits begun then, and rank 1's three (its main thread and its
+    two idle gloo threads) outnumber rank 0's two (its other gloo thread waits with the
+    collective's timeout). Counted only in the process whose thread dated it, rank 0 was
+    named."""
+    rank0 = up(
+        process(
+            2219,
+            untimed(2219, 22.0655),
+            untimed(2225, 22.065),
+            timed(2226, 22.0, 0x9000),
+            comm="python3",
+        )
+    )
+    rank1 = up(
+        process(
+            2220,
+            untimed(2220, 22.066),
+            untimed(2227, 22.131),
+            untimed(2228, 22.0657),
+            comm="python3",
+        )
+    )
+    procs = [facts(p, process_waits(p, NOW)) for p in (rank0, rank1)]
+    v = verdict(procs)
+    v.seconds_since_progress = 22.065
+    v.reasons = [ev.LastProgress("ran", ev.Thread(2219, "python3"), 2219, 22.065)]
+    got = find_culprit(v, procs)
+    assert got is not None and (got.pid, got.threads) == (2220, 3), got

@@ -1,9 +1,11 @@
-"""The process that holds a stalled or deadlocked service up, when the evidence singles one
-out: find_culprit, for agent.analysis.classify."""
+"""The process that holds a stalled or deadlocked service up, when the evidence singles it out
+(find_culprit, for agent.analysis.classify). The criteria, in order, and why each holds for any
+engine, are in docs/how-it-works.md ("The culprit, and what each process waits for")."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..syscalls import FUTEX, kind_by_name
@@ -19,53 +21,40 @@ if TYPE_CHECKING:  # the classifier imports this module: its types only, for ann
 CULPRIT_BAND_MIN_S = 2.0
 CULPRIT_BAND_RATIO = 0.1
 
-# Per process: (its lead, its untimed waits counted, the oldest one's age, its PID).
-Score = tuple[tuple[int, bool, bool], int, float | None, int]
-Scored = list[Score]
+
+@dataclass(frozen=True, order=True)
+class Score:
+    """What a process's own waits say against the others'. Ordered by its compared fields, in
+    this order: the first that differs decides, and the process named must lead every other
+    by it (an equal score names no one)."""
+
+    waits: int  # its untimed futex waits that count (less its timed waits when undated)
+    made_last_progress: bool  # its work dates the stop: the others' threads react to it
+    main_stopped: bool  # its main thread began an untimed futex wait at the stop
+    pid: int = field(compare=False)
+    threads: int = field(compare=False)  # its untimed futex waits, as reported
+    age_s: float | None = field(compare=False)  # the oldest of them
 
 
 def find_culprit(v: ServiceVerdict, procs: Sequence[ProcessFacts]) -> ev.Culprit | None:
-    """The process that holds a stalled or deadlocked service up, when the evidence singles
-    one out (None otherwise: naming a wrong one would send the engineer the wrong way).
+    """The process that holds a stalled or deadlocked service up, by the first criterion that
+    singles one out; None where none does (a wrong culprit sends the engineer the wrong way):
 
-    1. A process whose threads are in a stable lock cycle (of a cycle across processes, the
-       one holding most of its threads), or else one that no thread can wake
-       (agent.analysis.nowaker; the lowest PID if several).
-    2. Otherwise the one process that waits on itself: the most threads in futex waits
-       without a timeout (a lock or an event that only another thread of it can release)
-       less its threads in timed waits or sleeps (waiting for time, a peer, a child: waiting
-       on someone else). It must lead by at least one: a DataLoader worker blocked in
-       ``__getitem__`` against its main process polling it every 5 s; a rank that stopped
-       taking part (its gloo threads idle on their work queues) against the rank in the
-       collective (one gloo thread waiting, with the collective's timeout, for its data); a
-       child forked with a lock held against the parent joining it 5 s at a time.
-       Where the waits are dated and the service's stop is known (when its oldest unanswered
-       request came, else its time without progress), only the untimed waits that began when it
-       stopped count (within CULPRIT_BAND_* of it; classify.process_waits has left out those of
-       each process's first STARTUP_S), and no timed wait is taken off. Where a write dates the
-       stop, they count only in the process that made it and whose main thread stopped then, as
-       a hang there would: near a write, a count singles out chance (pool threads re-park on
-       shared timers), and so does a write alone (a status writer's thread parks again after
-       each line) or a main thread alone (a Ray idle worker's re-parked as an actor blocked).
-       Among as many, the process that made the last progress leads, then the one whose main
-       thread stopped then. Thread pools parked since start-up are background, not evidence
-       (every Ray process carries 6-10 gRPC threads in untimed waits since it started, 10-20
-       more in timed waits on gRPC timers), and the age quoted is the hang's, not the process's
-       uptime. So vLLM's Worker (its main thread and the 26 gloo run-loop threads its step had
-       woken) is named, not the API server with its 4 request threads; a Serve replica, not
-       Ray's autoscaler monitor. Where that singles out no one (another process's status write
-       dated the stop) and exactly one main thread stopped in an untimed wait, that stop dates
-       the hang and the waits are counted again; among as many, the process that made the last
-       progress leads, then that main thread's (a Ray actor blocked on an Event, against an
-       idle worker whose pool thread parked with it).
+    1. lock cycle: the process holding most threads of a stable lock cycle;
+    2. no waker: a process no thread can wake (the lowest PID of several);
+    3. the request's holder: where the oldest unanswered request dates the stop, the one
+       process it was seen to reach last, over connections inside the service, if one of its
+       untimed futex waits began then;
+    4. waits begun at the stop: the most untimed futex waits that began then, but in the
+       request's client and those that passed it on (they wait for its answer); a stop dated
+       by a write or a send, not by a main thread's stop: only in the process that made it and
+       whose main thread stopped then, or, where that names no one, at the date of the one
+       main thread stopped;
+    5. undated: the most untimed futex waits less timed waits.
     """
     if not procs:
         return None
     comm = {f.sample.pid: f.sample.comm for f in procs}
-    if not v.cycles:
-        stuck = sorted(f.sample.pid for f in procs if f.no_waker)
-        if stuck:
-            return ev.Culprit(stuck[0], comm[stuck[0]], "no waker")
     if v.cycles:
         # A cycle can span processes (shared-memory mutexes): the one holding most of its
         # threads, the lowest PID among equals, so the answer never depends on list order.
@@ -76,75 +65,167 @@ def find_culprit(v: ServiceVerdict, procs: Sequence[ProcessFacts]) -> ev.Culprit
         ]
         n, neg_pid = max(held)
         return ev.Culprit(-neg_pid, comm[-neg_pid], "cycle") if n else None
-    stop = v.oldest_request_s or v.seconds_since_progress
-    scored, dated = _scored_by_own_waits(v, procs, stop, by_write=not v.oldest_request_s)
-    got = _leader(scored)
-    if got is None and dated and not v.oldest_request_s:
-        # The latest dated progress may be a status write that no thread stopped with (Ray's
-        # GCS dumps its event stats every 60 s: one that fell between the hang and the
-        # observation dated the stop, and the threads of every process it woke parked again
-        # with it). One main thread that stopped in an untimed wait dates the hang instead;
-        # with two or more, which began it is unknown: none named.
-        mains = [
-            f.waits.main_untimed_s
-            for f in procs
-            if f.waits is not None and f.waits.main_untimed_s is not None
-        ]
-        if len(mains) == 1:
-            got = _leader(_scored_by_own_waits(v, procs, mains[0], by_write=False)[0])
+    stuck = sorted(f.sample.pid for f in procs if f.no_waker)
+    if stuck:
+        return ev.Culprit(stuck[0], comm[stuck[0]], "no waker")
+    got = _by_dated_waits(v, procs) if _dated(v, procs) else _leader(_undated(procs))
     if got is None:
         return None
-    _lead, untimed, age, pid = got
-    return ev.Culprit(pid, comm[pid], "own waits", threads=untimed, age_s=age)
+    return ev.Culprit(got.pid, comm[got.pid], "own waits", threads=got.threads, age_s=got.age_s)
 
 
-def _leader(scored: Scored) -> Score | None:
-    """The process that leads the others by at least one wait, or None."""
-    ranked = sorted(scored, key=lambda x: x[0], reverse=True)
-    if not ranked or ranked[0][0][0] < 1 or (len(ranked) > 1 and ranked[1][0] >= ranked[0][0]):
+def _dated(v: ServiceVerdict, procs: Sequence[ProcessFacts]) -> bool:
+    """Whether the stop is known and the waits are dated: then only when they began counts."""
+    stop = v.oldest_request_s or v.seconds_since_progress
+    return stop > 0 and any(f.waits is not None and f.waits.untimed_ages_s for f in procs)
+
+
+def _by_dated_waits(v: ServiceVerdict, procs: Sequence[ProcessFacts]) -> Score | None:
+    """Criteria 3 and 4, where the stop and the waits are dated."""
+    last = _last_progress(v)
+    if v.oldest_request_s:
+        stop = v.oldest_request_s
+        senders, holder = _request_path(stop, procs)
+        if holder is not None:
+            return holder
+        # Those that sent the request on wait for its answer: their waits are not the hang's.
+        return _leader(s for s in _began_at(stop, procs, last) if s.pid not in senders)
+    stop = v.seconds_since_progress
+    dated_by = next((r.what for r in v.reasons if isinstance(r, ev.LastProgress)), None)
+    # A main thread's stop in an untimed wait ("ran") dates the hang itself: every process
+    # counts. Any other date (a write, a send) may be a status line's, after the hang.
+    got = _leader(_began_at(stop, procs, last, writer_only=dated_by != "ran"))
+    if got is not None or dated_by == "ran":
+        return got
+    # A write by a process whose main thread did not stop with it (a status line) may date
+    # the stop after the hang; one main thread stopped in an untimed wait dates it instead.
+    # Two or more: which began the hang is unknown.
+    mains = [m for f in procs if f.waits and (m := f.waits.main_untimed_s) is not None]
+    if len(mains) != 1:
+        return None
+    return _leader(_began_at(mains[0], procs, last))
+
+
+def _band(stop: float) -> float:
+    return max(CULPRIT_BAND_MIN_S, CULPRIT_BAND_RATIO * stop)
+
+
+def _last_progress(v: ServiceVerdict) -> int | None:
+    """The process whose work dates the stop (its log's last line, its last send), if one."""
+    return next((r.pid for r in v.reasons if isinstance(r, ev.LastProgress)), None)
+
+
+def _began_at(
+    stop: float, procs: Sequence[ProcessFacts], last: int | None, writer_only: bool = False
+) -> list[Score]:
+    """Per process, its untimed futex waits that began at ``stop`` (within _band of it).
+    ``writer_only``: a write dates ``stop``, and they count only in the process that made it
+    (``last``) and whose main thread stopped then, as a hang there would: near a write, a
+    count alone is chance (pool threads re-park on shared timers), and so is a write alone (a
+    status writer's thread parks again after each line) or a main thread alone (one that
+    parked again as another process blocked and gave its CPU back)."""
+    band = _band(stop)
+    scored = []
+    for f in procs:
+        if f.waits is None:
+            continue
+        began = [a for a in f.waits.untimed_ages_s if abs(a - stop) <= band]
+        main = f.waits.main_untimed_s
+        main_then = main is not None and abs(main - stop) <= band
+        wrote = f.sample.pid == last
+        counted = len(began) if not writer_only or (wrote and main_then) else 0
+        scored.append(
+            Score(counted, wrote, main_then, f.sample.pid, len(began), max(began, default=None))
+        )
+    return scored
+
+
+def _undated(procs: Sequence[ProcessFacts]) -> list[Score]:
+    """Criterion 5, per process: its untimed futex waits (on a lock or an event only another
+    of its threads can release) less its timed waits (on time, a peer, a child)."""
+    scored = []
+    for f in procs:
+        if f.waits is None:
+            continue
+        waits = f.waits.waits
+        untimed = sum(
+            n for name, timed, n in waits if kind_by_name(name) == FUTEX and timed is False
+        )
+        timed = sum(n for _name, timed, n in waits if timed)
+        scored.append(
+            Score(untimed - timed, False, False, f.sample.pid, untimed, f.waits.oldest_untimed_s)
+        )
+    return scored
+
+
+def _leader(scored: Iterable[Score]) -> Score | None:
+    """The process whose score is above every other's, with at least one wait; else None."""
+    ranked = sorted(scored, reverse=True)
+    if not ranked or ranked[0].waits < 1 or (len(ranked) > 1 and ranked[1] == ranked[0]):
         return None
     return ranked[0]
 
 
-def _scored_by_own_waits(
-    v: ServiceVerdict, procs: Sequence[ProcessFacts], stop: float, by_write: bool
-) -> tuple[Scored, bool]:
-    """Rule 2 of find_culprit, per process: (its lead, its untimed waits, the oldest's age,
-    its PID), dated against ``stop`` where the waits are (see find_culprit); and whether
-    they were dated. ``by_write``: whether the last write out of the service dates ``stop``
-    (else a request's arrival, or a main thread's stop): then only the process that wrote,
-    and whose main thread stopped then, counts its waits."""
-    scored: Scored = []
-    band = max(CULPRIT_BAND_MIN_S, CULPRIT_BAND_RATIO * stop)
-    dated = stop > 0 and any(f.waits is not None and f.waits.untimed_ages_s for f in procs)
-    # The process whose work dates the stop (its log's last line) made the last progress.
-    last = next((r.pid for r in v.reasons if isinstance(r, ev.LastProgress)), None)
-    for f in procs:
-        if f.waits is None:
-            continue
-        if dated:
-            began = [a for a in f.waits.untimed_ages_s if abs(a - stop) <= band]
-            # Among as many, the one that made the last progress, then the one whose main
-            # thread stopped then: pools and runtime threads react to what the others do
-            # (Ray's log monitor wakes on each line an actor logs; an idle worker's main
-            # thread wakes and parks again as the actor blocks and gives its CPU back).
-            main = f.waits.main_untimed_s
-            main_then = main is not None and abs(main - stop) <= band
-            wrote = f.sample.pid == last
-            # Against a write, waits count only in the process that wrote and whose main
-            # thread stopped then: what a hang there looks like. Each alone is chance in
-            # Ray: every worker's pool threads re-park on shared timers (an idle worker's
-            # within 0.2 s of a blocked actor's, at 1, 5 and 15 s ago), a status writer's
-            # thread parks again after each line (a driver's, after its event stats), and
-            # an idle worker's main thread re-parked as an actor blocked.
-            counted = len(began) if not by_write or (wrote and main_then) else 0
-            lead = (counted, wrote, main_then)
-            scored.append((lead, len(began), max(began, default=None), f.sample.pid))
-            continue
-        untimed = sum(
-            n for name, timed, n in f.waits.waits if kind_by_name(name) == FUTEX and timed is False
+def _request_path(stop: float, procs: Sequence[ProcessFacts]) -> tuple[set[int], Score | None]:
+    """Criterion 3: the processes the oldest unanswered request (``stop`` old) was seen to
+    pass through (its client's among them), and the one it reached last, if one of that
+    one's untimed futex waits began then. The request is followed from the process that
+    read it, along connections inside the service that carried data then and none since
+    (tcp_info of either end): a process that passed it on waits for the one it passed it to.
+    Several reached last, or none beyond the first: no holder."""
+    band = _band(stop)
+    owner = {c.local: f.sample.pid for f in procs for c in f.sample.connections}
+    doors = {
+        port
+        for f in procs
+        for port in (
+            f.front_door_ports
+            if f.front_door_ports is not None
+            else {lst.port for lst in f.sample.listeners}
         )
-        timed = sum(n for _name, timed, n in f.waits.waits if timed)
-        lead = (untimed - timed, False, False)
-        scored.append((lead, untimed, f.waits.oldest_untimed_s, f.sample.pid))
-    return scored, dated
+    }
+    # The process that read the request, and its client where that is one of the service's:
+    # what the request's process sends back to the client is its answer, not the request.
+    start: set[int] = set()
+    client: set[int] = set()
+    for f in procs:
+        for c in f.sample.connections:
+            read_it = c.last_recv_ms is not None and abs(c.last_recv_ms / 1000 - stop) < 1e-3
+            if c.local_port in doors and read_it:
+                start.add(f.sample.pid)
+                if c.remote in owner:
+                    client.add(owner[c.remote])
+    passed: dict[int, set[int]] = {}  # sender -> receivers, at the request's date
+    for f in procs:
+        me = f.sample.pid
+        for c in f.sample.connections:
+            peer = owner.get(c.remote)
+            if peer is None or peer == me:
+                continue
+            if c.last_recv_ms is not None and abs(c.last_recv_ms / 1000 - stop) <= band:
+                passed.setdefault(peer, set()).add(me)
+            if c.last_sent_ms is not None and abs(c.last_sent_ms / 1000 - stop) <= band:
+                passed.setdefault(me, set()).add(peer)
+    # Breadth first from the process that read it: each that passed it on is a sender; those
+    # reached that passed it to no one new are where it ended.
+    seen, layer, senders = start | client, set(start), set(client)
+    reached: set[int] = set()
+    while layer:
+        nxt: set[int] = set()
+        for p in layer:
+            new = passed.get(p, set()) - seen
+            if new:
+                senders.add(p)
+                nxt |= new
+        seen |= nxt
+        reached |= nxt
+        layer = nxt
+    last = reached - senders
+    if len(last) != 1:
+        return senders, None
+    (pid,) = last
+    f = next(f for f in procs if f.sample.pid == pid)
+    began = [a for a in f.waits.untimed_ages_s if abs(a - stop) <= band] if f.waits else []
+    if not began:
+        return senders, None
+    return senders, Score(len(began), False, False, pid, len(began), max(began))
