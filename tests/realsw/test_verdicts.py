@@ -476,3 +476,24 @@ def test_daemon_serving_idle_stays_idle(
             timeout=20,
         )
         hold(d, "serving", st.pid, "idle", HOLD_S)
+
+
+def test_daemon_serving_short_connections_stays_progressing(
+    tmp_path: Path, daemon_for: Callable[[str, str], Daemon]
+) -> None:
+    """The daemon's view of test_serving_short_connections_is_progressing: each answer goes
+    out on a connection closed before the tick, and every scrape says progressing."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    client = ["--mode", "close", "--interval", "0.2"]
+    with serving_stack("serving", run_dir, client=client) as st:
+        assert st.client is not None
+        st.client.wait_for("STATS")
+        d = daemon_for("serving", rf"serving\.server --shape serving .*{re.escape(str(run_dir))}")
+        daemonlib.wait_until(
+            d,
+            lambda s: states_of(s, "serving", st.pid) == ["progressing"],
+            f"the serving stack {st.pid} to be progressing",
+            timeout=20,
+        )
+        hold(d, "serving", st.pid, "progressing", HOLD_S)
