@@ -9,6 +9,7 @@ from agent.analysis.evidence import ReadStorage
 from agent.analysis.progress import (
     HEARTBEAT_MAX_BYTES,
     HEARTBEAT_MAX_CALLS,
+    HEARTBEAT_MAX_FILES,
     ParkSettings,
     ParkTracker,
     ProcessProgress,
@@ -241,7 +242,10 @@ def test_a_write_not_shaped_like_a_heartbeat_is_progress():
     # Its destination unnamed (an answer on a connection closed before it was read)
     assert not _beat(unplaced_bytes=200).heartbeat and _beat(unplaced_bytes=200).did_work
     assert not _beat(logged_to=0, written_to=None).heartbeat  # nothing named at all
-    assert not _beat(logged_to=2).heartbeat  # to two places: not one status file
+    # A log and an event log (a status writer's own few logs), but not a checkpoint's shards
+    assert _beat(logged_to=2).heartbeat
+    assert _beat(logged_to=HEARTBEAT_MAX_FILES).heartbeat
+    assert not _beat(logged_to=HEARTBEAT_MAX_FILES + 1).heartbeat
     assert not _beat(logged_calls=HEARTBEAT_MAX_CALLS + 1).heartbeat  # too many calls
     assert not _beat(logged_calls=None).heartbeat  # calls not counted: not proven
     assert not _beat(write_bytes=HEARTBEAT_MAX_BYTES + 1).heartbeat  # data, not a line

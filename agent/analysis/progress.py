@@ -15,7 +15,8 @@ unseen, so the proof has two parts, both from one window:
   work): a loading log comes with the CPU or the reads of the load, a checkpoint with its
   bytes;
 * the shape of a status write: small (``HEARTBEAT_MAX_BYTES``), few calls
-  (``HEARTBEAT_MAX_CALLS``), all to one destination that was named (a regular file, a
+  (``HEARTBEAT_MAX_CALLS``), all to a few destinations that were named
+  (``HEARTBEAT_MAX_FILES``: a status writer's own logs, such as a log file, an event log, a
   terminal, a pipe out of the service). A write whose destination could not be named (its
   fd closed before it was read) is counted as progress: an answer on a connection closed at
   once looks like that, and an unseen answer is what must never read as idle.
@@ -47,9 +48,13 @@ STORAGE_READ_MIN_BYTES_PER_S = 1 << 20
 # its window (MBs) in one fault, so a mapped load at 20 MB/s may fault only 5 times a
 # second; a waiting process touching now and then a page the kernel evicted, less often.
 MAJOR_FAULTS_MIN_PER_S = 1
-# Most write calls to that one file in one window: a status write is a line or a file
-# rewritten now and then; a process writing more often than this is logging work.
+# Most write calls in one window: a status write is a line or a file rewritten now and then;
+# a process writing more often than this is logging work.
 HEARTBEAT_MAX_CALLS = 64
+# Most named files in one window: a status writer reports to its own logs (its log file, an
+# event log, a copy on stdout or stderr), the same few every time; work that writes files
+# (a checkpoint's shards, an export) names more, and writes more.
+HEARTBEAT_MAX_FILES = 4
 
 
 @dataclass(frozen=True)
@@ -142,11 +147,11 @@ class ProcessProgress:
 
     @property
     def heartbeat_shaped(self) -> bool:
-        """Its writes look like a status write: small, few, all to one named destination."""
+        """Its writes look like a status write: small, few, all to a few named logs."""
         return (
             0 < self.logged_bytes <= HEARTBEAT_MAX_BYTES
             and not self.unplaced_bytes
-            and self.logged_to == 1
+            and 1 <= self.logged_to <= HEARTBEAT_MAX_FILES
             and self.logged_calls is not None
             and self.logged_calls <= HEARTBEAT_MAX_CALLS
         )
