@@ -123,8 +123,9 @@ def cpus_here() -> list[int]:
 @pytest.mark.parametrize("order", ["first on the last", "last on the first"])
 def test_a_real_thread_on_another_cpu_is_dated_to_when_it_stopped(order):
     """A thread blocked on one CPU, read by a sampler on another: its last run is when it
-    blocked, within 50 ms. With the sampler's own CPU's offset for both (before), on this
-    project's 2-CPU VM one of the two read 7.1 s off."""
+    blocked, within 1 s. With the sampler's own CPU's offset for both (before), on this
+    project's 2-CPU VM one of the two read 7.1 s off; the steal time a loaded host adds while
+    the offsets are read is tens of ms (a full suite with a Ray run beside it: 51 ms)."""
     cpus = cpus_here()
     theirs, ours = (cpus[0], cpus[-1]) if order == "first on the last" else (cpus[-1], cpus[0])
     child = subprocess.Popen(
@@ -144,7 +145,7 @@ def test_a_real_thread_on_another_cpu_is_dated_to_when_it_stopped(order):
         child.kill()
         child.wait()
     assert t is not None and t.blocked and t.last_ran_ns is not None
-    assert abs(t.last_ran_ns - blocked_at) < 50_000_000, (t.last_ran_ns - blocked_at) / 1e9
+    assert abs(t.last_ran_ns - blocked_at) < 1_000_000_000, (t.last_ran_ns - blocked_at) / 1e9
 
 
 def test_a_snapshot_reads_few_stale_offsets_again_but_every_new_cpu(monkeypatch):
