@@ -165,19 +165,28 @@ static __always_inline void keep_tail(struct hw_fd_writes *st, struct hw_thread 
 	st->tail_len = err ? 0 : n;
 }
 
+/* At a sys_exit: the calling thread's entry if its sys_enter marked it with `flag` (now
+ * cleared), else NULL (an unwatched process, a call the enter program left alone, or one
+ * entered before the process was watched). */
+static __always_inline struct hw_thread *leave_marked(u64 id, u32 flag)
+{
+	if (!is_watched(id >> 32))
+		return 0;
+	u32 tid = (u32)id;
+	struct hw_thread *t = threads.lookup(&tid);
+	if (!t || !(t->flags & flag))
+		return 0;
+	t->flags &= ~flag;
+	return t;
+}
+
 /* Counts a successful write of `ret` bytes by this thread, if its fd was kept at sys_enter. */
 static __always_inline int write_exit(long ret)
 {
 	u64 id = bpf_get_current_pid_tgid();
 	u32 tgid = id >> 32;
-	if (!is_watched(tgid))
-		return 0;
-	u32 tid = (u32)id;
-	struct hw_thread *t = threads.lookup(&tid);
-	if (!t || !(t->flags & HW_THREAD_WRITING))
-		return 0; /* entered before the process was watched */
-	t->flags &= ~HW_THREAD_WRITING;
-	if (ret <= 0)
+	struct hw_thread *t = leave_marked(id, HW_THREAD_WRITING);
+	if (!t || ret <= 0)
 		return 0;
 
 	struct hw_fd_key key = {.tgid = tgid, .fd = t->write_fd};
@@ -467,15 +476,8 @@ static __always_inline int read_exit(long ret)
 {
 	u64 id = bpf_get_current_pid_tgid();
 	u32 tgid = id >> 32;
-	if (!is_watched(tgid))
-		return 0;
-	u32 tid = (u32)id;
-	struct hw_thread *t = threads.lookup(&tid);
-	if (!t || !(t->flags & HW_THREAD_READING))
-		return 0; /* not a file of storage, or entered before the process was watched */
-	t->flags &= ~HW_THREAD_READING;
-	if (ret <= 0)
-		return 0;
+	if (!leave_marked(id, HW_THREAD_READING) || ret <= 0)
+		return 0; /* not a file of storage, or nothing read */
 	u64 zero = 0;
 	add_or_count_full(file_reads.lookup_or_try_init(&tgid, &zero), ret,
 			  COUNTER(file_reads_full));
