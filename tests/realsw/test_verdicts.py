@@ -24,7 +24,7 @@ import contextlib
 import json
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -461,21 +461,36 @@ def test_daemon_allreduce_peer_gone_stays_stalled(daemon_for: Callable[[str, str
         assert job.proc is not None and job.proc.poll() is None, job.describe("torchrun exited")
 
 
+def daemon_holds_serving(
+    tmp_path: Path,
+    daemon_for: Callable[[str, str], Daemon],
+    shape: str,
+    state: str,
+    client: Sequence[str] = (),
+) -> None:
+    """The serving stack in ``shape`` (with ``client`` if given) reaches ``state`` in the
+    daemon, and every scrape says it for HOLD_S."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    with serving_stack(shape, run_dir, client=client) as st:
+        if st.client is not None:
+            st.client.wait_for("STATS")
+        # The root's command line only: the spawned children run multiprocessing's.
+        regex = rf"serving\.server --shape {shape} .*{re.escape(str(run_dir))}"
+        d = daemon_for("serving", regex)
+        daemonlib.wait_until(
+            d,
+            lambda s: states_of(s, "serving", st.pid) == [state],
+            f"the serving stack {st.pid} to be {state}",
+            timeout=20,
+        )
+        hold(d, "serving", st.pid, state, HOLD_S)
+
+
 def test_daemon_serving_idle_stays_idle(
     tmp_path: Path, daemon_for: Callable[[str, str], Daemon]
 ) -> None:
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    with serving_stack("idle", run_dir) as st:
-        # The root's command line only: the spawned children run multiprocessing's.
-        d = daemon_for("serving", rf"serving\.server --shape idle .*{re.escape(str(run_dir))}")
-        daemonlib.wait_until(
-            d,
-            lambda s: states_of(s, "serving", st.pid) == ["idle"],
-            f"the serving stack {st.pid} to be idle",
-            timeout=20,
-        )
-        hold(d, "serving", st.pid, "idle", HOLD_S)
+    daemon_holds_serving(tmp_path, daemon_for, "idle", "idle")
 
 
 def test_daemon_serving_short_connections_stays_progressing(
@@ -483,17 +498,5 @@ def test_daemon_serving_short_connections_stays_progressing(
 ) -> None:
     """The daemon's view of test_serving_short_connections_is_progressing: each answer goes
     out on a connection closed before the tick, and every scrape says progressing."""
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
     client = ["--mode", "close", "--interval", "0.2"]
-    with serving_stack("serving", run_dir, client=client) as st:
-        assert st.client is not None
-        st.client.wait_for("STATS")
-        d = daemon_for("serving", rf"serving\.server --shape serving .*{re.escape(str(run_dir))}")
-        daemonlib.wait_until(
-            d,
-            lambda s: states_of(s, "serving", st.pid) == ["progressing"],
-            f"the serving stack {st.pid} to be progressing",
-            timeout=20,
-        )
-        hold(d, "serving", st.pid, "progressing", HOLD_S)
+    daemon_holds_serving(tmp_path, daemon_for, "serving", "progressing", client)
