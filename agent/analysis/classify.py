@@ -266,9 +266,7 @@ def classify_process(facts: ProcessFacts, threshold_s: float) -> ProcessVerdict:
         v.reasons.append(no_waker(s, facts.waits))
         return v
     gpu = facts.gpu
-    host_work = bool(
-        prog.working_tids or prog.wrote_out or prog.received_bytes or prog.read_storage
-    )
+    host_work = prog.host_work
     if (
         gpu is not None
         and not host_work

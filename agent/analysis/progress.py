@@ -168,8 +168,13 @@ class ProcessProgress:
         return bool(self.write_bytes) and not self.heartbeat
 
     @property
+    def host_work(self) -> bool:
+        """Work on the host's side: every kind but the GPU's (an answer is a write out)."""
+        return bool(self.working_tids or self.wrote_out or self.received_bytes or self.read_storage)
+
+    @property
     def did_work(self) -> bool:
-        return self.other_work or self.wrote_out
+        return self.host_work or bool(self.gpu)
 
     def signals(self) -> list[ev.Fact]:
         """The evidence of each progress signal seen."""
