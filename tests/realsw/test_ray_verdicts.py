@@ -70,58 +70,68 @@ def hang(shape: str, base: Path) -> Iterator[tuple[RayJob, Diagnosis]]:
 # --- Serve: idle, then loaded (one cluster) ---------------------------------------------------
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="class")
 def serve_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayJob]:
     raylib.require()
     with raylib.ray_job("serve_idle", tmp_path_factory.mktemp("rv")) as job:
         yield job
 
 
-def test_serve_idle_is_idle(serve_cluster: RayJob) -> None:
-    """Proxy, controller and one replica up, no request ever: idle. The raylet's and the
-    monitor's periodic log writes are not progress."""
-    job = serve_cluster
-    if job.seen("LOADING"):
-        pytest.skip("the shared cluster is already loaded (test order)")
-    d = diagnose(job.driver)
-    expect(d, job.driver, "serve_idle", "idle")
+class TestServeCluster:
+    """One serve_idle cluster for these, idle first, then loaded; it ends with the class, so
+    its load does not run on beside the clusters of the tests after it."""
 
-
-def test_serve_short_connections_is_progressing(serve_cluster: RayJob) -> None:
-    """Requests from outside, each on a new connection (as curl and health checkers), about
-    25 a second: every connection closes before a tick can name its fd. The proxy's answers
-    are its progress, counted when written; not "all threads parked"."""
-    job = serve_cluster
-    if job.seen("LOADING"):
-        pytest.skip("the shared cluster is already loaded (test order)")
-    answered, stop = [0], threading.Event()
-
-    def ask() -> None:
-        while not stop.wait(0.04):
-            with urllib.request.urlopen(f"http://127.0.0.1:{job.port}/", timeout=10) as r:
-                r.read()
-            answered[0] += 1
-
-    client = threading.Thread(target=ask, daemon=True)
-    client.start()
-    try:
-        wait_until(lambda: answered[0] >= 5, 60, "the first answers through the proxy")
+    def test_serve_idle_is_idle(self, serve_cluster: RayJob) -> None:
+        """Proxy, controller and one replica up, no request ever: idle. The raylet's and the
+        monitor's periodic log writes are not progress."""
+        job = serve_cluster
+        if job.seen("LOADING"):
+            pytest.skip("the shared cluster is already loaded (test order)")
         d = diagnose(job.driver)
-    finally:
-        stop.set()
-        client.join(timeout=15)
-    svc = expect(d, job.driver, "serve_short", "progressing")
-    assert answers_counted(svc), d.explain("the proxy's answers were not counted")
+        expect(d, job.driver, "serve_idle", "idle")
 
+    def test_daemon_serve_idle_holds_idle(self, serve_cluster: RayJob, tmp_path: Path) -> None:
+        """The daemon (2 s threshold) on the idle Serve driver: idle, scrape after scrape. On the
+        shared cluster, before anything loads it."""
+        job = serve_cluster
+        if job.seen("LOADING"):
+            pytest.skip("the shared cluster is already loaded (test order)")
+        daemon_holds(job, tmp_path, "idle")
 
-def test_serve_load_is_progressing(serve_cluster: RayJob) -> None:
-    """A driver thread sends requests back to back (~1 k/s) through proxy and replica."""
-    job = serve_cluster
-    if not job.seen("LOADING"):
-        job.send("load")
-        job.wait_for("LOADING", timeout=60)
-    d = diagnose(job.driver)
-    expect(d, job.driver, "serve_load", "progressing")
+    def test_serve_short_connections_is_progressing(self, serve_cluster: RayJob) -> None:
+        """Requests from outside, each on a new connection (as curl and health checkers), about
+        25 a second: every connection closes before a tick can name its fd. The proxy's answers
+        are its progress, counted when written; not "all threads parked"."""
+        job = serve_cluster
+        if job.seen("LOADING"):
+            pytest.skip("the shared cluster is already loaded (test order)")
+        answered, stop = [0], threading.Event()
+
+        def ask() -> None:
+            while not stop.wait(0.04):
+                with urllib.request.urlopen(f"http://127.0.0.1:{job.port}/", timeout=10) as r:
+                    r.read()
+                answered[0] += 1
+
+        client = threading.Thread(target=ask, daemon=True)
+        client.start()
+        try:
+            wait_until(lambda: answered[0] >= 5, 60, "the first answers through the proxy")
+            d = diagnose(job.driver)
+        finally:
+            stop.set()
+            client.join(timeout=15)
+        svc = expect(d, job.driver, "serve_short", "progressing")
+        assert answers_counted(svc), d.explain("the proxy's answers were not counted")
+
+    def test_serve_load_is_progressing(self, serve_cluster: RayJob) -> None:
+        """A driver thread sends requests back to back (~1 k/s) through proxy and replica."""
+        job = serve_cluster
+        if not job.seen("LOADING"):
+            job.send("load")
+            job.wait_for("LOADING", timeout=60)
+        d = diagnose(job.driver)
+        expect(d, job.driver, "serve_load", "progressing")
 
 
 # --- Serve: hangs ---------------------------------------------------------------------------
@@ -149,12 +159,31 @@ def test_serve_event_is_stalled(tmp_path_factory: pytest.TempPathFactory) -> Non
 # --- core Ray -----------------------------------------------------------------------------
 
 
-def test_get_stuck_actor_is_stalled(tmp_path_factory: pytest.TempPathFactory) -> None:
-    """The driver in ray.get on an actor method that waits on an Event forever."""
-    with hang("get_stuck_actor", tmp_path_factory.mktemp("rv")) as (job, d):
+@pytest.fixture(scope="class")
+def stuck_actor(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RayJob, Diagnosis]]:
+    """One get_stuck_actor cluster, diagnosed HANG_AGE after READY whichever test asks first;
+    the daemon's test then watches the same hang (it only grows older, and stays stalled)."""
+    raylib.require()
+    with hang("get_stuck_actor", tmp_path_factory.mktemp("rv")) as got:
+        yield got
+
+
+class TestStuckActor:
+    """One get_stuck_actor cluster: diagnose, then the daemon; it ends with the class."""
+
+    def test_get_stuck_actor_is_stalled(self, stuck_actor: tuple[RayJob, Diagnosis]) -> None:
+        """The driver in ray.get on an actor method that waits on an Event forever."""
+        job, d = stuck_actor
         actor = job.pid_of("actor")
-    svc = expect(d, job.driver, job.shape, "stalled")
-    culprit_is(d, svc, actor, "the actor's worker, blocked in its method")
+        svc = expect(d, job.driver, job.shape, "stalled")
+        culprit_is(d, svc, actor, "the actor's worker, blocked in its method")
+
+    def test_daemon_get_stuck_actor_holds_stalled(
+        self, stuck_actor: tuple[RayJob, Diagnosis], tmp_path: Path
+    ) -> None:
+        """The daemon (2 s threshold) on the stuck actor's driver: stalled, scrape after scrape."""
+        job, _ = stuck_actor
+        daemon_holds(job, tmp_path, "stalled")
 
 
 def test_actor_self_call_is_stalled(tmp_path_factory: pytest.TempPathFactory) -> None:
@@ -197,21 +226,15 @@ def driver_regex(job: RayJob) -> str:
     return rf"ray_jobs\.py --shape {job.shape} --temp-dir {re.escape(str(job.temp_dir))}"
 
 
-@pytest.mark.parametrize(
-    ("shape", "state"), [("serve_idle", "idle"), ("get_stuck_actor", "stalled")]
-)
-def test_daemon_ray_holds_its_state(
-    tmp_path_factory: pytest.TempPathFactory, shape: str, state: str
-) -> None:
-    """The daemon (2 s threshold) on a Ray driver: the one true state, scrape after scrape."""
-    base = tmp_path_factory.mktemp("rd")
-    with raylib.ray_job(shape, base) as job:
-        cfg, port = targets_config(base, {"ray": driver_regex(job)})
-        with running_daemon(cfg, port) as d:
-            daemonlib.wait_until(
-                d,
-                lambda s: states_of(s, "ray", job.driver) == [state],
-                f"the Ray driver {job.driver} ({shape}) to be {state}",
-                timeout=40,
-            )
-            hold(d, "ray", job.driver, state, HOLD_S)
+def daemon_holds(job: RayJob, base: Path, state: str) -> None:
+    """The daemon (2 s threshold) on ``job``'s driver reaches ``state`` and every scrape says
+    it for HOLD_S. The clusters are the diagnose tests' own: a start each saved."""
+    cfg, port = targets_config(base, {"ray": driver_regex(job)})
+    with running_daemon(cfg, port) as d:
+        daemonlib.wait_until(
+            d,
+            lambda s: states_of(s, "ray", job.driver) == [state],
+            f"the Ray driver {job.driver} ({job.shape}) to be {state}",
+            timeout=40,
+        )
+        hold(d, "ray", job.driver, state, HOLD_S)
