@@ -159,31 +159,12 @@ def test_serve_event_is_stalled(tmp_path_factory: pytest.TempPathFactory) -> Non
 # --- core Ray -----------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="class")
-def stuck_actor(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RayJob, Diagnosis]]:
-    """One get_stuck_actor cluster, diagnosed HANG_AGE after READY whichever test asks first;
-    the daemon's test then watches the same hang (it only grows older, and stays stalled)."""
-    raylib.require()
-    with hang("get_stuck_actor", tmp_path_factory.mktemp("rv")) as got:
-        yield got
-
-
-class TestStuckActor:
-    """One get_stuck_actor cluster: diagnose, then the daemon; it ends with the class."""
-
-    def test_get_stuck_actor_is_stalled(self, stuck_actor: tuple[RayJob, Diagnosis]) -> None:
-        """The driver in ray.get on an actor method that waits on an Event forever."""
-        job, d = stuck_actor
+def test_get_stuck_actor_is_stalled(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The driver in ray.get on an actor method that waits on an Event forever."""
+    with hang("get_stuck_actor", tmp_path_factory.mktemp("rv")) as (job, d):
         actor = job.pid_of("actor")
-        svc = expect(d, job.driver, job.shape, "stalled")
-        culprit_is(d, svc, actor, "the actor's worker, blocked in its method")
-
-    def test_daemon_get_stuck_actor_holds_stalled(
-        self, stuck_actor: tuple[RayJob, Diagnosis], tmp_path: Path
-    ) -> None:
-        """The daemon (2 s threshold) on the stuck actor's driver: stalled, scrape after scrape."""
-        job, _ = stuck_actor
-        daemon_holds(job, tmp_path, "stalled")
+    svc = expect(d, job.driver, job.shape, "stalled")
+    culprit_is(d, svc, actor, "the actor's worker, blocked in its method")
 
 
 def test_actor_self_call_is_stalled(tmp_path_factory: pytest.TempPathFactory) -> None:
@@ -238,3 +219,13 @@ def daemon_holds(job: RayJob, base: Path, state: str) -> None:
             timeout=40,
         )
         hold(d, "ray", job.driver, state, HOLD_S)
+
+
+def test_daemon_get_stuck_actor_holds_stalled(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The daemon (2 s threshold) on the stuck actor's driver, started as the hang begins:
+    stalled, scrape after scrape. A cluster of its own: a daemon first started on the hang
+    diagnose left (~60 s old) once said progressing on its second tick (stalled, then
+    "no progress for 1.0 s, under the 2.0 s threshold"), so sharing waits for that fix."""
+    base = tmp_path_factory.mktemp("rd")
+    with raylib.ray_job("get_stuck_actor", base) as job:
+        daemon_holds(job, base, "stalled")
