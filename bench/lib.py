@@ -95,6 +95,9 @@ def memory_kib(pid: int) -> dict[str, int]:
 
 # Extra top-level config lines for every daemon the bench starts (--bpf-stats).
 DAEMON_CONFIG: list[str] = []
+# --smoke (what the test suite runs): --quick with its periods and sizes cut to the least that
+# still runs every part and prints every row. Its figures say only that the bench works.
+SMOKE: list[bool] = [False]
 
 
 class Daemon(DaemonProcess):

@@ -22,7 +22,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from bench.lib import Daemon, Workload, cpu_seconds, memory_kib, progress, workload_argv
+from bench.lib import SMOKE, Daemon, Workload, cpu_seconds, memory_kib, progress, workload_argv
 from scripts.daemonproc import value
 
 INTERVAL = 1.0
@@ -208,8 +208,8 @@ def measure(d: Daemon, period: float, ticks: int) -> Measured:
 def run(
     exe: Path, quick: bool, watch: Sequence[dict[str, str]]
 ) -> tuple[list[Row], list[Measured]]:
-    period = 3.0 if quick else 30.0
-    ticks = 2 if quick else 8
+    period = 1.0 if SMOKE[0] else 3.0 if quick else 30.0
+    ticks = 1 if SMOKE[0] else 2 if quick else 8
     todo = rows(quick)
     raise_nofile(max(r.conns for r in todo) + 100)
     got = []

@@ -27,7 +27,7 @@ Parts (``--only PART``, or ``--only WORKLOAD`` for one row group of the overhead
              threads, 100 / 1,000 / 10,000 idle connections, 1,600 threads + 1,000
              connections, each against the same daemon watching nothing in the same run
 
-Needs root. Usage: python -m bench [--quick] [--markdown] [--only NAME] [--rounds N]
+Needs root. Usage: python -m bench [--quick | --smoke] [--markdown] [--only NAME] [--rounds N]
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from pathlib import Path
 from bench import scaling
 from bench.lib import (
     DAEMON_CONFIG,
+    SMOKE,
     WORKLOAD_REGEX,
     Daemon,
     Workload,
@@ -208,7 +209,9 @@ def run_one(argv: list[str], daemon: Daemon | None = None) -> float:
 
 def overhead(exe: Path, benches: Sequence[Bench], rounds: int, quick: bool) -> Overhead:
     res = Overhead()
-    clean_wait = 5.0 if quick else 60.0
+    # The smoke does not wait for someone else's hangwatch to go: the count of tainted runs
+    # is reported either way.
+    clean_wait = 0.0 if SMOKE[0] else 5.0 if quick else 60.0
     from agent import preflight
     from agent.sources.probe import KernelProbes
     from bench.empty import EmptyPrograms
@@ -291,7 +294,7 @@ def measure(pid: int, period: float) -> Usage:
 
 
 def resources(rep: Report, exe: Path, quick: bool) -> None:
-    period = 2.0 if quick else 20.0
+    period = 1.0 if SMOKE[0] else 2.0 if quick else 20.0
     threads = 200 if quick else PARK_THREADS
     rows: list[tuple[str, Usage, str, bool | None]] = []
     with Daemon(WATCH_WORKLOADS, INTERVAL) as d:
@@ -455,7 +458,7 @@ def ringbuf(rep: Report, exe: Path, quick: bool) -> None:
     # rate with drops, then (full runs) a few bisection steps between the last two rates.
     ladder = [2_000, 50_000] if quick else [1_000 * 2**i for i in range(8)]
     refine = 0 if quick else 3
-    secs = 1.5 if quick else 5.0
+    secs = 0.5 if SMOKE[0] else 1.5 if quick else 5.0
     rows: list[list[str]] = []
     best: int | None = None
     bad: int | None = None
@@ -515,7 +518,7 @@ def startup(rep: Report, quick: bool) -> None:
     times = []
     for i in range(1 if quick else 3):
         progress(f"startup {i + 1}")
-        wait_no_hangwatch(5)
+        wait_no_hangwatch(0 if SMOKE[0] else 5)
         with Daemon(NOTHING, INTERVAL) as d:
             times.append(d.wait_ready())
     rep.table(
@@ -749,7 +752,7 @@ def slowclients_part(rep: Report, quick: bool) -> None:
     the deadline's drops and reconnects fall inside."""
     from scripts import slowclients
 
-    seconds = 3.0 if quick else 12.0
+    seconds = 1.0 if SMOKE[0] else 3.0 if quick else 12.0
     rows = []
     with Daemon(NOTHING, INTERVAL) as d:
         d.wait_ready()
@@ -850,17 +853,19 @@ def _maps_rows(name: str, pid: int, reps: int) -> list[list[str]]:
 
 def maps(rep: Report, quick: bool) -> None:
     """What placing waits in the maps costs, three ways, for a pool of 200 parked threads
-    and for a target whose maps are 62,000 lines of a 4,000-character path."""
+    and for a target whose maps are 62,000 lines of a 4,000-character path (6,200 in the
+    smoke: the reads of 250 MB of maps text are most of this part's time)."""
     import tempfile
 
+    huge = 6_200 if SMOKE[0] else 62_000
     rows = []
     with Fixture.py("py_pool", "200", timeout=90) as fx:
         rows += _maps_rows("pool of 200 threads", fx.pid, 5 if quick else 25)
     with (
         tempfile.TemporaryDirectory(prefix="hangwatch-bench-maps-") as d,
-        Fixture.py("huge_maps", d, timeout=90) as fx,
+        Fixture.py("huge_maps", d, str(huge), timeout=90) as fx,
     ):
-        rows += _maps_rows("62,000 mappings", fx.pid, 1 if quick else 3)
+        rows += _maps_rows(f"{huge:,} mappings", fx.pid, 1 if quick else 3)
     rep.table(
         "Placing waits in the memory maps (median; peak Python memory of one read)",
         ["target", "mappings", "addresses", "read", "ms", "peak MiB"],
@@ -882,6 +887,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m bench", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
     ap.add_argument("--quick", action="store_true", help="few calls, 1 round, short periods")
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="--quick, shorter still: every part and row, figures meaningless (the tests)",
+    )
     ap.add_argument("--markdown", action="store_true", help="print the tables as markdown")
     names = [*PARTS, *(b.key for b in BENCHES)]
     ap.add_argument(
@@ -895,6 +905,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "to measure what that accounting costs",
     )
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.quick = True
+        SMOKE[0] = True
     only = set(args.only.split(",")) if args.only else None
     if only is not None and not only <= set(names):
         ap.error(f"--only: unknown {', '.join(sorted(only - set(names)))}")
@@ -909,7 +922,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     exe = build_workloads()
     rep = Report(args.markdown)
     rep.note(
-        f"hangwatch bench{' --quick' if args.quick else ''}"
+        f"hangwatch bench{' --smoke' if args.smoke else ' --quick' if args.quick else ''}"
         f"{' --bpf-stats' if args.bpf_stats else ''}: {platform.node()}, "
         f"{os.cpu_count()} CPUs, Linux {platform.release()}, {time.strftime('%Y-%m-%d %H:%M')}"
     )

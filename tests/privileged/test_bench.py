@@ -1,5 +1,6 @@
 """The benchmark suite runs and reports every row (its figures are not asserted: benchmarks
-are not tests, and this machine is shared)."""
+are not tests, and this machine is shared). It runs as ``--smoke``: every part and row, with
+the shortest periods and smallest sizes; checked only for being there and sane."""
 
 from __future__ import annotations
 
@@ -34,9 +35,9 @@ OVERHEAD_ROWS = [
 ]
 
 
-def test_bench_suite_quick_reports_every_row() -> None:
+def test_bench_suite_smoke_reports_every_row() -> None:
     r = subprocess.run(
-        [sys.executable, "-m", "bench", "--quick"],
+        [sys.executable, "-m", "bench", "--smoke"],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
@@ -47,8 +48,12 @@ def test_bench_suite_quick_reports_every_row() -> None:
     msg = f"exit {r.returncode}\nstdout:\n{out}\nstderr:\n{r.stderr}"
     assert r.returncode == 0, msg
     for title, mode in OVERHEAD_ROWS:
-        row = rf"^{re.escape(title)}\s+{re.escape(mode)}\s+{NUM}\s+{NUM}x\b"
-        assert re.search(row, out, re.M), f"no row for {title}, {mode}\n{msg}"
+        row = rf"^{re.escape(title)}\s+{re.escape(mode)}\s+({NUM})\s+({NUM})x\b"
+        m = re.search(row, out, re.M)
+        assert m, f"no row for {title}, {mode}\n{msg}"
+        # Sane: a call takes time, and the no-agent row is its own baseline.
+        assert float(m[1].replace(",", "")) > 0, f"{title}, {mode}: no time per call\n{msg}"
+        assert mode != "none" or m[2] == "1.00", f"{title}: baseline ratio {m[2]}\n{msg}"
     # Targets are judged, never hard-coded: each row with one says met or NOT met.
     judged = re.findall(r"<= [\d.]+x\s+(met|NOT met)$", out, re.M)
     assert len(judged) == 5, msg
@@ -71,5 +76,8 @@ def test_bench_suite_quick_reports_every_row() -> None:
     for who in ("alone", "140 slow clients"):  # slowclients: scrapes, latencies, threads, fds
         assert re.search(rf"^{who}\s+\d+\s+{NUM}\s+{NUM}\s+{NUM}\s+\d+\s+\d+$", out, re.M), msg
     assert re.search(rf"^/proc/PID/io: wchar \+ read_bytes\s+\d+\s+{NUM}x$", out, re.M), msg
+    for target in ("pool of 200 threads", "6,200 mappings"):  # maps: the three reads each
+        for way in ("whole file \\(before\\)", "streamed, capped", "PROCMAP_QUERY"):
+            assert re.search(rf"^{target}\s+\d+\s+\d+\s+{way}\s+{NUM}\s+{NUM}$", out, re.M), msg
     target = r"^1,600 parked threads \(8 x 200\) \+ 1,000 idle connections\s.*\s(met|NOT met)$"
     assert re.search(target, out, re.M), msg

@@ -83,7 +83,7 @@ def no_leftovers(job: RayJob) -> None:
 # --- Serve: idle, then loaded (one cluster) ---------------------------------------------------
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="class")
 def serve_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayJob]:
     raylib.require()
     with raylib.ray_job("serve_idle", tmp_path_factory.mktemp("rs")) as job:
@@ -92,34 +92,37 @@ def serve_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayJob]:
     assert not job.swept, f"killing the tree left {job.swept} holding {job.temp_dir}"
 
 
-def test_serve_idle_answers_nothing_and_sleeps(serve_cluster: RayJob) -> None:
-    job = serve_cluster
-    has_processes(job, *CLUSTER, *SERVE)
-    replica = job.pid_of("replica")
-    assert replica in job.find("ray::ServeReplica:hw:Hello"), job.describe("the replica")
-    assert not raylib.connections(job.port), "a client is connected to the idle proxy"
-    # The replica has answered nothing (its log says so) and it barely wakes.
-    shares = raylib.cpu_share(job.tree(), 3.0)
-    assert shares[replica] < 0.05, f"the idle replica uses {shares[replica]:.2f} cores"
-    assert sum(shares.values()) < 0.5, f"the idle cluster uses {sum(shares.values()):.2f} cores"
-    assert "CALL __call__" not in raylib.worker_log(job, replica, "err")
-    # Idle, not dead: the proxy listens.
-    assert cpu_ticks(job.pid_of("proxy")) > 0
+class TestServeCluster:
+    """One serve_idle cluster, idle then loaded; it ends (checked clean) with the class, so
+    its load does not run on beside the clusters of the tests after it."""
 
+    def test_serve_idle_answers_nothing_and_sleeps(self, serve_cluster: RayJob) -> None:
+        job = serve_cluster
+        has_processes(job, *CLUSTER, *SERVE)
+        replica = job.pid_of("replica")
+        assert replica in job.find("ray::ServeReplica:hw:Hello"), job.describe("the replica")
+        assert not raylib.connections(job.port), "a client is connected to the idle proxy"
+        # The replica has answered nothing (its log says so) and it barely wakes.
+        shares = raylib.cpu_share(job.tree(), 3.0)
+        assert shares[replica] < 0.05, f"the idle replica uses {shares[replica]:.2f} cores"
+        assert sum(shares.values()) < 0.5, f"the idle cluster uses {sum(shares.values()):.2f} cores"
+        assert "CALL __call__" not in raylib.worker_log(job, replica, "err")
+        # Idle, not dead: the proxy listens.
+        assert cpu_ticks(job.pid_of("proxy")) > 0
 
-def test_serve_load_is_answered_continuously(serve_cluster: RayJob) -> None:
-    job = serve_cluster
-    if not job.seen("LOADING"):
-        job.send("load")
-        job.wait_for("LOADING", timeout=60)
-    replica, proxy = job.pid_of("replica"), job.pid_of("proxy")
-    before = cpu_ticks(replica)
-    shares = raylib.cpu_share([replica, proxy], 3.0)
-    assert shares[replica] > 0.05 and shares[proxy] > 0.05, f"not working: {shares}"
-    assert cpu_ticks(replica) > before
-    assert len(raylib.connections(job.port)) >= 2, "want the outside client connected"
-    status, body = get(job.port, "/")
-    assert (status, body) == (200, "hello\n")
+    def test_serve_load_is_answered_continuously(self, serve_cluster: RayJob) -> None:
+        job = serve_cluster
+        if not job.seen("LOADING"):
+            job.send("load")
+            job.wait_for("LOADING", timeout=60)
+        replica, proxy = job.pid_of("replica"), job.pid_of("proxy")
+        before = cpu_ticks(replica)
+        shares = raylib.cpu_share([replica, proxy], 3.0)
+        assert shares[replica] > 0.05 and shares[proxy] > 0.05, f"not working: {shares}"
+        assert cpu_ticks(replica) > before
+        assert len(raylib.connections(job.port)) >= 2, "want the outside client connected"
+        status, body = get(job.port, "/")
+        assert (status, body) == (200, "hello\n")
 
 
 # --- Serve: hangs ---------------------------------------------------------------------------

@@ -70,58 +70,68 @@ def hang(shape: str, base: Path) -> Iterator[tuple[RayJob, Diagnosis]]:
 # --- Serve: idle, then loaded (one cluster) ---------------------------------------------------
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="class")
 def serve_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayJob]:
     raylib.require()
     with raylib.ray_job("serve_idle", tmp_path_factory.mktemp("rv")) as job:
         yield job
 
 
-def test_serve_idle_is_idle(serve_cluster: RayJob) -> None:
-    """Proxy, controller and one replica up, no request ever: idle. The raylet's and the
-    monitor's periodic log writes are not progress."""
-    job = serve_cluster
-    if job.seen("LOADING"):
-        pytest.skip("the shared cluster is already loaded (test order)")
-    d = diagnose(job.driver)
-    expect(d, job.driver, "serve_idle", "idle")
+class TestServeCluster:
+    """One serve_idle cluster for these, idle first, then loaded; it ends with the class, so
+    its load does not run on beside the clusters of the tests after it."""
 
-
-def test_serve_short_connections_is_progressing(serve_cluster: RayJob) -> None:
-    """Requests from outside, each on a new connection (as curl and health checkers), about
-    25 a second: every connection closes before a tick can name its fd. The proxy's answers
-    are its progress, counted when written; not "all threads parked"."""
-    job = serve_cluster
-    if job.seen("LOADING"):
-        pytest.skip("the shared cluster is already loaded (test order)")
-    answered, stop = [0], threading.Event()
-
-    def ask() -> None:
-        while not stop.wait(0.04):
-            with urllib.request.urlopen(f"http://127.0.0.1:{job.port}/", timeout=10) as r:
-                r.read()
-            answered[0] += 1
-
-    client = threading.Thread(target=ask, daemon=True)
-    client.start()
-    try:
-        wait_until(lambda: answered[0] >= 5, 60, "the first answers through the proxy")
+    def test_serve_idle_is_idle(self, serve_cluster: RayJob) -> None:
+        """Proxy, controller and one replica up, no request ever: idle. The raylet's and the
+        monitor's periodic log writes are not progress."""
+        job = serve_cluster
+        if job.seen("LOADING"):
+            pytest.skip("the shared cluster is already loaded (test order)")
         d = diagnose(job.driver)
-    finally:
-        stop.set()
-        client.join(timeout=15)
-    svc = expect(d, job.driver, "serve_short", "progressing")
-    assert answers_counted(svc), d.explain("the proxy's answers were not counted")
+        expect(d, job.driver, "serve_idle", "idle")
 
+    def test_daemon_serve_idle_holds_idle(self, serve_cluster: RayJob, tmp_path: Path) -> None:
+        """The daemon (2 s threshold) on the idle Serve driver: idle, scrape after scrape. On the
+        shared cluster, before anything loads it."""
+        job = serve_cluster
+        if job.seen("LOADING"):
+            pytest.skip("the shared cluster is already loaded (test order)")
+        daemon_holds(job, tmp_path, "idle")
 
-def test_serve_load_is_progressing(serve_cluster: RayJob) -> None:
-    """A driver thread sends requests back to back (~1 k/s) through proxy and replica."""
-    job = serve_cluster
-    if not job.seen("LOADING"):
-        job.send("load")
-        job.wait_for("LOADING", timeout=60)
-    d = diagnose(job.driver)
-    expect(d, job.driver, "serve_load", "progressing")
+    def test_serve_short_connections_is_progressing(self, serve_cluster: RayJob) -> None:
+        """Requests from outside, each on a new connection (as curl and health checkers), about
+        25 a second: every connection closes before a tick can name its fd. The proxy's answers
+        are its progress, counted when written; not "all threads parked"."""
+        job = serve_cluster
+        if job.seen("LOADING"):
+            pytest.skip("the shared cluster is already loaded (test order)")
+        answered, stop = [0], threading.Event()
+
+        def ask() -> None:
+            while not stop.wait(0.04):
+                with urllib.request.urlopen(f"http://127.0.0.1:{job.port}/", timeout=10) as r:
+                    r.read()
+                answered[0] += 1
+
+        client = threading.Thread(target=ask, daemon=True)
+        client.start()
+        try:
+            wait_until(lambda: answered[0] >= 5, 60, "the first answers through the proxy")
+            d = diagnose(job.driver)
+        finally:
+            stop.set()
+            client.join(timeout=15)
+        svc = expect(d, job.driver, "serve_short", "progressing")
+        assert answers_counted(svc), d.explain("the proxy's answers were not counted")
+
+    def test_serve_load_is_progressing(self, serve_cluster: RayJob) -> None:
+        """A driver thread sends requests back to back (~1 k/s) through proxy and replica."""
+        job = serve_cluster
+        if not job.seen("LOADING"):
+            job.send("load")
+            job.wait_for("LOADING", timeout=60)
+        d = diagnose(job.driver)
+        expect(d, job.driver, "serve_load", "progressing")
 
 
 # --- Serve: hangs ---------------------------------------------------------------------------
@@ -197,21 +207,25 @@ def driver_regex(job: RayJob) -> str:
     return rf"ray_jobs\.py --shape {job.shape} --temp-dir {re.escape(str(job.temp_dir))}"
 
 
-@pytest.mark.parametrize(
-    ("shape", "state"), [("serve_idle", "idle"), ("get_stuck_actor", "stalled")]
-)
-def test_daemon_ray_holds_its_state(
-    tmp_path_factory: pytest.TempPathFactory, shape: str, state: str
-) -> None:
-    """The daemon (2 s threshold) on a Ray driver: the one true state, scrape after scrape."""
+def daemon_holds(job: RayJob, base: Path, state: str) -> None:
+    """The daemon (2 s threshold) on ``job``'s driver reaches ``state`` and every scrape says
+    it for HOLD_S. The clusters are the diagnose tests' own: a start each saved."""
+    cfg, port = targets_config(base, {"ray": driver_regex(job)})
+    with running_daemon(cfg, port) as d:
+        daemonlib.wait_until(
+            d,
+            lambda s: states_of(s, "ray", job.driver) == [state],
+            f"the Ray driver {job.driver} ({job.shape}) to be {state}",
+            timeout=40,
+        )
+        hold(d, "ray", job.driver, state, HOLD_S)
+
+
+def test_daemon_get_stuck_actor_holds_stalled(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The daemon (2 s threshold) on the stuck actor's driver, started as the hang begins:
+    stalled, scrape after scrape. A cluster of its own: a daemon first started on the hang
+    diagnose left (~60 s old) once said progressing on its second tick (stalled, then
+    "no progress for 1.0 s, under the 2.0 s threshold"), so sharing waits for that fix."""
     base = tmp_path_factory.mktemp("rd")
-    with raylib.ray_job(shape, base) as job:
-        cfg, port = targets_config(base, {"ray": driver_regex(job)})
-        with running_daemon(cfg, port) as d:
-            daemonlib.wait_until(
-                d,
-                lambda s: states_of(s, "ray", job.driver) == [state],
-                f"the Ray driver {job.driver} ({shape}) to be {state}",
-                timeout=40,
-            )
-            hold(d, "ray", job.driver, state, HOLD_S)
+    with raylib.ray_job("get_stuck_actor", base) as job:
+        daemon_holds(job, base, "stalled")
