@@ -39,7 +39,7 @@ from typing import Any
 import pytest
 
 from scripts.daemonproc import free_port
-from scripts.fixturelib import REPO_ROOT, Fixture, FixtureError, FixtureLine
+from scripts.fixturelib import REPO_ROOT, Fixture, FixtureError, FixtureLine, blocked_in
 from scripts.realsw import alive, cmdline, descendants, kill_tree
 from tests import gate
 from tests.realsw.serving.native import build_abba
@@ -57,6 +57,7 @@ from tests.realsw.vllmlib import (  # the same /proc helpers
 __all__ = [
     "SYS_FUTEX",
     "SYS_POLL",
+    "blocked_in",
     "http_get",
     "in_syscall",
     "in_untimed_futex",
@@ -160,6 +161,19 @@ def evict(model: Path) -> int:
     return size
 
 
+def read_bytes(pid: int) -> int:
+    """Bytes the process made storage read (``read_bytes`` of /proc/PID/io; not page-cache
+    hits); 0 once gone."""
+    try:
+        with open(f"/proc/{pid}/io") as f:
+            for line in f:
+                if line.startswith("read_bytes:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
 # --- the server ------------------------------------------------------------------------------
 
 
@@ -194,6 +208,7 @@ class SglangServer(Fixture):
         hang: str = "event",
         size: str = "tiny",
         sleep_on_idle: bool = False,
+        watchdog_timeout: float | None = None,
         wait: bool = True,
         timeout: float = START_TIMEOUT,
     ) -> None:
@@ -208,7 +223,8 @@ class SglangServer(Fixture):
         argv = [
             "/bin/sh",
             "-c",
-            'exec "$0" "$@" >>"$HANGWATCH_SGLANG_LOG" 2>&1',
+            # in the run directory: on a crash SGLang looks for files in its cwd
+            'cd "$HANGWATCH_SGLANG_DIR" && exec "$0" "$@" >>"$HANGWATCH_SGLANG_LOG" 2>&1',
             str(python()),
             "-m",
             "sglang.launch_server",
@@ -229,8 +245,13 @@ class SglangServer(Fixture):
         ]
         if sleep_on_idle:
             argv.append("--sleep-on-idle")
+        if watchdog_timeout is not None:
+            # SGLang's scheduler watchdog ends the server once a forward has run this long
+            # (default 300 s): a hang held longer than that needs more
+            argv += ["--watchdog-timeout", str(watchdog_timeout)]
         env = _env(
             PYTHONPATH=f"{INJECT_DIR}:{SHIM_DIR}",
+            HANGWATCH_SGLANG_DIR=str(run_dir),
             HANGWATCH_SGLANG_LOG=str(self.log),
             HANGWATCH_SGLANG_TRIGGER=str(self.trigger),
             HANGWATCH_SGLANG_HANG=hang,
