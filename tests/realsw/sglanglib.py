@@ -70,7 +70,7 @@ MODEL_CACHE = Path(
     os.environ.get("HANGWATCH_SGLANG_MODELS") or "/var/cache/hangwatch/sglang-models"
 )
 # change a version when vllm_model.py changes that size
-MODEL_VERSIONS = {"tiny": "tinyllama-h128-l2-v512-1", "big": "llama-h2048-l12-v512-1"}
+MODEL_VERSIONS = {"tiny": "tinyllama-h128-l2-v512-1", "big": "llama-h2048-l24-v512-1"}
 MODEL_SCRIPT = REPO_ROOT / "tests" / "realsw" / "vllm_model.py"
 SHIM_DIR = REPO_ROOT / "tests" / "realsw" / "sglang_shim"
 INJECT_DIR = REPO_ROOT / "tests" / "realsw" / "sglang_inject"

@@ -3,7 +3,7 @@
 ``python vllm_model.py OUT_DIR``: a ``LlamaForCausalLM`` (hidden 128, 2 layers, vocab 512,
 random weights) saved with ``save_pretrained``, and a byte-level BPE tokenizer trained here
 with ``tokenizers`` (no download) saved so that ``AutoTokenizer.from_pretrained`` loads it.
-``python vllm_model.py OUT_DIR big``: the same, 12 layers of hidden 2048 (~2.4 GB of float32
+``python vllm_model.py OUT_DIR big``: the same, 24 layers of hidden 2048 (~4.8 GB of float32
 weights; the SGLang tests load it from storage to see a server loading for a while).
 Writes into ``OUT_DIR.tmp`` and renames it to ``OUT_DIR`` at the end, so a directory that
 exists is complete. Prints ``MODEL dir=OUT_DIR``.
@@ -84,7 +84,7 @@ def make_tokenizer(out: Path) -> None:
 
 SIZES = {  # hidden, intermediate, layers, heads
     "tiny": (128, 256, 2, 4),
-    "big": (2048, 5632, 12, 16),
+    "big": (2048, 5632, 24, 16),
 }
 
 
