@@ -577,6 +577,10 @@ class ProbeReading:
     # pseudo file systems left out): reads the block layer does not see (the page cache,
     # network and FUSE file systems). None: the probe cannot tell a regular file here.
     file_reads: Mapping[int, int] | None = None
+    # TID -> polls that found nothing since its entry was made (poll, select, epoll_wait and
+    # kin returning 0; a u32 that wraps), for threads of watched processes with an entry.
+    # None: the probe does not count them here.
+    empty_polls: Mapping[int, int] | None = None
 
     def waiting_by_process(self) -> Mapping[int, frozenset[tuple[int, int]]]:
         if self.waiting is not None:

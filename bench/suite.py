@@ -118,6 +118,8 @@ BENCHES = (
           (EMPTY, "unwatched", "watched")),
     Bench("send", "send(2) of 1 byte on a unix socketpair, and its recv(2)", 1_000_000, 20_000,
           (EMPTY, "unwatched", "watched")),
+    Bench("poll", "poll(2) of an empty pipe with a timeout of 0 (finds nothing)", 1_000_000,
+          20_000, (EMPTY, "unwatched", "watched")),
     Bench("pread", "pread(2) of 64 bytes of a cached regular file", 1_000_000, 20_000,
           (EMPTY, "unwatched", "watched")),
     Bench("read-dev", "read(2) of 1 byte of /dev/zero (not a regular file)", 1_000_000, 20_000,
@@ -346,6 +348,7 @@ PROGRAM_PATHS = {
     "write": (True, ("sys_enter_write", "sys_exit_write")),
     "pread": (True, ("sys_enter_pread64", "sys_exit_pread64")),
     "read-dev": (True, ("sys_enter_read", "sys_exit_read")),
+    "poll": (True, ("sys_exit_poll",)),
     # The same exit program on a unix socket (the fd walk stops at the family) and on an
     # accepted TCP connection (the walk to its port, the per-port count): the answer's cost.
     "send": (True, ("sys_enter_sendto", "sys_exit_sendto")),

@@ -12,6 +12,8 @@
  *                              workload's own binary): the read probe's counted path
  *   workloads read-dev N       read(2) of one byte of /dev/zero: a read the read probe looks
  *                              up and leaves out (not a regular file)
+ *   workloads poll N           poll(2) of an empty pipe with a timeout of 0: it finds nothing,
+ *                              the poll probe's counted path (a spinning loop's call)
  *   workloads send N           send(2) of one byte on a unix datagram socketpair, and the
  *                              recv(2) that drains it (recv is not traced)
  *   workloads answer N         send(2) of one byte on a loopback TCP connection it accepted
@@ -38,6 +40,7 @@
 #include <linux/futex.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <poll.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdio.h>
@@ -325,6 +328,14 @@ int main(int argc, char **argv)
 		for (long i = 0; i < n; i++)
 			if (write(devnull, "x", 1) != 1)
 				die("write");
+	} else if (strcmp(mode, "poll") == 0) {
+		int fds[2];
+		if (pipe(fds) != 0)
+			die("pipe");
+		struct pollfd p = {.fd = fds[0], .events = POLLIN};
+		for (long i = 0; i < n; i++)
+			if (poll(&p, 1, 0) != 0)
+				die("poll");
 	} else if (strcmp(mode, "pread") == 0) {
 		char buf[64];
 		for (long i = 0; i < n; i++)

@@ -68,7 +68,9 @@ struct hw_thread {
 	/* A vectored call's last iovec length, at most HW_TAIL_LEN (the tail stays inside
 	 * it); 0 for a plain buffer. */
 	u32 write_last_len;
-	u32 pad;
+	/* Its polls that found nothing (poll, select, epoll_wait and kin returning 0), wrapping:
+	 * a thread that asks for input many times a second and finds none spins. */
+	u32 empty_polls;
 };
 
 /* The last PI operation of a thread, any process: an EDEADLK at sys_exit (only PI
@@ -227,6 +229,7 @@ struct hw_counters {
 	u64 host_events_dropped; /* a bind or listen not reported: host_events ring full */
 	u64 read_calls_full;  /* a read of a file not counted: threads map full */
 	u64 file_reads_full;  /* a read of a file not counted: file_reads map full */
+	u64 poll_calls_full;  /* an empty poll not counted: threads map full */
 };
 
 #endif /* HANGWATCH_H */

@@ -507,3 +507,47 @@ typedef int rwf_t;
 READ_PAIR(preadv2)
 #endif
 #endif /* HAVE_FD_WALK */
+
+/* A poll that found nothing: the call returned 0 (no fd ready before its timeout, or at
+ * once with a timeout of 0). Counted per thread of watched processes only; a blocking
+ * wait that ends with input (the common case) returns more than 0 and costs one compare
+ * and the watched check. The count tells a thread that burns CPU asking for input that is
+ * not there (a poll loop) from one that computes (agent.analysis.progress). */
+static __always_inline int poll_exit(long ret)
+{
+	if (ret != 0)
+		return 0;
+	u64 id = bpf_get_current_pid_tgid();
+	u32 tgid = id >> 32;
+	if (!is_watched(tgid))
+		return 0;
+	struct hw_thread *t = thread_entry((u32)id, tgid, COUNTER(poll_calls_full));
+	if (t)
+		t->empty_polls++; /* only this thread updates its entry */
+	return 0;
+}
+
+#define POLL_EXIT(name) \
+	TRACEPOINT_PROBE(syscalls, sys_exit_##name) { return poll_exit(args->ret); }
+
+#ifdef HAVE_POLL
+POLL_EXIT(poll)
+#endif
+#ifdef HAVE_PPOLL
+POLL_EXIT(ppoll)
+#endif
+#ifdef HAVE_SELECT
+POLL_EXIT(select)
+#endif
+#ifdef HAVE_PSELECT6
+POLL_EXIT(pselect6)
+#endif
+#ifdef HAVE_EPOLL_WAIT
+POLL_EXIT(epoll_wait)
+#endif
+#ifdef HAVE_EPOLL_PWAIT
+POLL_EXIT(epoll_pwait)
+#endif
+#ifdef HAVE_EPOLL_PWAIT2
+POLL_EXIT(epoll_pwait2)
+#endif

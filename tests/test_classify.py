@@ -45,8 +45,11 @@ def facts(
     prog = ProcessProgress(
         pid=pid,
         window_ns=5 * 10**9,
-        working_tids=(pid * 100,) if work == "cpu" else (),
-        cpu_ns=4 * 10**9 if work == "cpu" else 0,
+        working_tids=(pid * 100,) if work in ("cpu", "spin") else (),
+        spinning_tids=(pid * 100,) if work == "spin" else (),  # its polls found nothing
+        spin_cpu_ns=4 * 10**9 if work == "spin" else 0,
+        empty_polls=57660 if work == "spin" else 0,
+        cpu_ns=4 * 10**9 if work in ("cpu", "spin") else 0,
         write_bytes={"write": 4096, "answer": 4096, "bigwrite": 2**20}.get(work or ""),
         answered_bytes=4096 if work == "answer" else 0,
         written_to="/var/log/engine.log" if work in ("write", "bigwrite") else None,
@@ -165,6 +168,47 @@ def test_unread_chatter_on_internal_connections_is_no_request():
     assert v.state == IDLE, reasons(v.reasons)
 
 
+def test_cpu_that_serves_no_one_is_not_progress():
+    """A scheduler polling its sockets without sleeping, behind a front door with nothing
+    waiting at it, is idle however much CPU it burns; its process too, in words."""
+    server = [facts(pid=11, listeners=(LISTEN,)), facts(pid=12, work="spin", parked_n=2)]
+    v = classify_service(10, server, 60)
+    assert v.state == IDLE, reasons(v.reasons)
+    assert reasons(v.reasons)[:2] == [
+        "listening on port 8000 with an empty accept queue: waiting for requests",
+        "process 12 (proc): 1 thread spun (4.00 CPU-s in 5.0 s, 57660 polls that found "
+        "nothing): CPU that serves no one",
+    ]
+    assert [p.state for p in v.processes] == [IDLE, IDLE] and not any(p.worked for p in v.processes)
+    assert reasons(v.processes[1].reasons)[-1] == "waits with its service, which is idle"
+    # The same CPU without the probe's count of empty polls is work
+    cpu = [server[0], facts(pid=12, work="cpu", parked_n=2)]
+    assert classify_service(10, cpu, 60).state == PROGRESSING
+
+
+def test_a_spin_counts_where_someone_waits_or_no_one_can():
+    """Where a request waits, the spinning thread may be the one serving it; where there is
+    no front door, the CPU is the job's own; beside other work, the service works anyway."""
+    spin = facts(pid=12, work="spin", parked_n=2)
+    waiting = [
+        facts(pid=11, listeners=(Listener("tcp", "0.0.0.0", 8000, queued=2, backlog=128),)),
+        facts(pid=11, listeners=(LISTEN,), unread=10),
+    ]
+    for front in waiting:
+        v = classify_service(10, [front, spin], 60)
+        assert v.state == PROGRESSING, reasons(v.reasons)
+        assert any("spun" not in r and "used CPU" in r for r in reasons(v.reasons))
+    idle = facts(pid=11, listeners=(LISTEN,))
+    v = classify_service(10, [idle, spin], 60, evidence=ServiceFacts(demand_age_s=2.0))
+    assert v.state == PROGRESSING  # a request waited in the window
+    assert classify_service(10, [facts(pid=11), spin], 60).state == PROGRESSING  # no door
+    plumbing = facts(pid=11, listeners=(LISTEN,), doors=frozenset())
+    assert classify_service(10, [plumbing, spin], 60).state == PROGRESSING
+    for other in ("cpu", "answer", "bigwrite"):
+        busy = facts(pid=13, work=other)
+        assert classify_service(10, [idle, spin, busy], 60).state == PROGRESSING, other
+
+
 def test_a_thread_not_parked_is_not_a_stall():
     assert classify_process(facts(parked_n=2), 60).state == PROGRESSING
 
@@ -218,7 +262,7 @@ def test_service_whose_root_exited_is_reported_gone():
     st.lists(
         st.tuples(
             st.booleans(),
-            st.sampled_from([None, "cpu", "answer", "bigwrite", "write"]),
+            st.sampled_from([None, "cpu", "answer", "bigwrite", "write", "spin"]),
             st.floats(0, 1e4),
             st.booleans(),
         ),
@@ -241,8 +285,10 @@ def test_service_state_follows_the_precedence(procs, threshold):
     v = classify_service(10, fs, threshold)
     if any(c for c, *_ in procs):
         assert v.state == DEADLOCKED
-    elif any(w not in (None, "write") for _, w, *_ in procs):  # a heartbeat is not work
+    elif any(w not in (None, "write", "spin") for _, w, *_ in procs):  # a heartbeat: no work
         assert v.state == PROGRESSING
+    elif any(w == "spin" for _, w, *_ in procs):  # CPU that serves someone only where one waits
+        assert v.state == (IDLE if any(listen for *_, listen in procs) else PROGRESSING)
     elif any(listen for *_, listen in procs):
         assert v.state == IDLE
     elif min(ps for _, _, ps, _ in procs) < threshold:

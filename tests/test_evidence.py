@@ -45,6 +45,7 @@ BY_TYPE: dict[str, Any] = {
     "tuple[str, ...]": ("worker-0", "worker-1", "worker-2"),
     "tuple[tuple[ThreadWait, int], ...]": ((ev.ThreadWait("syscall", "epoll_wait", "io"), 2),),
     "ThreadWait": ev.ThreadWait("syscall", "futex", "futex", "WAIT_BITSET", False),
+    "Spins": ev.Spins(1, 4.93, 57660, 5.0),
     "tuple[LockAt, ...]": (
         ev.LockAt(11, "evict", "sched.py", 154, "with self.b:"),
         ev.LockAt(12, "update", "sched.py", 160, None),

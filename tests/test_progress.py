@@ -320,3 +320,47 @@ def test_a_process_new_in_the_window_read_all_its_counts_in_it():
     _, new = _loading(read_bytes=8 * MIB)
     p = window_progress(None, new, 3 * S, PARK)
     assert p.block_read_bytes == 8 * MIB and p.read_storage
+
+
+def test_a_thread_above_the_floor_whose_polls_find_nothing_spins():
+    """Its CPU is told a spin by the probe's count of polls that found nothing: 100 a second
+    of the window or more (a wait of 10 ms or less, over and over); fewer are a timer's."""
+    settings = ParkSettings(cpu_floor_ratio=0.01, cpu_floor_min_ns=2 * MS)
+    old = process(10, parked(11, cpu=0), parked(12, cpu=0))
+    new = process(10, parked(11, cpu=4900 * MS), parked(12, cpu=300 * MS))
+    p = window_progress(old, new, 5 * S, settings, empty_polls={11: 500, 12: 499})
+    assert p.working_tids == (11, 12) and p.spinning_tids == (11,)
+    assert p.computing_tids == (12,) and p.spin_cpu_ns == 4900 * MS and p.empty_polls == 500
+    assert not p.only_spins  # thread 12 computed
+    alone = process(10, parked(11, cpu=4900 * MS), parked(12, cpu=0))
+    p = window_progress(old, alone, 5 * S, settings, empty_polls={11: 57660, 12: 10**6})
+    assert p.spinning_tids == (11,) and p.only_spins and p.did_work  # 12 polled, used no CPU
+    assert render(p.spin()) == (
+        "1 thread spun (4.90 CPU-s in 5.0 s, 57660 polls that found nothing): "
+        "CPU that serves no one"
+    )
+    # No count (no probe): no thread is told spinning; its CPU is work
+    p = window_progress(old, alone, 5 * S, settings)
+    assert p.spinning_tids == () and not p.only_spins and p.did_work
+
+
+def test_a_spin_beside_any_other_work_is_not_only_a_spin():
+    spin = {"working_tids": (11,), "spinning_tids": (11,), "window_ns": 5 * S, "pid": 10}
+    assert ProcessProgress(**spin).only_spins  # type: ignore[arg-type]
+    for other in (
+        {"working_tids": (11, 12)},
+        {"write_bytes": 2**20, "logged_to": 9, "logged_calls": 900},
+        {"write_bytes": 512, "answered_bytes": 512},
+        {"received_bytes": 4096},
+        {"file_read_bytes": 50 * 2**20},
+        {"gpu": ev.GpuActive((0,), 0.9, 0)},
+    ):
+        p = ProcessProgress(**{**spin, **other})  # type: ignore[arg-type]
+        assert not p.only_spins, other
+
+
+def test_a_heartbeat_beside_a_spin_is_still_a_heartbeat():
+    """A spin is not work by itself: a status line written beside a poll loop proves nothing."""
+    p = _beat(working_tids=(11,), spinning_tids=(11,))
+    assert p.heartbeat and not p.wrote_out and p.only_spins
+    assert not _beat(working_tids=(11, 12), spinning_tids=(11,)).heartbeat

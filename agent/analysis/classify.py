@@ -507,6 +507,9 @@ def _classify_service(
                 seconds_since_progress=min(f.parked_seconds for f in spinning),
             )
         )
+    spin_idle = _spinning_idle(root, procs, verdicts, demand_age_s)
+    if spin_idle is not None:
+        return _waiters_take(spin_idle)
     if working:
         reasons = [ev.ProcessWorks(v.pid, v.comm, tuple(v.reasons)) for v in working]
         parked = [v for v in verdicts if not v.worked and not v.gone]
@@ -518,6 +521,43 @@ def _classify_service(
     v = _parked_service(root, procs, threshold_s, last_progress, demand_age_s)
     v.processes = verdicts
     return _waiters_take(v)
+
+
+def _spinning_idle(
+    root: int,
+    procs: Sequence[ProcessFacts],
+    verdicts: list[ProcessVerdict],
+    demand_age_s: float | None,
+) -> ServiceVerdict | None:
+    """CPU that serves no one is not progress: a service whose only work in the window was
+    threads spinning (their polls found nothing, many times a second), with front doors and
+    nothing waiting at them (no connection queued, no request unread or unanswered, none in
+    the window), is idle however much CPU it burns, as a heartbeat is a write that serves no
+    one. Where a request waits, a spinning thread may be the one serving it, and where there
+    is no front door the work is the job's own: then the CPU counts. None unless idle so."""
+    worked = [(f, v) for f, v in zip(procs, verdicts) if v.worked and not v.gone]
+    if not worked or not all(f.progress.only_spins for f, _ in worked):
+        return None
+    doors = [lst for f in procs for lst in door_listeners(f.sample, f.front_door_ports)]
+    if not doors or demand_age_s is not None:
+        return None
+    if any(lst.queued for lst in doors) or any(
+        unread_requests(f.sample, f.front_door_ports)
+        or unanswered_requests(f.sample, f.front_door_ports, f.streams)
+        for f in procs
+    ):
+        return None
+    reasons: list[ev.Fact] = [ev.WaitingForRequests(tuple(sorted({lst.port for lst in doors})))]
+    for f, v in worked:
+        spins = f.progress.spin()
+        reasons.append(ev.ProcessSpins(v.pid, v.comm, spins))
+        v.worked, v.state, v.reasons = False, IDLE, [spins]
+    incomplete = [
+        c for f in procs for c in incomplete_requests(f.sample, f.front_door_ports, f.streams)
+    ]
+    if incomplete:
+        reasons.append(ev.RequestIncomplete(len(incomplete), oldest_request_s(incomplete)))
+    return ServiceVerdict(root, IDLE, reasons, [], verdicts)
 
 
 def _parked_service(

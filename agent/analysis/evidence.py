@@ -75,6 +75,27 @@ class CpuWork(Fact):
 
 
 @dataclass(frozen=True)
+class Spins(Fact):
+    """Threads whose CPU went to asking for input that was not there: their polls found
+    nothing, many times a second (agent.analysis.progress, SPIN_MIN_EMPTY_POLLS_PER_S)."""
+
+    threads: int
+    cpu_s: float
+    empty_polls: int  # polls that found nothing in the window
+    window_s: float
+
+
+@dataclass(frozen=True)
+class ProcessSpins(Fact):
+    """A process of an idle service whose only work was a spin: CPU that serves no one,
+    with nothing waiting at the service's front doors."""
+
+    pid: int
+    comm: str
+    spins: Spins
+
+
+@dataclass(frozen=True)
 class WroteOut(Fact):
     """Bytes written to files, terminals or peers outside the service."""
 

@@ -29,6 +29,7 @@ the port they were accepted on when they are written (ProbeReading.door_writes).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..model import ProcessSample, Snapshot, ThreadSample
@@ -51,6 +52,11 @@ MAJOR_FAULTS_MIN_PER_S = 1
 # Most write calls in one window: a status write is a line or a file rewritten now and then;
 # a process writing more often than this is logging work.
 HEARTBEAT_MAX_CALLS = 64
+# Least polls that found nothing, per second of the window, for a thread's CPU to be a spin
+# (ProcessProgress.spinning_tids): a thread that waits with a timeout finds nothing once per
+# timeout, so a hundred a second is a wait of 10 ms or less, over and over: a loop asking for
+# input that is not there, not a timer. An idle poll loop asks thousands of times a second.
+SPIN_MIN_EMPTY_POLLS_PER_S = 100
 # Most named files in one window: a status writer reports to its own logs (its log file, an
 # event log, a copy on stdout or stderr), the same few every time; work that writes files
 # (a checkpoint's shards, an export) names more, and writes more.
@@ -85,6 +91,13 @@ class ProcessProgress:
     window_ns: int
     cpu_ns: int = 0
     working_tids: tuple[int, ...] = ()  # threads above the CPU floor
+    # Of those, the threads whose polls found nothing at least SPIN_MIN_EMPTY_POLLS_PER_S
+    # times a second (the probe's count): their CPU went to asking for input that was not
+    # there. What it served depends on the service (agent.analysis.classify): with nothing
+    # waiting at its front doors, no one.
+    spinning_tids: tuple[int, ...] = ()
+    spin_cpu_ns: int = 0  # the CPU of the spinning threads in the window
+    empty_polls: int = 0  # their polls that found nothing in the window
     # Bytes written to files, terminals and clients outside the service (agent.analysis.outbound);
     # None: not measurable.
     write_bytes: int | None = None
@@ -134,11 +147,18 @@ class ProcessProgress:
         return (self.write_bytes or 0) - self.answered_bytes
 
     @property
+    def computing_tids(self) -> tuple[int, ...]:
+        """Threads above the CPU floor that were not seen spinning."""
+        spinning = set(self.spinning_tids)
+        return tuple(t for t in self.working_tids if t not in spinning)
+
+    @property
     def other_work(self) -> bool:
         """Work of any kind but writes to files, terminals and pipes: what a heartbeat must
-        be alone with. Every kind of work the accounting sees belongs here."""
+        be alone with. Every kind of work the accounting sees belongs here; a spin is not
+        work for anyone by itself (a heartbeat beside a poll loop is still a heartbeat)."""
         return bool(
-            self.working_tids
+            self.computing_tids
             or self.answered_bytes
             or self.received_bytes
             or self.gpu
@@ -175,6 +195,24 @@ class ProcessProgress:
     @property
     def did_work(self) -> bool:
         return self.host_work or bool(self.gpu)
+
+    @property
+    def only_spins(self) -> bool:
+        """Its only work in the window was the CPU of threads that spun: nothing computed,
+        written out, received, read from storage or done on a GPU. Whether that served
+        anyone is the service's question (classify: CPU that serves no one)."""
+        return bool(self.spinning_tids) and not (
+            self.computing_tids
+            or self.wrote_out
+            or self.received_bytes
+            or self.read_storage
+            or self.gpu
+        )
+
+    def spin(self) -> ev.Spins:
+        return ev.Spins(
+            len(self.spinning_tids), self.spin_cpu_ns / NS, self.empty_polls, self.window_ns / NS
+        )
 
     def signals(self) -> list[ev.Fact]:
         """The evidence of each progress signal seen."""
@@ -322,6 +360,7 @@ def window_progress(
     unplaced: int = 0,
     logged_to: int = 0,
     logged_calls: int | None = None,
+    empty_polls: Mapping[int, int] | None = None,
 ) -> ProcessProgress:
     """Progress of one process between two snapshots ``window_ns`` apart. ``accepts`` is
     what the probe counted in the window; ``gpu`` says what the GPU did, if it was active;
@@ -330,15 +369,19 @@ def window_progress(
     the part of it sent to clients and ``written_to`` the file written most; ``unplaced``,
     ``logged_to`` and ``logged_calls`` describe the rest (see ProcessProgress);
     ``received`` what it received from outside (see ProcessProgress.received_bytes);
-    ``file_read`` what the probe saw it read from regular files in the window."""
+    ``file_read`` what the probe saw it read from regular files in the window;
+    ``empty_polls`` the polls that found nothing in the window, per TID (None: not counted)."""
     if old is not None and old.start_ticks != new.start_ticks:
         old = None  # the PID was reused: all of the new process is new
     if old is None:
         # Started within the window: everything it did so far was done in it.
         old = ProcessSample(new.pid, new.ppid, new.comm, new.start_ticks, (), 0)
     floor = settings.floor_ns(window_ns)
-    cpu_ns = 0
+    spin_floor = max(1, int(SPIN_MIN_EMPTY_POLLS_PER_S * window_ns / NS))
+    polls = empty_polls or {}
+    cpu_ns = spin_cpu_ns = spun = 0
     working = []
+    spinning = []
     if new.threads is not old.threads:  # the same: the sampler saw none of them run since
         old_cpu = {t.tid: t.cpu_ns for t in old.threads}
         for t in new.threads:
@@ -346,6 +389,10 @@ def window_progress(
             cpu_ns += max(0, delta)
             if delta > floor:
                 working.append(t.tid)
+                if polls.get(t.tid, 0) >= spin_floor:
+                    spinning.append(t.tid)
+                    spin_cpu_ns += delta
+                    spun += polls[t.tid]
     written = written_out
     if written is None and old.write_bytes is not None and new.write_bytes is not None:
         written = max(0, new.write_bytes - old.write_bytes)
@@ -357,6 +404,9 @@ def window_progress(
         window_ns=window_ns,
         cpu_ns=cpu_ns,
         working_tids=tuple(working),
+        spinning_tids=tuple(spinning),
+        spin_cpu_ns=spin_cpu_ns,
+        empty_polls=spun,
         write_bytes=written,
         received_bytes=received,
         answered_bytes=answered,

@@ -459,6 +459,7 @@ class Observer:
             unplaced=written.unplaced,
             logged_to=written.destinations,
             logged_calls=written.calls,
+            empty_polls=_empty_polls(sample, latest.reading, old_tick.reading),
         )
         if progress.heartbeat:
             # Its mtimes tell of the heartbeat, not of work: never date from them.
@@ -614,3 +615,22 @@ def _file_read(pid: int, latest: ProbeReading, old: ProbeReading) -> int:
     if now is None:
         return 0
     return max(0, now - (old.file_reads or {}).get(pid, 0))
+
+
+def _empty_polls(
+    sample: ProcessSample, latest: ProbeReading, old: ProbeReading
+) -> dict[int, int] | None:
+    """Per thread of the process, its polls that found nothing in the window (None without
+    the count). A thread without an entry at the window's start made it in the window; a
+    count below the last one is a new entry (the TID's thread gone and the TID reused), so
+    all of it is new. A wrap of the u32 (weeks at thousands a second) reads as that too."""
+    now, before = latest.empty_polls, old.empty_polls or {}
+    if now is None:
+        return None
+    out = {}
+    for t in sample.threads:
+        n = now.get(t.tid)
+        if n:
+            last = before.get(t.tid, 0)
+            out[t.tid] = n - last if n >= last else n
+    return out

@@ -85,6 +85,19 @@ def _(f: ev.CpuWork) -> str:
 
 
 @render.register
+def _(f: ev.Spins) -> str:
+    return (
+        f"{plural(f.threads, 'thread')} spun ({f.cpu_s:.2f} CPU-s in {f.window_s:.1f} s, "
+        f"{f.empty_polls} polls that found nothing): CPU that serves no one"
+    )
+
+
+@render.register
+def _(f: ev.ProcessSpins) -> str:
+    return f"process {f.pid} ({f.comm}): {render(f.spins)}"
+
+
+@render.register
 def _(f: ev.WroteOut) -> str:
     if f.answered:
         return (

@@ -66,6 +66,14 @@ OPTIONAL_SYSCALLS = {
     "readv": "HAVE_READV",
     "preadv": "HAVE_PREADV",
     "preadv2": "HAVE_PREADV2",
+    # Polls that found nothing (their exits only): a poll loop's spin, told from work.
+    "poll": "HAVE_POLL",
+    "ppoll": "HAVE_PPOLL",
+    "select": "HAVE_SELECT",
+    "pselect6": "HAVE_PSELECT6",
+    "epoll_wait": "HAVE_EPOLL_WAIT",
+    "epoll_pwait": "HAVE_EPOLL_PWAIT",
+    "epoll_pwait2": "HAVE_EPOLL_PWAIT2",
 }
 # Other tracepoints compiled in only where the kernel has them: (category, name) -> -D flag.
 OPTIONAL_TRACEPOINTS = {
@@ -132,7 +140,7 @@ def _by_tid(table: Any) -> list[tuple[int, Any]]:
 
 # The fields read of each map keyed by TID, in their order in bpf/hangwatch.h.
 THREAD_FIELDS = {
-    "threads": ("start_ns", "uaddr", "tgid", "op", "val", "syscall", "flags"),
+    "threads": ("start_ns", "uaddr", "tgid", "op", "val", "syscall", "flags", "empty_polls"),
     "pi_ops": ("start_ns", "uaddr", "refused_ns", "tgid", "op"),
     "refusals": ("ts_ns", "uaddr", "tgid"),
 }
@@ -353,6 +361,8 @@ class KernelProbes:
         walk = fd_walk_flags()
         # Else ProbeReading.file_reads is None: reads of files are not counted here.
         self.counts_file_reads = "-DHAVE_FD_WALK" in walk and "-DHAVE_READ" in optional
+        # Else ProbeReading.empty_polls is None: no thread is told spinning.
+        self.counts_polls = {"-DHAVE_POLL", "-DHAVE_EPOLL_WAIT"} <= set(optional)
         optional += walk
         # Every exec and rename is an event only with both tracepoints: see take_execs.
         self._all_renames = {"-DHAVE_SCHED_PROCESS_EXEC", "-DHAVE_TASK_RENAME"} <= set(optional)
@@ -546,7 +556,7 @@ class KernelProbes:
         built = self._built
         self._built = {}
         for tid, row in rows:
-            start_ns, uaddr, tgid, op, val, syscall, flags = row
+            start_ns, uaddr, tgid, op, val, syscall, flags, _ = row
             if tgid not in watching:
                 continue  # unwatched since: forget_processes deletes it
             tracked.add(tid)
@@ -662,6 +672,13 @@ class KernelProbes:
             if self.counts_file_reads
             else None
         )
+        polls = None
+        if self.counts_polls:
+            polls = {
+                tid: row[7]
+                for tid, row in self._threads_rows or ()
+                if row[7] and row[2] in self._watching
+            }
         writes: dict[int, dict[int, FdWrites]] = {}
         for k, v in self._fd_writes.items():
             tail = bytes(v.tail)[: min(v.tail_len, len(v.tail))]
@@ -708,6 +725,7 @@ class KernelProbes:
             shares=shares,
             waiting=self._waiting,
             file_reads=file_reads,
+            empty_polls=polls,
         )
 
     def tracepoints(self) -> list[str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -238,6 +239,44 @@ def test_idle_http_server_is_idle(diagnose: Diagnose) -> None:
         time.sleep(1)
         d = diagnose(fx.pid)
     verdict(d, fx.pid, "idle")
+
+
+@pytest.mark.parametrize("flags", [(), ("--sleep-on-idle",)], ids=["spinning", "sleeping"])
+def test_a_poll_loop_at_an_idle_front_door_is_idle(diagnose: Diagnose, flags: tuple[str]) -> None:
+    """CPU that serves no one is not progress: a loop polling its sockets without sleeping,
+    a whole CPU's worth, with nothing at its front door, is idle; as is the same loop
+    sleeping in poll while idle."""
+    with Fixture.c("poll_loop", "--port", free_port(), *flags) as fx:
+        d = diagnose(fx.pid)
+    svc = verdict(d, fx.pid, "idle")
+    spun = [r for r in svc.get("reasons", []) if "spun" in r]
+    if flags:
+        assert not spun, d.explain("a loop parked in poll does not spin")
+    else:
+        assert spun and "CPU that serves no one" in spun[0], d.explain("no spin in the reasons")
+
+
+def test_a_poll_loop_computing_for_a_request_is_progressing(diagnose: Diagnose) -> None:
+    """The same loop with a request in hand computes for it between its polls: where a
+    request waits, the CPU may be serving it, and here it is."""
+    port = free_port()
+    with (
+        Fixture.c("poll_loop", "--port", port, "--compute-ms", "600000") as fx,
+        socket.create_connection(("127.0.0.1", port), timeout=5) as c,
+    ):
+        c.sendall(b"GET /\n")
+        time.sleep(0.5)
+        d = diagnose(fx.pid)
+    svc = verdict(d, fx.pid, "progressing")
+    assert any("used CPU" in r for r in svc.get("reasons", [])), d.explain("not by its CPU")
+
+
+def test_a_poll_loop_with_no_front_door_is_progressing(diagnose: Diagnose) -> None:
+    """With no front door no client can be waiting for it: its CPU is the job's own work,
+    and nothing says it serves no one."""
+    with Fixture.c("poll_loop", "--no-listen") as fx:
+        d = diagnose(fx.pid)
+    verdict(d, fx.pid, "progressing")
 
 
 def test_loader_progresses_then_idles(diagnose: Diagnose, tmp_path: Path) -> None:
