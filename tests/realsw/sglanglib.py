@@ -343,17 +343,25 @@ class SglangServer(Fixture):
             time.sleep(0.1)
 
     def release(self) -> None:
-        """End an ``event`` hang: the trigger goes first (the next forward runs), then the
-        hung forward's release helper is woken through the FIFO."""
+        """End an ``event`` hang: the trigger goes first (no forward hangs from now on), then
+        the hung forward's release helper is woken through the FIFO. Nothing to do when no
+        forward hung; a forward that hangs as the trigger goes is waited for a moment."""
         self.trigger.unlink(missing_ok=True)
-        try:
-            fd = os.open(self.release_fifo, os.O_WRONLY | os.O_NONBLOCK)
-        except OSError as e:
-            if e.errno == errno.ENXIO:
-                raise FixtureError("nothing waits on the release FIFO: no event hang") from e
-            raise
-        os.close(fd)
-        self.trigger.with_name(self.trigger.name + ".hung").unlink(missing_ok=True)
+        hung = self.trigger.with_name(self.trigger.name + ".hung")
+        deadline = time.monotonic() + 5
+        while True:
+            try:
+                os.close(os.open(self.release_fifo, os.O_WRONLY | os.O_NONBLOCK))
+                break
+            except OSError as e:
+                if e.errno != errno.ENXIO:  # ENXIO: no reader (yet)
+                    raise
+            if time.monotonic() > deadline:
+                if hung.exists():
+                    raise FixtureError(self.describe("hung, yet nothing waits on the FIFO"))
+                return
+            time.sleep(0.05)
+        hung.unlink(missing_ok=True)
 
     def kill_detokenizer(self) -> None:
         os.kill(self.detokenizer, signal.SIGKILL)
@@ -430,6 +438,15 @@ class Pending:
             if text.startswith("data: {"):
                 self.chunks.append(json.loads(text[len("data: ") :]))
         return self.chunks
+
+    def drain(self, timeout: float = 120) -> int:
+        """Read the answer to its end (a stream to its last event); its HTTP status."""
+        if self.conn.sock is not None:
+            self.conn.sock.settimeout(timeout)
+        if self.resp is None:
+            self.resp = self.conn.getresponse()
+        self.resp.read()
+        return self.resp.status
 
     def close(self) -> None:
         self.conn.close()

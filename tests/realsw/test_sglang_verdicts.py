@@ -124,15 +124,17 @@ def abba_hang(sglang_ready: None, run_root: Path) -> Iterator[Hang]:
 def event_hang(s: SglangServer, *, stream: bool) -> Iterator[Hang]:
     """The default server's step hung on an Event, a request waiting; released after."""
     s.hang(after=3 if stream else 0)
-    try:
-        with sglanglib.pending(s, stream=stream) as client:
+    with sglanglib.pending(s, stream=stream) as client:
+        try:
             if stream:
                 client.read_chunks(2)  # two SSE chunks came; the client waits for more
             hung = s.wait_hung()
             assert hung.get_int("pid") == s.scheduler, s.describe("not the scheduler hung")
             yield Hang(s, time.monotonic(), hung, client)
-    finally:
-        s.release()
+        finally:
+            s.release()
+        # answered to its end: no request of this case runs on into the next
+        assert client.drain() == 200, s.describe("the released request was not answered")
     sglanglib.generate(s)  # it serves again
 
 
