@@ -126,7 +126,7 @@ def sglang_ready() -> None:
 
 
 def model_dir(size: str = "tiny") -> Path:
-    """The model's directory, made on first use (tiny: seconds; big: ~1 min, 2.4 GB) and cached
+    """The model's directory, made on first use (tiny: seconds; big: a few minutes, 4.7 GB) and cached
     by version."""
     out = MODEL_CACHE / MODEL_VERSIONS[size]
     if (out / "config.json").is_file() and (out / "tokenizer.json").is_file():

@@ -132,7 +132,7 @@ def test_native_abba(run_root: Path) -> None:
 
 
 def test_loading_reads_storage_before_the_port_opens(run_root: Path) -> None:
-    """The big model (2.4 GB), its pages dropped from the page cache first: the scheduler
+    """The big model (4.7 GB), its pages dropped from the page cache first: the scheduler
     reads it from storage while the port is still closed, for long enough to diagnose."""
     size = sglanglib.evict(sglanglib.model_dir("big"))
     assert size > 2_000_000_000, size
