@@ -8,8 +8,8 @@ processes run as ``nobody``.
   process's EDEADLK refusal and long wait are still seen, and the rename itself still is.
 * A watched tenant refusing itself a PI lock 20,000 times loses its own events beyond its
   rate, counted against it; another process's long wait still arrives.
-* A tenant whose threads all wait fills only its share of the threads map; threads that are
-  gone give their share back once user space forgets them.
+* A tenant whose threads all wait, or all spin on empty polls, fills only its share of the
+  threads map; threads that are gone give their share back once user space forgets them.
 * An unwatched process's EDEADLK takes no entry in the refusals map.
 """
 
@@ -187,6 +187,65 @@ def test_a_tenant_with_many_threads_fills_only_its_share_of_the_threads_map() ->
         r = probes.read()
     assert sum(r.wait_histogram.get(other.pid, {}).values()) == 11, (r.wait_histogram, r.counters)
     assert r.counters["inflight_full"] == 0, r.counters
+    assert r.shares[tenant.pid].entries_refused >= 20 - 8, r.shares
+
+
+# Told to, 20 threads each poll an empty pipe 200 times with a timeout of 0 (a spin), then
+# park; SPUN once all have.
+POLLING_TENANT = """
+import os, select, sys, threading
+print(f"STARTED pid={os.getpid()}", flush=True)
+sys.stdin.readline()
+r, _ = os.pipe()
+done = threading.Barrier(21)
+def spin():
+    p = select.poll()
+    p.register(r, select.POLLIN)
+    for _ in range(200):
+        p.poll(0)
+    done.wait()
+    threading.Event().wait()
+for _ in range(20):
+    threading.Thread(target=spin, daemon=True).start()
+done.wait()
+print("SPUN", flush=True)
+sys.stdin.read()
+"""
+# Told to, polls an empty pipe POLLS times with a timeout of 0.
+POLLS = 500
+POLLER = f"""
+import os, select, sys, threading
+print(f"STARTED pid={{os.getpid()}}", flush=True)
+sys.stdin.readline()
+r, _ = os.pipe()
+p = select.poll()
+p.register(r, select.POLLIN)
+for _ in range({POLLS}):
+    assert p.poll(0) == []
+print(f"DONE tid={{threading.get_native_id()}}", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_tenant_spinning_on_many_threads_fills_only_its_share_of_the_threads_map() -> None:
+    """The threads map at 16 entries, a share of 8: a watched tenant whose 20 threads spin
+    on empty polls keeps 8 and is charged the rest; a process watched after it still has
+    each of its empty polls counted."""
+    sizes = {"MAX_THREADS": 16, "MAX_THREADS_PER_PROCESS": 8}
+    with (
+        KernelProbes(map_sizes=sizes) as probes,
+        Fixture([*NOBODY, PYTHON, "-c", POLLING_TENANT], ready="STARTED") as tenant,
+        Fixture([PYTHON, "-c", POLLER], ready="STARTED") as other,
+    ):
+        probes.watch([tenant.pid])
+        tenant.send("go")
+        tenant.wait_for("SPUN")
+        probes.watch([tenant.pid, other.pid])
+        other.send("go")
+        tid = other.wait_for("DONE").get_int("tid")
+        r = probes.read()
+    assert r.empty_polls is not None and r.empty_polls.get(tid) == POLLS, (tid, r.empty_polls)
+    assert r.counters["poll_calls_full"] == 0, r.counters
     assert r.shares[tenant.pid].entries_refused >= 20 - 8, r.shares
 
 
