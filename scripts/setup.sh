@@ -209,10 +209,11 @@ fi
 # tests/realsw/requirements.txt changes (its hash is the stamp).
 # One cached venv for tests/realsw: made by /usr/bin/python3 at VENV, installed from REQS, and
 # installed again only when REQS changes (its sha256 is the stamp in the venv). AFTER, if
-# given, runs once after the install (an uninstall, a check). Checkouts share the venv: a lock
-# beside it lets one setup install while another waits, then finds it current.
+# given, runs once after the install (an uninstall, a check). PIP_FLAG (say --no-deps), if
+# given, goes to pip install. Checkouts share the venv: a lock beside it lets one setup install
+# while another waits, then finds it current.
 realsw_venv() {
-    local venv=$1 reqs=$2 what=$3 after=${4:-}
+    local venv=$1 reqs=$2 what=$3 after=${4:-} deps=${5:-}
     local stamp=$venv/.hangwatch-realsw-stamp want parent lock
     want=$(sha256sum "$reqs" | cut -d' ' -f1)
     venv_current() {
@@ -236,7 +237,7 @@ realsw_venv() {
         fi
         say "pip install -r $reqs into $venv"
         # No pip cache: the venv is the cache, and a second copy of the wheels would double the disk.
-        "$venv/bin/pip" install -q --disable-pip-version-check --no-cache-dir -r "$reqs"
+        "$venv/bin/pip" install -q --disable-pip-version-check --no-cache-dir ${deps:+"$deps"} -r "$reqs"
         if [[ -n $after ]]; then
             "$after" "$venv"
         fi
@@ -258,6 +259,13 @@ vllm_text_only() {
         die "$1 cannot import vllm and transformers after the install"
 }
 
+# SGLang's CPU engine imports two ops of sgl_kernel, which PyPI has for CUDA only; the tests put
+# a stand-in (tests/realsw/sglang_shim) on the server's PYTHONPATH, and so does this check.
+sglang_imports() {
+    PYTHONPATH=tests/realsw/sglang_shim "$1/bin/python" -c 'import sglang, sgl_kernel, transformers' ||
+        die "$1 cannot import sglang (with tests/realsw/sglang_shim) after the install"
+}
+
 if [[ ${1:-} == --tests ]]; then
     realsw_venv "${HANGWATCH_REALSW_VENV:-/var/cache/hangwatch/realsw}" \
         tests/realsw/requirements.txt "PyTorch: about 5 GB" torch_has_gloo
@@ -265,6 +273,10 @@ if [[ ${1:-} == --tests ]]; then
         tests/realsw/vllm-requirements.txt "vLLM on the CPU: about 3.4 GB" vllm_text_only
     realsw_venv "${HANGWATCH_RAY_VENV:-/var/cache/hangwatch/ray}" \
         tests/realsw/ray-requirements.txt "Ray with Serve: about 500 MB"
+    # --no-deps: the file is the whole lock, without sglang's CUDA-only requirements
+    realsw_venv "${HANGWATCH_SGLANG_VENV:-/var/cache/hangwatch/sglang}" \
+        tests/realsw/sglang-requirements.txt "SGLang on the CPU: about 6.9 GB" sglang_imports \
+        --no-deps
 fi
 
 # --- 6. check ----------------------------------------------------------------------------------

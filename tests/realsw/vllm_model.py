@@ -3,6 +3,8 @@
 ``python vllm_model.py OUT_DIR``: a ``LlamaForCausalLM`` (hidden 128, 2 layers, vocab 512,
 random weights) saved with ``save_pretrained``, and a byte-level BPE tokenizer trained here
 with ``tokenizers`` (no download) saved so that ``AutoTokenizer.from_pretrained`` loads it.
+``python vllm_model.py OUT_DIR big``: the same, 24 layers of hidden 2048 (~4.8 GB of float32
+weights; the SGLang tests load it from storage to see a server loading for a while).
 Writes into ``OUT_DIR.tmp`` and renames it to ``OUT_DIR`` at the end, so a directory that
 exists is complete. Prints ``MODEL dir=OUT_DIR``.
 """
@@ -80,18 +82,25 @@ def make_tokenizer(out: Path) -> None:
     fast.save_pretrained(out)
 
 
-def make_model(out: Path) -> None:
+SIZES = {  # hidden, intermediate, layers, heads
+    "tiny": (128, 256, 2, 4),
+    "big": (2048, 5632, 24, 16),
+}
+
+
+def make_model(out: Path, size: str) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
+    hidden, intermediate, layers, heads = SIZES[size]
     cfg = LlamaConfig(
         vocab_size=VOCAB,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
         max_position_embeddings=512,
         bos_token_id=0,
         eos_token_id=1,
@@ -104,12 +113,13 @@ def make_model(out: Path) -> None:
 
 def main() -> None:
     out = Path(sys.argv[1])
+    size = sys.argv[2] if len(sys.argv) > 2 else "tiny"
     if not (out / "config.json").is_file():
         tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         make_tokenizer(tmp)
-        make_model(tmp)
+        make_model(tmp, size)
         try:
             os.rename(tmp, out)
         except OSError:  # another maker won the race: its directory is complete too
