@@ -176,6 +176,13 @@ def test_sglang_event_hang_is_stalled(default: SglangServer) -> None:
     culprit_is(d, svc, default.scheduler, "the scheduler, hung mid-step")
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="a known blind spot (docs/how-it-works.md, 'What it still cannot see'): the stream "
+    "stopped before diagnose's probe watched the server, so its connection looks answered "
+    "(the server sent last) and the verdict is idle; the daemon, watching before the stream "
+    "began, calls it stalled (the next test). Strict: it fails once diagnose gets it right.",
+)
 def test_sglang_stream_hang_is_stalled(default: SglangServer) -> None:
     """A streaming request got its first chunks; then the scheduler hung mid-step and the
     client keeps waiting on the open connection for the rest."""

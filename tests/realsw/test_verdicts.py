@@ -42,7 +42,7 @@ from tests.privileged.daemonlib import (
     value,
 )
 from tests.privileged.harness import Diagnosis, RunningDiagnose, Untouched, diagnose_argv
-from tests.realsw.servinglib import build_abba, serving_stack, weight_server
+from tests.realsw.servinglib import serving_stack, weight_server
 
 # hangwatch attaches: root and bcc, as tests/privileged (conftest.needs_bpf)
 pytestmark = [pytest.mark.privileged, pytest.mark.usefixtures("needs_bpf")]
@@ -229,29 +229,8 @@ def test_training_loop_is_progressing() -> None:
 
 
 # --- the serving stack ---------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def abba_lib() -> Path:
-    """Compile abba.c once, up front, so no READY timeout includes gcc."""
-    return build_abba()
-
-
-def test_serving_idle_is_idle(tmp_path: Path) -> None:
-    """Everything up, nothing asked."""
-    with serving_stack("idle", tmp_path) as st:
-        d = diagnose(st.pid)
-    expect(d, st.pid, "idle", "idle")
-
-
-def test_serving_serving_is_progressing(tmp_path: Path) -> None:
-    """~17 requests a second answered through front-end, scheduler and detokenizer."""
-    with serving_stack("serving", tmp_path, client=["--mode", "continuous"]) as st:
-        assert st.client is not None
-        st.client.wait_for("READY")
-        st.client.wait_for("STATS")
-        d = diagnose(st.pid)
-    expect(d, st.pid, "serving", "progressing")
+# Only where it tests what real SGLang cannot (tests/realsw/README.md): idle, serving and a
+# native lock cycle in the scheduler are real SGLang's cases (test_sglang_verdicts.py).
 
 
 def answers_counted(svc: dict[str, Any]) -> bool:
@@ -308,18 +287,6 @@ def test_serving_blocked_loop_is_stalled(tmp_path: Path) -> None:
         d = diagnose_hang(st.pid, time.monotonic())
     svc = expect(d, st.pid, "blocked-loop", "stalled")
     culprit_is(d, svc, st.pid, "the front-end, whose event loop is blocked")
-
-
-def test_serving_native_abba_is_deadlocked(tmp_path: Path, abba_lib: Path) -> None:
-    """Two scheduler threads in C, each holding one pthread mutex and waiting for the other."""
-    args = ["--native-lib", str(abba_lib)]
-    with serving_stack("native-abba", tmp_path, client=["--mode", "once"], server_args=args) as st:
-        d = diagnose_hang(st.pid, time.monotonic())
-    svc = expect(d, st.pid, "native-abba", "deadlocked")
-    culprit_is(d, svc, st.info.get_int("scheduler"), "the scheduler, in the lock cycle")
-    tids = set(st.info.get_ints("tids"))
-    cycles = [set(c) for c in svc.get("cycles", [])]
-    assert tids in cycles, d.explain(f"native-abba: want a cycle of the two kernels {tids}")
 
 
 def test_serving_abba_is_stalled_not_idle(tmp_path: Path) -> None:
