@@ -75,8 +75,11 @@ def sleeps_in(pid: int, tid: int, call: int, timeout_arg: int | None = None) -> 
 def thread_names(pid: int) -> dict[int, str]:
     names = {}
     for tid in tasks(pid):
-        with open(f"/proc/{pid}/task/{tid}/comm") as f:
-            names[tid] = f.read().strip()
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                names[tid] = f.read().strip()
+        except FileNotFoundError:  # the thread ended after it was listed (a start-up helper)
+            continue
     return names
 
 
