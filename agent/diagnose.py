@@ -15,7 +15,7 @@ from .analysis.evidence import UnderThreshold
 from .analysis.lockwords import named_verdicts
 from .errors import UsageError
 from .observe import enrich
-from .observe.discovery import env_labels
+from .observe.discovery import process_labels
 from .observe.observer import Observer, Scope
 from .report import as_json as json_report
 from .report import notices
@@ -143,7 +143,7 @@ def write_report(
         threshold_s=opts.threshold_s,
         duration_s=opts.duration_s,
         observed_s=(snap.mono_ns - observer.ticks[0].snapshot.mono_ns) / 1e9,
-        labels={pid: env_labels(proc.environ(pid) or b"") for pid in snap.processes},
+        labels={pid: process_labels(proc, pid) for pid in snap.processes},
     )
     pids = [p.pid for v in verdicts for p in v.processes if not p.gone] if opts.stacks else []
     inputs = enrich.gather(

@@ -18,12 +18,14 @@ watched; the rest are counted in ``excess``, never sampled or exported one by on
 from __future__ import annotations
 
 import logging
+import os
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..config import MAX_SERVICES, Target
 from ..sources.procfs import ProcFS
+from . import jobkey
 
 log = logging.getLogger(__name__)
 
@@ -117,19 +119,45 @@ class _Known:
     trust: int = UNREAD  # its rank's first key, from its uid and cgroup (see _rank)
 
 
-def env_labels(environ: bytes) -> dict[str, str]:
-    """Allow-listed environment values, as label names in lower case."""
-    out = {}
+def env_labels(environ: bytes, host: Callable[[], str] = lambda: "") -> dict[str, str]:
+    """Allow-listed environment values, as label names in lower case, and the process's job
+    (agent.observe.jobkey): ``job_key``, and ``rank`` and ``world_size`` from an MPI
+    launcher's variables where torch's are absent. ``host`` names the process's host and
+    network namespace, for a job on a loopback endpoint."""
+    wanted = set(ENV_LABELS) | set(jobkey.VARIABLES)
+    env: dict[str, str] = {}
     for item in environ.split(b"\0"):
         key, sep, value = item.partition(b"=")
-        if not sep:
-            continue
-        k = key.decode(errors="replace")
-        if k in ENV_LABELS:
-            v = value.decode(errors="replace")
-            if _SAFE_VALUE.fullmatch(v):
-                out[k.lower()] = v
+        if sep:
+            k = key.decode(errors="replace")
+            if k in wanted:
+                env[k] = value.decode(errors="replace")
+    out = {k.lower(): v for k, v in env.items() if k in ENV_LABELS and _SAFE_VALUE.fullmatch(v)}
+    key = jobkey.job_key(env, host)
+    if key:
+        out[jobkey.LABEL] = key
+    rank, size = jobkey.rank_of(env), jobkey.world_size_of(env)
+    if rank and "rank" not in out:
+        out["rank"] = rank
+    if size and "world_size" not in out:
+        out["world_size"] = size
     return out
+
+
+def process_labels(proc: ProcFS, pid: int) -> dict[str, str]:
+    """env_labels of a live process (none where its environment is unreadable)."""
+    raw = proc.environ(pid)
+    return env_labels(raw, lambda: local_scope(proc, pid)) if raw else {}
+
+
+def local_scope(proc: ProcFS, pid: int) -> str:
+    """Where a loopback endpoint of process ``pid`` reaches: this host, and its network
+    namespace where it is not the agent's (two containers' 127.0.0.1 are two places)."""
+    host = "".join(c if c.isalnum() or c in "-_." else "_" for c in os.uname().nodename)[:64]
+    theirs = proc.net_namespace(pid)
+    if theirs is None or theirs == proc.net_namespace("self"):
+        return host
+    return f"{host}/net{theirs.removeprefix('net:[').removesuffix(']')}"
 
 
 def subtree(children: Mapping[int, Sequence[int]], root: int) -> list[int]:
@@ -418,6 +446,5 @@ class Discovery:
         if k is None:
             return {}
         if k.labels is None:
-            raw = self.proc.environ(pid)
-            k.labels = env_labels(raw) if raw is not None else {}
+            k.labels = process_labels(self.proc, pid)
         return k.labels
