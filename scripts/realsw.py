@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -241,11 +242,14 @@ def torchrun_job(shape: str, *args: Arg, nproc: int = 2, **kwargs: Any) -> Job:
     return Job(argv, shape=shape, port=port, ready=None, **kwargs)
 
 
-def node_jobs(shape: str, run_id: str, *args: Arg, **kwargs: Any) -> tuple[Job, Job]:
+def node_jobs(
+    shape: str, run_id: str | None, *args: Arg, master_addr: str = "127.0.0.1", **kwargs: Any
+) -> tuple[Job, Job]:
     """One job over two "nodes" of this machine: ``torchrun --nnodes=2 --nproc_per_node=2``
-    twice, node 0 hosting the store, with static rendezvous (node 0 has ranks 0 and 1, node 1
-    ranks 2 and 3) and ``--rdzv_id=RUN_ID`` (TORCHELASTIC_RUN_ID: what joins its ranks across
-    hosts). Not started: enter node 0 first."""
+    twice, node 0 hosting the store, with static rendezvous at ``master_addr`` (node 0 has
+    ranks 0 and 1, node 1 ranks 2 and 3). With ``run_id``, ``--rdzv_id=RUN_ID``
+    (TORCHELASTIC_RUN_ID); without, the default invocation, whose ranks share only the
+    rendezvous endpoint. Not started: enter node 0 first."""
     port = free_port()
 
     def node(rank: int) -> Job:
@@ -254,9 +258,9 @@ def node_jobs(shape: str, run_id: str, *args: Arg, **kwargs: Any) -> tuple[Job, 
             "--nnodes=2",
             f"--node_rank={rank}",
             "--nproc_per_node=2",
-            "--master_addr=127.0.0.1",
+            f"--master_addr={master_addr}",
             f"--master_port={port}",
-            f"--rdzv_id={run_id}",
+            *([f"--rdzv_id={run_id}"] if run_id is not None else []),
             TORCH_JOBS,
             "--shape",
             shape,
@@ -265,6 +269,26 @@ def node_jobs(shape: str, run_id: str, *args: Arg, **kwargs: Any) -> tuple[Job, 
         return Job(argv, shape=shape, port=port, ready=None, **kwargs)
 
     return node(0), node(1)
+
+
+def routable_address() -> str:
+    """An address of this machine that is not loopback (what another host would reach it at),
+    or 127.0.0.1 where it has none."""
+    try:
+        out = subprocess.run(
+            ["ip", "-j", "-4", "addr", "show", "scope", "global"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout
+        for link in json.loads(out):
+            for addr in link.get("addr_info", []):
+                if addr.get("local"):
+                    return str(addr["local"])
+    except (OSError, subprocess.SubprocessError, ValueError):
+        pass
+    return "127.0.0.1"
 
 
 def direct_job(shape: str, *args: Arg, **kwargs: Any) -> Job:

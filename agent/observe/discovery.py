@@ -127,9 +127,9 @@ def env_labels(environ: bytes, host: Callable[[], str] = lambda: "") -> dict[str
     wanted = set(ENV_LABELS) | set(jobkey.VARIABLES)
     env: dict[str, str] = {}
     for item in environ.split(b"\0"):
-        key, sep, value = item.partition(b"=")
+        name, sep, value = item.partition(b"=")
         if sep:
-            k = key.decode(errors="replace")
+            k = name.decode(errors="replace")
             if k in wanted:
                 env[k] = value.decode(errors="replace")
     out = {k.lower(): v for k, v in env.items() if k in ENV_LABELS and _SAFE_VALUE.fullmatch(v)}

@@ -38,6 +38,8 @@ One job over two nodes (``torchrun --nnodes=2 --nproc_per_node=2``, 4 ranks), wh
   whose connections close unread: the ranks of the other node wait on.
 * ``job_long_compute``: the odd rank computes for ``--compute-seconds`` (default forever) while
   the others wait in ``all_reduce``.
+* ``job_event_stuck``: the odd rank stops taking part (blocks forever on a ``threading.Event``)
+  while the others block in ``all_reduce``.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ JOB_SHAPES = (
     "job_other_collective",
     "job_rank_killed",
     "job_long_compute",
+    "job_event_stuck",
 )
 SHAPES = TORCHRUN_SHAPES + DIRECT_SHAPES + JOB_SHAPES
 
@@ -235,6 +238,18 @@ class Job:
             self.compute(self.args.compute_seconds)
         dist.all_reduce(t)  # the others wait here while the odd rank computes
         announce("DONE", rank=self.rank)
+        block_forever()
+
+    def job_event_stuck(self) -> None:
+        dist = self.init_group()
+        t = self.torch.ones(16)
+        dist.all_reduce(t)
+        odd = self.rank == self.args.odd_rank
+        self.ready("stuck" if odd else "waiter")
+        if odd:
+            threading.Event().wait()  # the odd rank stops taking part here
+        dist.all_reduce(t)  # the others wait here for the odd rank
+        announce("UNEXPECTED", what="an all_reduce without the odd rank returned", rank=self.rank)
         block_forever()
 
     def training_loop(self) -> None:
