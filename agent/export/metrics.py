@@ -162,8 +162,8 @@ FAMILIES: tuple[_Family, ...] = (
         "world_size",
         GAUGE,
         "hangwatch_process_world_size",
-        "The process's WORLD_SIZE as a number (its world_size label): how many ranks its job "
-        "should have, for rules that look for missing ones.",
+        "The process's world size as a number (its world_size label: WORLD_SIZE, else the MPI "
+        "launcher's): how many ranks its job should have, for rules that look for missing ones.",
         (_P,),
     ),
     _Family(
