@@ -70,10 +70,13 @@ examples:
   hangwatch job --prometheus http://prometheus:9090 --job run-7
   hangwatch job --prometheus https://USER:PASSWORD@prom.example.com/prometheus --job 81234 --json
 
-a job: the ranks (processes with RANK) that share a service and a torchelastic_run_id or
-slurm_job_id; --job takes either id. Without an id (or with torchelastic_run_id "none",
-torchrun's default), the ranks of one host: --job SERVICE@INSTANCE/SERVICE_PID, as the list
-of jobs prints it. Without --job: the only job, else the only stalled one, else the list.
+a job: the ranks (processes with RANK) that share a service and a job_key, which hangwatch
+reads from what the launcher gives every rank: torchrun's --rdzv_id, else the Slurm job and
+step, else the rendezvous endpoint (MASTER_ADDR:MASTER_PORT/WORLD_SIZE), else the MPI job.
+--job takes the id (run-7, 81234.0 or 81234, 10.0.0.1:29500/4) or the whole key
+(tcp:10.0.0.1:29500/4), alone or after SERVICE@. Ranks without a key: those of one host,
+--job SERVICE@INSTANCE/SERVICE_PID. The list of jobs prints each job's shortest name.
+Without --job: the only job, else the only stalled one, else the list.
 
 odd ranks out of a stalled job, first in the table: "not parked" (it works while the others
 wait), "other site" (it waits where fewer ranks wait than at the job's commonest site; a tie

@@ -58,6 +58,10 @@ class Rank:
     extra: Mapping[str, str] = field(default_factory=dict)  # a federation's labels
 
 
+# A job with torchrun's --rdzv_id: its key and the run id label beside it.
+RUN_7 = {"job_key": "rdzv:run-7", "torchelastic_run_id": "run-7"}
+
+
 def processes(r: Rank, job: Mapping[str, str]) -> Iterator[dict[str, str]]:
     base = 1000 + 10 * int(str(r.rank)) if str(r.rank).isdigit() else 5000
     for i in range(1 + r.workers):
@@ -84,7 +88,7 @@ def inputs(
 ) -> Inputs:
     """The raw per-process series of these ranks: what `hangwatch_process_*{rank!=""}` gives
     (every state series, 0 or 1); `gone`: (rank, host, seconds ago) seen before, not now."""
-    job = {"torchelastic_run_id": "run-7", "slurm_job_id": ""} if job is None else job
+    job = RUN_7 if job is None else job
     parked, states, sites, worlds, seen = [], [], [], [], []
     for r in rs:
         for i, labels in enumerate(processes(r, job)):
@@ -127,7 +131,7 @@ def test_a_healthy_stalled_job_has_no_odd_rank():
     assert v.odd == () and v.missing == ()
     assert [r.rank for r in v.ranks] == ["0", "1", "2", "3"]
     assert v.sites == ((ALL_REDUCE, 4),) and v.top_site == (ALL_REDUCE, 4)
-    assert v.key == JobKey("torchrun", "run-7") and v.world_size == 4
+    assert v.key == JobKey("torchrun", "rdzv:run-7") and v.world_size == 4
 
 
 def test_a_job_that_works_is_not_stalled_and_names_nobody():
@@ -227,7 +231,7 @@ def test_an_implausible_world_size_is_ignored():
 
 
 def test_a_job_without_an_id_is_its_ranks_on_one_host():
-    no_id = {"torchelastic_run_id": "", "slurm_job_id": ""}
+    no_id = {"job_key": "", "torchelastic_run_id": "none"}
     vs = jobs(
         inputs(
             [*FOUR[:2], replace(FOUR[2], service_pid="200"), replace(FOUR[3], service_pid="200")],
@@ -245,11 +249,57 @@ def test_a_job_without_an_id_is_its_ranks_on_one_host():
     assert vs[0].key.names() == ["torchrun@node-a:9817/100"]
 
 
-def test_torchrun_s_default_run_id_none_is_no_id():
-    vs = jobs(inputs(FOUR, job={"torchelastic_run_id": "none", "slurm_job_id": ""}))
-    assert [v.key.instance for v in vs] == ["node-a:9817", "node-b:9817"]
-    v = one(inputs(FOUR, job={"torchelastic_run_id": "none", "slurm_job_id": "81234"}))
-    assert v.key == JobKey("torchrun", slurm_job_id="81234") and v.key.names()[0] == "81234"
+def test_the_job_is_its_key_and_the_id_labels_beside_it_do_not_split_or_merge_it():
+    # torchrun's default invocation: run id "none" on every rank, the key its endpoint.
+    tcp = {"job_key": "tcp:10.0.0.1:29500/4", "torchelastic_run_id": "none"}
+    v = one(inputs(FOUR, job=tcp, world=4))
+    assert v.key == JobKey("torchrun", "tcp:10.0.0.1:29500/4") and v.missing == ()
+    assert v.key.names()[:2] == ["10.0.0.1:29500/4", "tcp:10.0.0.1:29500/4"]
+    v = one(inputs(FOUR, job={"job_key": "slurm:81234.0", "slurm_job_id": "81234"}))
+    assert v.key.names()[:3] == ["81234", "81234.0", "slurm:81234.0"]
+
+
+def test_a_tcp_job_over_two_hosts_names_its_odd_rank():
+    tcp = {"job_key": "tcp:10.0.0.1:29500/4", "torchelastic_run_id": "none"}
+    rs = list(FOUR)
+    rs[3] = replace(rs[3], parked=0.0, state="progressing", site=None)
+    v = one(inputs(rs, job=tcp, world=4))
+    assert v.stalled and [(r.rank, r.instances, r.reason) for r in v.odd] == [
+        ("3", ("node-b:9817",), NOT_PARKED)
+    ]
+
+
+def test_two_endpoints_on_the_same_hosts_are_two_jobs():
+    a = inputs(FOUR, job={"job_key": "tcp:10.0.0.1:29500/4"}, world=4)
+    b = inputs(
+        [replace(r, service_pid="300", parked=0.0, state="progressing", site=None) for r in FOUR],
+        job={"job_key": "tcp:10.0.0.1:29501/4"},
+        world=4,
+    )
+    vs = merged(a, b)
+    assert [(v.key.key, len(v.visible), v.stalled, v.odd) for v in vs] == [
+        ("tcp:10.0.0.1:29500/4", 4, True, ()),
+        ("tcp:10.0.0.1:29501/4", 4, False, ()),
+    ]
+
+
+def test_loopback_keys_of_two_hosts_are_two_jobs():
+    rs = [Rank(0, "node-a:9817"), Rank(1, "node-a:9817")]
+    a = inputs(rs, job={"job_key": "tcp:127.0.0.1:29500/2@node-a"}, world=2)
+    b = inputs(
+        [replace(r, host="node-b:9817", parked=0.0, state="idle") for r in rs],
+        job={"job_key": "tcp:127.0.0.1:29500/2@node-b"},
+        world=2,
+    )
+    vs = merged(a, b)
+    assert [(v.key.key, v.visible[0].instances, v.stalled) for v in vs] == [
+        ("tcp:127.0.0.1:29500/2@node-a", ("node-a:9817",), True),
+        ("tcp:127.0.0.1:29500/2@node-b", ("node-b:9817",), False),
+    ]
+    assert ranks.labels_for(vs) == {
+        vs[0].key: "127.0.0.1:29500/2@node-a",
+        vs[1].key: "127.0.0.1:29500/2@node-b",
+    }
 
 
 def test_a_job_without_the_id_labels_at_all_is_grouped_per_host():
@@ -300,7 +350,7 @@ def test_a_rank_s_pid_is_its_own_process_s_even_below_its_workers_pids():
 def test_a_rank_is_stalled_only_when_every_process_of_it_is():
     # Rank 1's worker is idle: the rank is not stalled, but the job is (ranks 0, 2, 3).
     inp = inputs(FOUR)
-    extra = {**next(processes(FOUR[1], {"torchelastic_run_id": "run-7"})), "pid": "9"}
+    extra = {**next(processes(FOUR[1], RUN_7)), "pid": "9"}
     inp = replace(
         inp,
         parked=[*inp.parked, (extra, 300.0)],
@@ -323,7 +373,7 @@ def _aggregate(
 
 
 def test_the_aggregating_queries_give_the_answer_the_raw_series_give():
-    job = ["service", "torchelastic_run_id", "slurm_job_id", "instance", "service_pid"]
+    job = ["service", "job_key", "instance", "service_pid"]
     rs = [replace(r, workers=2, extra={"cluster": "c1"}) for r in FOUR]
     rs[2] = replace(rs[2], site=NEXT)
     raw = inputs(rs, world=6, gone=[(4, "node-c:9817", 90.0)])
@@ -362,9 +412,9 @@ def test_non_finite_values_and_rankless_series_are_ignored():
 RUN7 = inputs(FOUR)
 IDLE = inputs(
     [Rank(0, "node-c:9817", parked=0.0, state="progressing", site=None)],
-    job={"torchelastic_run_id": "", "slurm_job_id": "81234"},
+    job={"job_key": "slurm:81234.0", "slurm_job_id": "81234"},
 )
-STALLED_TOO = inputs([Rank(0, "node-d:9817")], job={"torchelastic_run_id": "run-9"})
+STALLED_TOO = inputs([Rank(0, "node-d:9817")], job={"job_key": "rdzv:run-9"})
 
 
 def merged(*inps: Inputs) -> list[JobView]:
@@ -377,11 +427,11 @@ def joined(*inps: Inputs) -> Inputs:
 
 
 def test_the_only_job_is_shown():
-    assert select(jobs(IDLE), None, "P").key.slurm_job_id == "81234"
+    assert select(jobs(IDLE), None, "P").key.key == "slurm:81234.0"
 
 
 def test_of_several_jobs_the_only_stalled_one_is_shown():
-    assert select(merged(RUN7, IDLE), None, "P").key.run_id == "run-7"
+    assert select(merged(RUN7, IDLE), None, "P").key.key == "rdzv:run-7"
 
 
 def test_several_stalled_jobs_ask_for_one():
@@ -397,15 +447,29 @@ def test_no_job_at_all_is_an_error_with_exit_1():
     assert e.value.exit_code == 1
 
 
-def test_job_picks_by_either_id_or_the_per_host_name():
+def test_job_picks_by_id_key_or_the_per_host_name():
     no_id = inputs([Rank(0, "node-e:9817")], job={})
-    vs = merged(RUN7, IDLE, STALLED_TOO, no_id)
-    assert select(vs, "run-9", "P").key.run_id == "run-9"
-    assert select(vs, "81234", "P").key.slurm_job_id == "81234"
+    tcp = inputs([Rank(0, "node-g:9817")], job={"job_key": "tcp:[fd00::1]:29500/2"})
+    vs = merged(RUN7, IDLE, STALLED_TOO, no_id, tcp)
+    for name in ("run-9", "rdzv:run-9", "torchrun@run-9", "torchrun@rdzv:run-9"):
+        assert select(vs, name, "P").key.key == "rdzv:run-9"
+    for name in ("81234", "81234.0", "slurm:81234.0", "torchrun@81234"):
+        assert select(vs, name, "P").key.key == "slurm:81234.0"
+    for name in ("[fd00::1]:29500/2", "tcp:[fd00::1]:29500/2", "torchrun@[fd00::1]:29500/2"):
+        assert select(vs, name, "P").key.instance == "" and select(vs, name, "P").ranks
     assert select(vs, "torchrun@node-e:9817/100", "P").key.instance == "node-e:9817"
     with pytest.raises(UsageError, match=r"no job 'run-8' in P: known jobs: .*run-7") as e:
         select(vs, "run-8", "P")
     assert e.value.exit_code == EXIT_USAGE
+
+
+def test_a_slurm_job_of_two_steps_is_picked_by_its_step():
+    step = inputs([Rank(0, "node-h:9817")], job={"job_key": "slurm:81234.1"})
+    vs = merged(IDLE, step)
+    assert sorted(ranks.labels_for(vs).values()) == ["81234.0", "81234.1"]
+    assert select(vs, "81234.1", "P").key.key == "slurm:81234.1"
+    with pytest.raises(UsageError, match=r"'81234' names 2 jobs in P: 81234.0, 81234.1"):
+        select(vs, "81234", "P")
 
 
 def test_a_job_gone_entirely_is_still_found_by_its_id():
@@ -489,7 +553,7 @@ def test_the_list_of_jobs_without_an_id():
     lines = render.jobs_text(vs, ranks.labels_for(vs)).splitlines()
     assert lines[1].split()[:3] == ["torchrun@node-a:9817/100", "torchrun", "2"]
     assert render.headline(vs[0], "torchrun@node-a:9817/100") == (
-        "job torchrun@node-a:9817/100 (service torchrun, no job id: the ranks on one host): "
+        "job torchrun@node-a:9817/100 (service torchrun, no job key: the ranks on one host): "
         "2 ranks, stalled for 2m 05s"
     )
 
@@ -511,10 +575,15 @@ def test_the_json_round_trips_with_its_documented_keys():
     assert set(doc) == {"prometheus", "jobs", "job"}
     job = doc["job"]
     assert set(job) == {
-        "job", "service", "torchelastic_run_id", "slurm_job_id", "instance", "service_pid",
+        "job", "service", "job_key", "torchelastic_run_id", "slurm_job_id", "instance", "service_pid",
         "world_size", "ranks_visible", "ranks_missing", "stalled", "stalled_seconds", "ranks", "sites",
     }  # fmt: skip
     assert (job["job"], job["ranks_visible"], job["ranks_missing"]) == ("run-7", 3, ["3"])
+    assert (job["job_key"], job["torchelastic_run_id"], job["slurm_job_id"]) == (
+        "rdzv:run-7",
+        "run-7",
+        "",
+    )
     assert job["ranks"][0] == {
         "rank": "3",
         "instances": ["node-b:9817"],
@@ -902,7 +971,7 @@ def test_the_queries_answer_in_prometheus_s_own_engine(promtool: str, tmp_path: 
     """Every 5 s for 5 minutes: rank 0 (and a DataLoader worker) parked on node-a, rank 1
     working on node-b, rank 2 on node-c gone after 2 minutes, rank 3 scraped once between two
     of the last-seen subquery's steps; the series federated, with a `cluster` label."""
-    job = {"service": "torchrun", "torchelastic_run_id": "run-7", "slurm_job_id": "", "job": "hw"}
+    job = {"service": "torchrun", **RUN_7, "slurm_job_id": "", "job": "hw"}
     job |= {"service_pid": "100", "cluster": "east"}
     r0 = {**job, "rank": "0", "instance": "node-a:9817", "pid": "1000", "comm": "python3"}
     r0w = {**r0, "pid": "1001", "comm": "pt_data_worker"}
@@ -926,7 +995,7 @@ def test_the_queries_answer_in_prometheus_s_own_engine(promtool: str, tmp_path: 
             )
 
     def kept(labels: Mapping[str, str], *names: str) -> str:
-        by = ("service", "torchelastic_run_id", "slurm_job_id", "instance", "service_pid", *names)
+        by = ("service", "job_key", "instance", "service_pid", *names)
         return "{" + ",".join(f"{k}={json.dumps(labels[k])}" for k in by if labels.get(k)) + "}"
 
     expect = {

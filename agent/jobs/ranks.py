@@ -4,9 +4,9 @@ The semantics are those of the shipped rules (deploy/prometheus/hangwatch-rules.
 hangwatch.jobs), computed here from the daemon's raw series so that the command works against
 a Prometheus that does not load the rules:
 
-* a job is keyed by `service, torchelastic_run_id, slurm_job_id`; without an id (or with
-  torchelastic_run_id "none", torchrun's default for static rendezvous, the same for every job)
-  its ranks are grouped per host: `instance, service, service_pid` as well;
+* a job is keyed by `service, job_key` (what all its ranks share and no other job does:
+  agent.observe.jobkey); ranks without a key are grouped per host: `instance, service_pid` as
+  well;
 * a rank's processes carry its `rank` label (its DataLoader workers inherit it); its parked
   seconds are the smallest of its processes', and it waits (is stalled, for the job) when
   every one of them has been parked at least its host's park threshold
@@ -18,7 +18,7 @@ a Prometheus that does not load the rules:
 * in a stalled job the odd ranks out are those `not parked`, and those at an `other site` than
   the one most ranks wait at (a tie for the top names nobody; ranks without a site don't count);
 * a rank of any job seen in the last 15 minutes and gone now is `missing`, and a job with an
-  id whose world size says more ranks than were seen has ranks `never seen`.
+  key whose world size says more ranks than were seen has ranks `never seen`.
 
 Any other label than those and `pid` (`comm`, Prometheus's `job`, a federation's `cluster`) is
 ignored, so the series may come per process or already aggregated by the job key, `instance`,
@@ -34,13 +34,13 @@ from dataclasses import dataclass, field
 
 from ..errors import HangwatchError, UsageError, show
 from ..model import printable
+from ..observe import jobkey
 
 Sample = tuple[Mapping[str, str], float]
 
 RECENT_S = 15 * 60  # a rank seen this recently and gone now is missing
 # A world size past this is a wrong label, not a job: its "never seen" rows would fill screens.
 MAX_WORLD = 1 << 20
-NO_ID = ("", "none")  # torchelastic_run_id values that name no job
 
 STALLED = "stalled"
 MISSING = "missing"  # the state of a rank that is not visible
@@ -68,34 +68,42 @@ class Inputs:
 @dataclass(frozen=True, order=True)
 class JobKey:
     service: str
-    run_id: str = ""  # torchelastic_run_id, "" for none
-    slurm_job_id: str = ""
-    instance: str = ""  # only for a job without an id: its ranks on one host
+    key: str = ""  # the ranks' job_key; "" for none
+    instance: str = ""  # only for ranks without a key: those of one host
     service_pid: str = ""
 
     @property
     def has_id(self) -> bool:
-        return bool(self.run_id or self.slurm_job_id)
+        return bool(self.key)
+
+    @property
+    def kind(self) -> str:
+        """What the key was made from: rdzv, slurm, tcp, mpi; "" without one."""
+        return self.key.partition(":")[0] if self.key else ""
+
+    @property
+    def bare(self) -> str:
+        """The key without its kind: the run id, the Slurm job and step, the endpoint."""
+        return self.key.partition(":")[2]
 
     def names(self) -> list[str]:
-        """What --job accepts for this job, the shortest first."""
-        if not self.has_id:
+        """What --job accepts for this job, the shortest first: its id as the user gave or
+        read it (run-7, 81234.0 or 81234, 10.0.0.1:29500/4), its key, each after SERVICE@."""
+        if not self.key:
             return [f"{self.service}@{self.instance}/{self.service_pid}"]
-        ids = [i for i in (self.run_id, self.slurm_job_id) if i]
+        short = [self.bare]
+        if self.kind == "slurm" and "." in self.bare:
+            short.insert(0, self.bare.partition(".")[0])  # the job alone, as squeue shows it
+        ids = [*short, self.key]
         return ids + [f"{self.service}@{i}" for i in ids]
 
 
 def job_key(labels: Mapping[str, str]) -> JobKey:
-    run_id = labels.get("torchelastic_run_id", "")
-    key = JobKey(
-        service=labels.get("service", ""),
-        run_id="" if run_id in NO_ID else run_id,
-        slurm_job_id=labels.get("slurm_job_id", ""),
-    )
-    if key.has_id:
-        return key
+    service, key = labels.get("service", ""), labels.get(jobkey.LABEL, "")
+    if key:
+        return JobKey(service, key)
     return JobKey(
-        key.service, instance=labels.get("instance", ""), service_pid=labels.get("service_pid", "")
+        service, instance=labels.get("instance", ""), service_pid=labels.get("service_pid", "")
     )
 
 

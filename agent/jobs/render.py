@@ -11,8 +11,9 @@ JSON (`--json`); keys are an interface, added to, never renamed:
      "jobs": [JOB, ...],            every job seen, as the list without --job shows them
      "job": JOB + {"ranks": [RANK, ...], "sites": [{"site", "ranks"}, ...]} or null
                                      the job shown; null when none was picked (exit 2)}
-    JOB:  {"job": the name --job takes, "service", "torchelastic_run_id", "slurm_job_id",
-           "instance", "service_pid" (these two only for a job without an id, else ""),
+    JOB:  {"job": the name --job takes, "service", "job_key" ("" for ranks without one),
+           "torchelastic_run_id", "slurm_job_id" (the id a key of that kind holds, else ""),
+           "instance", "service_pid" (these two only for a job without a key, else ""),
            "world_size": int or null, "ranks_visible": int, "ranks_missing": [rank, ...],
            "stalled": bool, "stalled_seconds": float (0 when not stalled)}
     RANK: {"rank": str, "instances": [str, ...] (for a missing rank: where last seen),
@@ -113,7 +114,7 @@ def state_text(v: JobView) -> str:
 def headline(v: JobView, name: str) -> str:
     service = f"service {clean(v.key.service)}"
     if not v.key.has_id:
-        service += ", no job id: the ranks on one host"
+        service += ", no job key: the ranks on one host"
     return f"job {clean(name)} ({service}): {count_text(v)}, {state_text(v)}"
 
 
@@ -228,8 +229,9 @@ def job_summary(v: JobView, name: str) -> dict[str, Any]:
     return {
         "job": name,
         "service": v.key.service,
-        "torchelastic_run_id": v.key.run_id,
-        "slurm_job_id": v.key.slurm_job_id,
+        "job_key": v.key.key,
+        "torchelastic_run_id": v.key.bare if v.key.kind == "rdzv" else "",
+        "slurm_job_id": v.key.bare.partition(".")[0] if v.key.kind == "slurm" else "",
         "instance": v.key.instance,
         "service_pid": v.key.service_pid,
         "world_size": v.world_size,
