@@ -121,7 +121,7 @@ def recorded() -> dict[str, set[str]]:
 
 def test_recorded_labels_are_read_as_expected() -> None:
     r = recorded()
-    job = {"service", "torchelastic_run_id", "slurm_job_id", "instance", "service_pid"}
+    job = {"service", "job_key", "instance", "service_pid"}
     assert r["hangwatch:job_ranks:count"] == job
     assert r["hangwatch:job_ranks_missing:count"] == job
     assert r["hangwatch:job_rank_instance:timestamp"] == job | {"rank", "rank_instance"}
@@ -852,7 +852,7 @@ def rows() -> dict[str, list[dict[str, Any]]]:
     return out
 
 
-JOB_KEY = ("service", "torchelastic_run_id", "slurm_job_id", "instance", "service_pid")
+JOB_KEY = ("service", "job_key", "instance", "service_pid")
 
 
 def test_jobs_row_shows_ranks_by_state_and_site_the_stragglers_and_missing_ranks() -> None:

@@ -18,6 +18,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent.export.metrics import label_name
+from agent.observe import jobkey
 from agent.observe.discovery import ENV_LABELS
 from tests.conftest import run_promtool
 
@@ -109,11 +110,12 @@ def test_alert_has_annotations_and_a_runbook(alert: dict[str, Any]) -> None:
 def _exported() -> dict[str, set[str]]:
     """Each name a query can use for the daemon's metrics, with the labels its series carry."""
     families = text_string_to_metric_families(GOLDEN.read_text())
-    env = {label_name(key) for key in ENV_LABELS}
+    # the allow-listed env labels, and the job key the agent makes of the environment
+    env = {label_name(key) for key in ENV_LABELS} | {jobkey.LABEL}
     names: dict[str, set[str]] = {}
     for family in families:
         labels = {label for sample in family.samples for label in sample.labels}
-        if "service_pid" in labels:  # a process metric: the allow-listed env labels may appear
+        if "service_pid" in labels:  # a process metric: these labels may appear
             labels |= env
         # the parser strips a counter's _total and a histogram's suffixes from the family name
         suffixes = {

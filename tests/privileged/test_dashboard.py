@@ -214,7 +214,7 @@ def test_every_dashboard_query_returns_data_in_prometheus(daemon: Daemon, tmp_pa
             deadline = time.monotonic() + 60
             settled = [
                 f'count_over_time(up{{job="hangwatch"}}[{RATE_INTERVAL}]) >= 8',
-                f'hangwatch:job_rank_straggler{{torchelastic_run_id="{JOB_ID}"}}',
+                f'hangwatch:job_rank_straggler{{job_key="rdzv:{JOB_ID}"}}',
             ]
             while time.monotonic() < deadline and not all(prom.results(q) for q in settled):
                 assert prom.proc.poll() is None, prom.log_path.read_text()
