@@ -216,50 +216,43 @@ HANGS = {
 }
 
 
+@pytest.mark.parametrize("invocation", ["rdzv_id", "default"])
 @pytest.mark.parametrize("shape", list(HANGS))
 def test_the_rank_the_others_wait_for_is_named_with_its_host_and_site(
-    cluster: Cluster, shape: str
+    cluster: Cluster, shape: str, invocation: str
 ) -> None:
-    """The shape in both invocations at once: two concurrent jobs on the same hosts."""
+    """The shape under torchrun --rdzv_id, and under its default invocation (keyed by its
+    endpoint). One job at a time: on 2 cores a second job's start (torch's imports) would
+    delay the first one's daemons past the bound; two jobs at once are the Event test's."""
     reason, odd_at, others_at = HANGS[shape]
     run_id = f"e2e-{shape.removeprefix('job_').replace('_', '-')}"
     odd_host = cluster.instance(1)
-    with contextlib.ExitStack() as stack:
-        jobs: list[RunningJob] = []
-        formed: dict[str, float] = {}
-        for rid in (run_id, None):
-            jobs.append(stack.enter_context(two_node_job(shape, rid)))
-            formed[jobs[-1].key] = time.monotonic()
-        assert len({j.key for j in jobs}) == 2, [j.key for j in jobs]
+    with two_node_job(shape, run_id if invocation == "rdzv_id" else None) as job:
+        formed = time.monotonic()
         if shape == "job_rank_killed":
             # A rank the rules never saw cannot be named: first, every rank in Prometheus.
-            for key in formed:
-                until(lambda k=key: ranks_seen(cluster, k) == 4, f"the 4 ranks of {key}", 30)
-            for job in jobs:
-                realsw.kill_tree(job.pids[ODD])  # its node's agent then tears down rank 3 too
-                formed[job.key] = time.monotonic()
+            until(lambda: ranks_seen(cluster, job.key) == 4, f"the 4 ranks of {job.key}", 30)
+            realsw.kill_tree(job.pids[ODD])  # its node's agent then tears down rank 3 too
+            formed = time.monotonic()
         if shape == "job_long_compute":
             # Computing is work: nobody is named while the waiting ranks are under the threshold.
-            while time.monotonic() < max(formed.values()) + THRESHOLD - 1:
-                for job in jobs:
-                    if time.monotonic() < formed[job.key] + THRESHOLD - 1:
-                        assert not stragglers(cluster.prom, job.key), "named before the threshold"
+            while time.monotonic() < formed + THRESHOLD - 1:
+                assert not stragglers(cluster.prom, job.key), "named before the threshold"
                 time.sleep(0.5)
-        for job in jobs:
-            took, named = wait_named(cluster, job.key, formed[job.key], NAMED_WITHIN_S)
-            print(f"{shape} {job.key}: {ALERT} fired {took:.1f} s after the hang formed: {named}")
-            if shape == "job_rank_killed":
-                # Rank 3 was torn down by its agent with it: both are gone, both from node 1.
-                assert {(r, h, why) for r, h, _, why in named} >= {(str(ODD), odd_host, reason)}
-                assert {r for r, *_ in named} <= {"2", "3"}, named
-                assert all(h == odd_host and why == reason for _, h, _, why in named), named
-            else:
-                assert len(named) == 1, named
-                ((rank, host, site, why),) = named
-                assert (rank, host, why) == (str(ODD), odd_host, reason), named
-                assert site.endswith(f"({odd_at})") if odd_at else site == "", site
-            assert took <= NAMED_WITHIN_S, f"named {took:.1f} s after, past {NAMED_WITHIN_S:g} s"
-            check_command(cluster, job, named, others_at, 1 if shape == "job_rank_killed" else 0)
+        took, named = wait_named(cluster, job.key, formed, NAMED_WITHIN_S)
+        print(f"{shape} {job.key}: {ALERT} fired {took:.1f} s after the hang formed: {named}")
+        if shape == "job_rank_killed":
+            # Rank 3 was torn down by its agent with it: both are gone, both from node 1.
+            assert {(r, h, why) for r, h, _, why in named} >= {(str(ODD), odd_host, reason)}
+            assert {r for r, *_ in named} <= {"2", "3"}, named
+            assert all(h == odd_host and why == reason for _, h, _, why in named), named
+        else:
+            assert len(named) == 1, named
+            ((rank, host, site, why),) = named
+            assert (rank, host, why) == (str(ODD), odd_host, reason), named
+            assert site.endswith(f"({odd_at})") if odd_at else site == "", site
+        assert took <= NAMED_WITHIN_S, f"named {took:.1f} s after, past {NAMED_WITHIN_S:g} s"
+        check_command(cluster, job, named, others_at, 1 if shape == "job_rank_killed" else 0)
 
 
 def ranks_seen(c: Cluster, key: str) -> int:
@@ -334,7 +327,7 @@ def test_the_default_invocation_names_the_rank_stuck_on_an_event_beside_a_health
         assert others == {str(odd)}, others
         assert not stragglers(cluster.prom, healthy.key), cluster.prom.alerts()
         check_command(
-            cluster, hung, named, job_line("the others wait here for the odd rank"), code=0
+            cluster, hung, named, job_line("the others wait here for the rank on the Event"), code=0
         )
         rc, view = job_cli(cluster.prom, healthy.key)
         assert rc == 0 and not any(r["reason"] for r in view["job"]["ranks"]), view

@@ -248,7 +248,7 @@ class Job:
         self.ready("stuck" if odd else "waiter")
         if odd:
             threading.Event().wait()  # the odd rank stops taking part here
-        dist.all_reduce(t)  # the others wait here for the odd rank
+        dist.all_reduce(t)  # the others wait here for the rank on the Event
         announce("UNEXPECTED", what="an all_reduce without the odd rank returned", rank=self.rank)
         block_forever()
 
