@@ -77,24 +77,28 @@ class JobKey:
         return bool(self.key)
 
     @property
-    def kind(self) -> str:
-        """What the key was made from: rdzv, slurm, tcp, mpi; "" without one."""
-        return self.key.partition(":")[0] if self.key else ""
+    def bare(self) -> str:
+        """The key without its kind (agent.observe.jobkey's rdzv, slurm, tcp, mpi): the run
+        id, the Slurm job and step, the endpoint."""
+        return self.key.partition(":")[2]
 
     @property
-    def bare(self) -> str:
-        """The key without its kind: the run id, the Slurm job and step, the endpoint."""
-        return self.key.partition(":")[2]
+    def run_id(self) -> str:
+        """torchrun's --rdzv_id where the key is one, else ""."""
+        return self.bare if self.key.startswith("rdzv:") else ""
+
+    @property
+    def slurm_job_id(self) -> str:
+        """The Slurm job, without its step, where the key is one, else ""."""
+        return self.bare.partition(".")[0] if self.key.startswith("slurm:") else ""
 
     def names(self) -> list[str]:
         """What --job accepts for this job, the shortest first: its id as the user gave or
         read it (run-7, 81234.0 or 81234, 10.0.0.1:29500/4), its key, each after SERVICE@."""
-        if not self.key:
+        if not self.has_id:
             return [f"{self.service}@{self.instance}/{self.service_pid}"]
-        short = [self.bare]
-        if self.kind == "slurm" and "." in self.bare:
-            short.insert(0, self.bare.partition(".")[0])  # the job alone, as squeue shows it
-        ids = [*short, self.key]
+        job = self.slurm_job_id  # a Slurm step's job alone, as squeue shows it
+        ids = [*([job] if job and job != self.bare else []), self.bare, self.key]
         return ids + [f"{self.service}@{i}" for i in ids]
 
 
