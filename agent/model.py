@@ -581,6 +581,9 @@ class ProbeReading:
     # kin returning 0; a u32 that wraps), for threads of watched processes with an entry.
     # None: the probe does not count them here.
     empty_polls: Mapping[int, int] | None = None
+    # TIDs whose futex wait, seen from /proc and begun before the process was watched, the
+    # probe marked (ProbeSource.seed) and has not seen end: each is still in that wait.
+    seeded: frozenset[int] = frozenset()
 
     def waiting_by_process(self) -> Mapping[int, frozenset[tuple[int, int]]]:
         if self.waiting is not None:

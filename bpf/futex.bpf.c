@@ -4,7 +4,10 @@
  * LOCK_PI2, WAIT_REQUEUE_PI, futex_wait, futex_waitv) marks the thread's entry
  * in `threads` as waiting at sys_enter, with the word, op and start time; at
  * sys_exit the mark is cleared and the wait time goes to a per-process log2
- * histogram. Waits longer than LONG_WAIT_NS and every EDEADLK of a PI lock go
+ * histogram. A wait that began before the process was watched is marked by user space
+ * (HW_THREAD_SEEDED, set where /proc showed it) and the mark is cleared at its sys_exit, in
+ * the lookup that exit makes anyway, so that such a wait costs user space no read a tick.
+ * Waits longer than LONG_WAIT_NS and every EDEADLK of a PI lock go
  * to the ring buffer. No user memory is read: the verdict re-reads lock words
  * from /proc/PID/mem for the few threads that stay parked.
  *
@@ -120,12 +123,16 @@ static __always_inline int wait_exit(long ret)
 	}
 	struct hw_thread *t = threads.lookup(&tid);
 	if (!t || !(t->flags & HW_THREAD_WAITING)) {
+		/* A wait seen from /proc ended (or a wake op after it): no write where none is
+		 * needed, so a wake op does not dirty the entry's cache line. */
+		if (t && (t->flags & HW_THREAD_SEEDED))
+			t->flags &= ~HW_THREAD_SEEDED;
 		if (ret == -HW_EDEADLK && refused(tid, tgid, bpf_ktime_get_ns()) && t)
 			t->flags |= HW_THREAD_REFUSED;
 		return 0; /* a wake op, or a wait that began before the process was watched */
 	}
 
-	t->flags &= ~HW_THREAD_WAITING;
+	t->flags &= ~(HW_THREAD_WAITING | HW_THREAD_SEEDED); /* one mask, as cheap as one */
 	/* A wait refused at once (the word had changed: a contended lock's usual case) never
 	 * slept: it goes to the first slot without a clock read, a third of what a watched
 	 * wait that returns at once costs here (docs/performance.md). */

@@ -25,6 +25,10 @@
 #define HW_THREAD_REFUSED 2 /* a refusal for this thread is in the refusals map */
 #define HW_THREAD_WRITING 4 /* inside a write: write_fd is this call's */
 #define HW_THREAD_READING 8 /* inside a read of a regular file of storage (io.bpf.c) */
+/* Set by user space only, on an entry it inserts for a thread /proc showed in a futex wait
+ * that began before the process was watched; cleared by the thread's next futex sys_exit.
+ * While set, the thread has not left that wait: user space need not read it again. */
+#define HW_THREAD_SEEDED 16
 
 /* Futex commands that can be refused with EDEADLK, all PI-only: their word is recorded for
  * every process (pi_ops), the refusal in the refusals map for watched processes only. */

@@ -4,7 +4,7 @@ this file against it), records what it is asked, and reads back what a test sets
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 from agent.model import ProbeReading, ProgramStats
 from agent.sources.protocols import ProbeSource
@@ -32,6 +32,7 @@ class RecordingProbe:
         self.forgotten_processes: list[int] = []
         self.slices: list[float] = []  # every drain(), in seconds asked
         self.closed = False
+        self.seed_asked: dict[int, int] = {}  # every seed(), TID -> tgid
 
     def watch(self, tgids: Iterable[int]) -> None:
         self.watched = set(tgids)
@@ -49,6 +50,11 @@ class RecordingProbe:
 
     def take_execs(self) -> list[int] | None:
         return None  # as a kernel without the tracepoints: discovery reads every process
+
+    def seed(self, threads: Mapping[int, int]) -> set[int]:
+        """Marks nothing, as a kernel whose threads map has no room."""
+        self.seed_asked.update(threads)
+        return set()
 
     def forget(self, tids: Iterable[int]) -> None:
         self.forgotten.extend(tids)

@@ -262,6 +262,54 @@ def test_a_thread_still_in_the_wait_the_probe_saw_begin_is_not_read_at_all(tmp_p
     assert moved.wait is not None and moved.wait.uaddr == 0x2100 and moved.cpu_ns == 1500
 
 
+def test_a_marked_wait_seen_from_proc_is_not_read_while_the_mark_stands(tmp_path):
+    """Thread 10 was read in a futex wait the probe did not see begin. Once the probe marked
+    it (and its CPU time says it did not run between the read and the mark), a tick reads
+    nothing of it while the probe says the mark stands; when the mark goes, it is read."""
+    root = make_proc(tmp_path)
+    proc = CountingProcFS(str(root))
+    sampler = Sampler(proc, clock_ns=lambda: 6_000_000_000)
+    first = sampler.snapshot([10]).processes[10].thread(10)
+    assert first.wait is not None and first.wait.source == "proc"
+    asked: list[dict[int, int]] = []
+    sampler.seed(lambda threads: asked.append(dict(threads)) or set(threads))
+    assert asked == [{10: 10}]  # thread 11 runs: not asked for
+    marked = ProbeReading(seeded=frozenset({10}))
+    write(root / "10/task/10/syscall", "202 0x2100 0x80 0x2 0x0 0x0 0x0 0x7000 0x401000\n")
+    proc.reads.clear()
+    again = sampler.snapshot([10], marked).processes[10].thread(10)
+    assert again == first and proc.reads["schedstat"] == 1  # thread 11's only
+    sampler.seed(lambda threads: asked.append(dict(threads)) or set(threads))
+    assert len(asked) == 1  # nothing new to ask for
+    # The mark is gone (it left the wait): read again, from its schedstat on.
+    write(root / "10/task/10/schedstat", "2000 0 4\n")
+    moved = sampler.snapshot([10], ProbeReading()).processes[10].thread(10)
+    assert moved.wait is not None and moved.wait.uaddr == 0x2100 and moved.cpu_ns == 2000
+
+
+def test_a_mark_made_after_the_thread_ran_is_not_trusted(tmp_path):
+    """Thread 10 ran between its read and its mark (its CPU time moved): it may have left the
+    wait before the mark was made, so the mark proves nothing and it is read each tick; it
+    is not asked for again."""
+    root = make_proc(tmp_path)
+    proc = CountingProcFS(str(root))
+    sampler = Sampler(proc, clock_ns=lambda: 6_000_000_000)
+    sampler.snapshot([10])
+
+    def mark(threads):
+        write(root / "10/task/10/schedstat", "1001 0 4\n")  # it ran meanwhile
+        return set(threads)
+
+    sampler.seed(mark)
+    write(root / "10/task/10/syscall", "7 0x0 0x0 0x0 0x0 0x0 0x0 0x7000 0x401000\n")  # poll
+    proc.reads.clear()
+    t = sampler.snapshot([10], ProbeReading(seeded=frozenset({10}))).processes[10].thread(10)
+    assert proc.reads["schedstat"] == 2 and t.wait is None and t.syscall == 7
+    asked: list[dict[int, int]] = []
+    sampler.seed(lambda threads: asked.append(dict(threads)) or set())
+    assert asked == []
+
+
 def parked_only(root: Path) -> None:
     """make_proc's process 10 with thread 11 parked too, in a timed futex wait of its own."""
     write(root / "10/task/11/stat", stat_line(11, "loader", ppid=1))

@@ -253,6 +253,8 @@ class Observer:
         self.sockets.update(reading.socket_events, self.sampler.listening_port)
         self._name_written_fds(reading)
         snap = self.sampler.snapshot(pids, reading)
+        if self.probe is not None:
+            self.sampler.seed(self.probe.seed)
         self._forget_stale(snap, reading)
         graph = WaitForGraph(snap)
         sigs = {graph.cycle_signature(c): c for c in graph.cycles()}

@@ -193,7 +193,10 @@ class Sampler:
     which moves on every run) says, one read. A process none of whose threads ran, with the
     same threads and the same start time and comm, is quiet: nothing it could change has
     changed (its memory maps, its private lock words, its fds, its write counter), so its
-    last sample is reused. What others change is read again: lock words in shared mappings
+    last sample is reused. A wait /proc showed that began before the probe was attached
+    costs no more once marked (seed): the probe clears the mark when the thread leaves the
+    wait, so while it stands the read is reused as a probed wait's is. What others change
+    is read again: lock words in shared mappings
     (another process may take them) and its sockets' queues and tcp_info (clients send
     without the server running: that is how a hung server is found). Lock words are read
     once per word per tick, however many threads wait on it.
@@ -229,6 +232,12 @@ class Sampler:
         self.infos_read = 0  # how many tcp_info were read from the kernel (tests, the bench)
         self.tables_reused = 0  # namespaces handed out as the last tick read them (tests)
         self._maps_cut: set[int] = set()  # processes whose maps read was cut, and logged
+        # tid -> (pid, CPU ns of its read) of threads read in a futex wait the probe did not
+        # see begin, whose mark (seed) was made while they were still in it
+        self._seeds: dict[int, tuple[int, int]] = {}
+        # tid -> (pid, CPU ns of its read): this tick's reads in such a wait, not marked yet
+        self._unmarked: dict[int, tuple[int, int]] = {}
+        self._asked: set[tuple[int, int]] = set()  # (pid, tid) the probe would not mark
 
     def snapshot(self, pids: Iterable[int], probe: ProbeReading | None = None) -> Snapshot:
         probe = probe or ProbeReading()
@@ -242,6 +251,8 @@ class Sampler:
         self._next_plumbing = {}
         self._next_kept = {}
         self._waiting = probe.waiting_by_process()
+        self._seeds = {t: v for t, v in self._seeds.items() if t in probe.seeded}
+        self._unmarked = {}
         self.sched_clock.begin()
         try:
             for pid in pids:
@@ -262,6 +273,7 @@ class Sampler:
         self._plumbing = self._next_plumbing
         self._kept = self._next_kept
         self._maps_cut &= processes.keys()
+        self._asked = {(p, t) for p, t in self._asked if p in processes}
         known = {tid for p in processes.values() for tid in thread_ids(p.threads)}
         foreign = {}
         for tid in owner_candidates(processes.values()) - known:
@@ -429,6 +441,13 @@ class Sampler:
         since = hit.wait.since_ns if hit is not None and hit.tgid == pid else None
         if before is not None and since is not None and before.wait_since_ns == since:
             return before, True  # still in the futex wait it was read in: not a byte changed
+        if (
+            before is not None
+            and since is None
+            and tid in probe.seeded
+            and self._seeds.get(tid) == (pid, before.cpu_ns)
+        ):
+            return before, True  # still in the wait /proc showed: its mark stands
         proc = self.proc
         cpu = proc.thread_cpu_ns(pid, tid)
         if cpu is None:
@@ -437,9 +456,9 @@ class Sampler:
             # Has not run since: nothing it shows can have changed. Dated by the wait the
             # probe now sees, if it began before the thread last ran (seen from /proc
             # before the probe was attached, or by a read that came in mid-syscall).
-            return (
-                before if before.wait_since_ns == since else replace(before, wait_since_ns=since)
-            ), True
+            read = before if before.wait_since_ns == since else replace(before, wait_since_ns=since)
+            self._note_unmarked(pid, tid, read)
+            return read, True
         st = proc.thread_stat(pid, tid)
         if st is None or st.state in ("Z", "X"):
             return None
@@ -454,7 +473,38 @@ class Sampler:
             if ms is not None:
                 last_ran = min(self.sched_clock.to_monotonic(ms, st.cpu), self.clock_ns())
         in_futex = blocked and sc is not None and wait_kind(sc.nr) == FUTEX
-        return _ThreadRead(cpu, st.comm, st.state, sc, last_ran, since if in_futex else None), False
+        read = _ThreadRead(cpu, st.comm, st.state, sc, last_ran, since if in_futex else None)
+        self._note_unmarked(pid, tid, read)
+        return read, False
+
+    def _note_unmarked(self, pid: int, tid: int, read: _ThreadRead) -> None:
+        """Keep ``read`` for seed() if it is of a futex wait the probe did not see begin."""
+        if (
+            read.wait_since_ns is None
+            and read.blocked
+            and read.syscall is not None
+            and wait_kind(read.syscall.nr) == FUTEX
+            and (pid, tid) not in self._asked
+        ):
+            self._unmarked[tid] = (pid, read.cpu_ns)
+
+    def seed(self, mark: Callable[[Mapping[int, int]], Collection[int]]) -> None:
+        """Have the probe mark this tick's threads read in futex waits it did not see begin
+        (``mark``: TID -> tgid to those marked; ProbeSource.seed), and reuse their reads
+        while the marks stand. A mark counts only where the thread did not run between its
+        read and the mark (its CPU time the same after): then it was made while the thread
+        was in the wait read, and its sys_exit clears it. One read per thread, once.
+        Asked once per thread: one the probe did not mark (its entry exists, or the room
+        for marks is taken) is read each tick, as before."""
+        if not self._unmarked:
+            return
+        marked = mark({tid: pid for tid, (pid, _) in self._unmarked.items()})
+        for tid, (pid, cpu) in self._unmarked.items():
+            if tid in marked and self.proc.thread_cpu_ns(pid, tid) == cpu:
+                self._seeds[tid] = (pid, cpu)
+            else:
+                self._asked.add((pid, tid))
+        self._unmarked = {}
 
     def _thread(
         self,

@@ -413,7 +413,15 @@ class KernelProbes:
         # The threads map's rows at the last read, the watched set then, and the answer
         self._threads_rows: list[tuple[int, tuple[int, ...]]] | None = None
         self._threads_watching: set[int] = set()
-        self._threads_answer: tuple[dict[int, InflightWait], frozenset[int]] = ({}, frozenset())
+        self._threads_answer: tuple[dict[int, InflightWait], frozenset[int], frozenset[int]] = (
+            {},
+            frozenset(),
+            frozenset(),
+        )
+        # tid -> tgid of the entries user space inserted (seed): no share of the process's
+        # was claimed for them, so none is given back when they go
+        self._inserted: dict[int, int] = {}
+        self._seeded: frozenset[int] = frozenset()  # the last read's marked TIDs
         self._threads_waiting: Mapping[int, frozenset[tuple[int, int]]] = {}
         self._waiting: Mapping[int, frozenset[tuple[int, int]]] = {}  # the last read's
 
@@ -488,6 +496,42 @@ class KernelProbes:
             self._watched[ctypes.c_int(word)] = ctypes.c_uint64(bits)
         self._watching = want
 
+    def seed(self, threads: Mapping[int, int]) -> set[int]:
+        """Mark the waits /proc showed (``threads``: TID -> tgid, each in a futex wait the
+        probe did not see begin) in the threads map, so that the thread's next futex
+        sys_exit clears the mark (bpf/futex.bpf.c): while it stays, the thread has not left
+        that wait. Only threads without an entry are marked (an insert that fails if the
+        kernel made one meanwhile), at most an eighth of the map for a process and a
+        quarter for all, so that marks never take the room of the kernel's own entries.
+        Returns the TIDs marked; the caller checks that each was still in its wait when
+        marked (it did not run between its read and the mark)."""
+        from bcc.libbcc import lib
+
+        per_process = self._threads.max_entries // 8
+        room = self._threads.max_entries // 4 - len(self._inserted)
+        held: dict[int, int] = {}
+        for tgid in self._inserted.values():
+            held[tgid] = held.get(tgid, 0) + 1
+        seeded = self._defs["HW_THREAD_SEEDED"]
+        marked = set()
+        for tid, tgid in threads.items():
+            if room <= 0:
+                break
+            if held.get(tgid, 0) >= per_process or tgid not in self._watching:
+                continue
+            key = ctypes.c_uint32(tid)
+            leaf = self._threads.Leaf()
+            leaf.tgid, leaf.flags, leaf.write_fd = tgid, seeded, -1
+            at = ctypes.cast(ctypes.byref(key), ctypes.c_void_p)
+            value = ctypes.cast(ctypes.byref(leaf), ctypes.c_void_p)
+            if lib.bpf_update_elem(self._threads.map_fd, at, value, 1):
+                continue  # BPF_NOEXIST refused: the kernel made the thread's entry
+            self._inserted[tid] = tgid
+            held[tgid] = held.get(tgid, 0) + 1
+            room -= 1
+            marked.add(tid)
+        return marked
+
     def forget(self, tids: Iterable[int]) -> None:
         """Drop what is kept for threads that are gone (a thread that dies in a wait never
         reaches sys_exit; a thread's entry outlives its calls), and give the entries back
@@ -495,11 +539,13 @@ class KernelProbes:
         released: dict[int, list[int]] = {}  # tgid -> [threads, refusals] deleted
         for tid in tids:
             key = ctypes.c_uint32(tid)
+            inserted = self._inserted.pop(tid, None) is not None  # claimed by no one
             for i, table in enumerate((self._threads, self._refusals)):
                 with contextlib.suppress(KeyError):
                     tgid = table[key].tgid
                     del table[key]
-                    released.setdefault(tgid, [0, 0])[i] += 1
+                    if not (i == 0 and inserted):
+                        released.setdefault(tgid, [0, 0])[i] += 1
             with contextlib.suppress(KeyError):
                 del self._pi_ops[key]
         for tgid, (threads, refusals) in released.items():
@@ -517,6 +563,7 @@ class KernelProbes:
         gone = set(tgids)
         if not gone:
             return
+        self._inserted = {t: g for t, g in self._inserted.items() if g not in gone}
         doomed = [
             (self._hist, [k for k in self._hist if k.tgid in gone]),
             (self._fd_writes, [k for k in self._fd_writes if k.tgid in gone]),
@@ -549,10 +596,13 @@ class KernelProbes:
 
     def _threads_waits(
         self, rows: list[tuple[int, tuple[int, ...]]], watching: set[int], vector: int, waiting: int
-    ) -> tuple[dict[int, InflightWait], set[int]]:
-        """The in-flight waits and the TIDs with an entry, from the threads map's rows."""
+    ) -> tuple[dict[int, InflightWait], set[int], frozenset[int]]:
+        """The in-flight waits, the TIDs with an entry, and those whose entry still carries
+        the mark of seed() (not in a wait of the probe's since), from the threads map's rows."""
         inflight: dict[int, InflightWait] = {}
         tracked: set[int] = set()
+        seeded = self._defs["HW_THREAD_SEEDED"]
+        marked = set()
         built = self._built
         self._built = {}
         for tid, row in rows:
@@ -560,6 +610,8 @@ class KernelProbes:
             if tgid not in watching:
                 continue  # unwatched since: forget_processes deletes it
             tracked.add(tid)
+            if flags & seeded and not flags & waiting:
+                marked.add(tid)
             if flags & waiting:
                 # The same wait as at the last read: the same objects (most threads of a
                 # parked pool, every tick).
@@ -578,7 +630,7 @@ class KernelProbes:
                 )
                 inflight[tid] = InflightWait(tid, tgid, wait)
                 self._built[tid] = (row, inflight[tid])
-        return inflight, tracked
+        return inflight, tracked, frozenset(marked)
 
     def _waits(self) -> tuple[dict[int, InflightWait], set[int], list[int]]:
         """In-flight waits of watched processes, the TIDs with an entry, and dead TIDs."""
@@ -589,10 +641,11 @@ class KernelProbes:
         if rows is self._threads_rows and self._threads_watching == watching:
             # Not a byte of the map changed, nor what is watched: the same answer.
             inflight, tracked = dict(self._threads_answer[0]), set(self._threads_answer[1])
+            self._seeded = self._threads_answer[2]
         else:
-            inflight, tracked = self._threads_waits(rows, watching, vector, waiting)
+            inflight, tracked, self._seeded = self._threads_waits(rows, watching, vector, waiting)
             self._threads_rows, self._threads_watching = rows, set(watching)
-            self._threads_answer = (dict(inflight), frozenset(tracked))
+            self._threads_answer = (dict(inflight), frozenset(tracked), self._seeded)
             self._threads_waiting = ProbeReading(inflight).waiting_by_process()
         # A PI lock entered before the process was watched: its thread has no entry yet.
         # The entry is the thread's last PI operation, which may have ended; the sampler
@@ -726,6 +779,7 @@ class KernelProbes:
             waiting=self._waiting,
             file_reads=file_reads,
             empty_polls=polls,
+            seeded=self._seeded,
         )
 
     def tracepoints(self) -> list[str]:

@@ -7,7 +7,7 @@ them against these protocols, so a method a caller needs cannot go missing from 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol
 
 from ..model import GpuReading, ProbeReading, ProgramStats
@@ -31,6 +31,11 @@ class ProbeSource(Protocol):
     def take_execs(self) -> list[int] | None:
         """PIDs that exec'd or were renamed since the last call, or None where some may be
         missing; those taken are not in the next read()."""
+
+    def seed(self, threads: Mapping[int, int]) -> set[int]:
+        """Mark these threads (TID -> tgid), read in futex waits the probe did not see
+        begin, so that ProbeReading.seeded says which are still in them; returns those
+        marked."""
 
     def forget(self, tids: Iterable[int]) -> None:
         """Drop what is kept for these threads (gone)."""

@@ -316,6 +316,50 @@ def test_a_wait_refused_at_once_is_counted_in_the_first_slot(open_probes: OpenPr
     assert_nothing_lost(r)
 
 
+# --- waits that began before the process was watched -----------------------------------------
+
+
+def test_a_wait_seen_from_proc_costs_no_read_until_it_ends(open_probes: OpenProbes) -> None:
+    """Threads parked before the probe was attached: once marked, a tick reads none of them
+    (not even a schedstat), and each one's mark goes when it leaves its wait: one woken into
+    another futex wait is then the probe's own wait, one woken into a sleep is read again."""
+    from agent.observe.sampler import Sampler
+    from tests.test_procfs import CountingProcFS
+
+    with Fixture.py("event_pool", "3") as fx:
+        tids = fx.info.get_ints("tids")
+        probes = open_probes()
+        probes.watch([fx.pid])
+        proc = CountingProcFS("/proc")
+        sampler = Sampler(proc)
+        first = sampler.snapshot([fx.pid], probes.read()).processes[fx.pid]
+        seeded = {tid: first.thread(tid).wait for tid in tids}
+        assert all(w is not None and w.source == "proc" for w in seeded.values()), seeded
+        sampler.seed(probes.seed)
+        r = probes.read()
+        assert set(tids) <= r.seeded, (tids, r.seeded)
+        proc.reads.clear()
+        again = sampler.snapshot([fx.pid], r).processes[fx.pid]
+        # The main thread (reading stdin) is the only one read: one schedstat.
+        assert proc.reads.get("schedstat") == 1 and "syscall" not in proc.reads, proc.reads
+        assert [again.thread(t).wait for t in tids] == [seeded[t] for t in tids]
+
+        fx.send("wait 0")
+        fx.wait_for("MOVED")
+        fx.send("sleep 1")
+        fx.wait_for("MOVED")
+        r = probes.read()
+        assert tids[0] not in r.seeded and tids[1] not in r.seeded, r.seeded
+        assert tids[2] in r.seeded and tids[0] in r.inflight, r
+        moved = sampler.snapshot([fx.pid], r).processes[fx.pid]
+        woken, slept, still = (moved.thread(t) for t in tids)
+        assert woken.wait is not None and woken.wait.source == "bpf", woken
+        assert woken.wait.uaddr != seeded[tids[0]].uaddr  # type: ignore[union-attr]
+        assert slept.wait is None and slept.syscall not in (None, SYS_FUTEX), slept
+        assert still.wait == seeded[tids[2]]
+        assert_nothing_lost(r)
+
+
 # --- bookkeeping ---------------------------------------------------------------------------
 
 
