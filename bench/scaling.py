@@ -1,11 +1,21 @@
-"""The scaling part of the benchmark suite: what the daemon costs as the host grows.
+"""The scaling part of the benchmark suite: what the daemon costs as the host grows, beside
+node_exporter.
 
-One daemon at interval 1 s watches the bench workloads; each row adds a host shape (parked
-threads in rank-like processes of 200, a front-end holding idle keep-alive connections, both,
-or processes the daemon does not watch, as a node's agents, runtimes and shells) and measures the daemon's CPU over a period with nothing scraping it, then its tick
-time from a few scrapes. The first row is the same daemon watching nothing, in the same run:
-every other row's cost is read against it, and divided by the threads or connections added,
-is the growth per unit (what a tick spends on a thread or a connection that did nothing).
+Each row is a host shape: parked threads in rank-like processes of 200, a front-end holding
+idle keep-alive connections, one answering many short connections a second, a service that
+turns deadlocked during the period, processes the daemon does not watch (a node's agents,
+runtimes and shells), and the shape of a loaded 8-GPU node. The shapes of parked threads and
+idle connections come twice: up after the daemon attached (the probe sees every wait begin),
+and up before it started (every restart, upgrade or late rollout of the agent: waits /proc
+shows, that the probe never saw begin). Rows of the first kind share one daemon at interval
+1 s; each of the second gets a daemon of its own, started once the shape is up.
+
+Over each row's period the daemon and node_exporter (Debian's prometheus-node-exporter, its
+default collectors, one process for the whole part) are each scraped once a second, and
+their CPU is measured over the same seconds: node_exporter is what a node agent is judged
+against. The first row is the daemon watching nothing, in the same run: every other row's
+cost is read against it, and divided by the threads, connections or processes added, is the
+growth per unit (what a tick spends on one that did nothing).
 """
 
 from __future__ import annotations
@@ -13,26 +23,35 @@ from __future__ import annotations
 import contextlib
 import os
 import resource
+import shutil
 import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
+import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from bench.lib import SMOKE, Daemon, Workload, cpu_seconds, memory_kib, progress, workload_argv
-from scripts.daemonproc import value
+from scripts.daemonproc import free_port, value
 
 INTERVAL = 1.0
 THREADS_PER_RANK = 200
 THREAD_ROWS = (200, 1_600, 6_400)
 CONN_ROWS = (100, 1_000, 10_000)
+SHORT_ROWS = (20, 200)  # short connections a second
 OTHERS_ROW = 500  # processes that are not watched: what a node runs besides the engine
 TARGET = (1_600, 1_000)  # the shape of a loaded 8-GPU node the target is set on
-TARGET_CPU_PCT = 2.0  # of one core, for TARGET at interval 1 s
+# Without node_exporter to compare with: the bound of one core the target had before.
+TARGET_CPU_PCT = 2.0
 RSS_TARGET_MB = 150.0
+# Where scripts/setup.sh puts node_exporter's binary (--tests, --bench), else the PATH's.
+NODE_EXPORTER = os.environ.get(
+    "HANGWATCH_NODE_EXPORTER", "/var/cache/hangwatch/node-exporter/prometheus-node-exporter"
+)
 
 # The clients: a process of their own that the daemon does not watch (its command line is
 # not a workload's), as a front-end's clients are; stdlib only.
@@ -44,6 +63,20 @@ port, n = int(sys.argv[1]), int(sys.argv[2])
 conns = [socket.create_connection(("127.0.0.1", port)) for _ in range(n)]
 print("CONNECTED", len(conns), flush=True)
 time.sleep(1e9)
+"""
+
+# Short connections: RATE a second, each a request, its answer and a close, paced.
+SHORT_CLIENTS = """
+import socket, sys, time
+port, rate = int(sys.argv[1]), float(sys.argv[2])
+print("STARTED", flush=True)
+t = time.monotonic()
+while True:
+    with socket.create_connection(("127.0.0.1", port)) as c:
+        c.sendall(b"GET / HTTP/1.0\\r\\n\\r\\n")
+        c.recv(16)
+    t += 1 / rate
+    time.sleep(max(0.0, t - time.monotonic()))
 """
 
 # The other processes: one that forks them, each asleep in pause(); its own process group,
@@ -61,9 +94,12 @@ signal.pause()
 
 @dataclass(frozen=True)
 class Row:
-    threads: int
-    conns: int
+    threads: int = 0  # parked threads, in processes of THREADS_PER_RANK
+    conns: int = 0  # idle keep-alive connections to one front-end
     others: int = 0  # processes not watched
+    short: int = 0  # short connections a second to one front-end
+    turns: bool = False  # a service that turns deadlocked halfway through the period
+    before: bool = False  # the shape is up before the daemon starts
 
     @property
     def label(self) -> str:
@@ -73,28 +109,47 @@ class Row:
             parts.append(f"{self.threads:,} parked threads ({ranks} x {THREADS_PER_RANK})")
         if self.conns:
             parts.append(f"{self.conns:,} idle connections")
+        if self.short:
+            parts.append(f"{self.short:,} short connections/s")
+        if self.turns:
+            parts.append("a service turning deadlocked")
         if self.others:
             parts.append(f"{self.others:,} other processes (not watched)")
-        return " + ".join(parts) or "watching nothing"
+        text = " + ".join(parts) or "watching nothing"
+        return text + (", up before the daemon" if self.before else "")
+
+    @property
+    def units(self) -> int:
+        """What the row adds that does nothing (a short connection counts as one)."""
+        return self.threads + self.conns + self.others + self.short
 
 
 @dataclass(frozen=True)
 class Measured:
     cpu_pct: float
-    tick_ms: float  # median of the proc stage's duration over a few ticks
+    tick_ms: float  # median of the proc stage's duration over the period's scrapes
     tick_max_ms: float
     rss_mb: float
+    exporter_pct: float | None = None  # node_exporter's CPU over the same seconds
     burst_max_ms: float = float("nan")  # the longest tick while the shape came up
 
 
 def rows(quick: bool) -> list[Row]:
+    """The rows, those of one daemon (after) first, then those each with a daemon of its
+    own (before); --quick keeps the smallest of each size."""
     threads, conns = (THREAD_ROWS[:1], CONN_ROWS[:1]) if quick else (THREAD_ROWS, CONN_ROWS)
+    short = SHORT_ROWS[:1] if quick else SHORT_ROWS
     return [
-        Row(0, 0),
-        *(Row(n, 0) for n in threads),
-        *(Row(0, n) for n in conns),
-        Row(0, 0, OTHERS_ROW if not quick else 50),
+        Row(),
+        *(Row(threads=n) for n in threads),
+        *(Row(conns=n) for n in conns),
+        *(Row(conns=1, short=n) for n in short),
+        Row(turns=True),
+        Row(others=OTHERS_ROW if not quick else 50),
         Row(*TARGET),
+        *(Row(threads=n, before=True) for n in threads),
+        *(Row(conns=n, before=True) for n in conns),
+        Row(*TARGET, before=True),
     ]
 
 
@@ -117,13 +172,62 @@ def tick_ms(d: Daemon) -> float | None:
     return v * 1000 if v is not None else None
 
 
+class NodeExporter:
+    """node_exporter on a free loopback port, its default collectors, for the whole part;
+    absent (``pid`` None) where its binary is not installed."""
+
+    def __init__(self) -> None:
+        exe = NODE_EXPORTER if os.access(NODE_EXPORTER, os.X_OK) else None
+        exe = exe or shutil.which("prometheus-node-exporter") or shutil.which("node_exporter")
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.port = free_port()
+        if exe is None:
+            progress("scaling: node_exporter not found (make bench installs it): no comparison")
+            return
+        self.proc = subprocess.Popen(
+            [exe, f"--web.listen-address=127.0.0.1:{self.port}"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 30
+        while not self.scrape():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"bench: node_exporter ({exe}) did not answer on {self.port}")
+            time.sleep(0.1)
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def scrape(self) -> bool:
+        try:
+            url = f"http://127.0.0.1:{self.port}/metrics"
+            with urllib.request.urlopen(url, timeout=5) as r:
+                r.read()
+            return True
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+
+
 @contextlib.contextmanager
-def shape(exe: Path, d: Daemon, row: Row, burst: list[float]) -> Iterator[None]:
-    """The row's workloads, up and seen by the daemon, for the block; ``burst`` gets the
-    tick times seen while they came up (all threads parking, all clients connecting)."""
+def shape(exe: Path, d: Daemon | None, row: Row, period: float) -> Iterator[list[tuple[int, int]]]:
+    """The row's workloads, up for the block: (pid, threads) of each that a daemon watches.
+    With ``d``, each is watched by it before it starts (every wait seen begin); without,
+    they start at once, the daemon to come."""
     procs: list[Workload] = []
-    clients: subprocess.Popen[str] | None = None
+    clients: list[subprocess.Popen[str]] = []
     others: subprocess.Popen[str] | None = None
+
+    def go(w: Workload) -> None:
+        if d is not None:
+            d.wait_watching(w.pid, timeout=60)
+        w.go()
+
     try:
         if row.others:
             others = subprocess.Popen(
@@ -134,74 +238,115 @@ def shape(exe: Path, d: Daemon, row: Row, burst: list[float]) -> Iterator[None]:
             )
             assert others.stdout is not None
             assert others.stdout.readline().startswith("FORKED")
+        watched: list[tuple[int, int]] = []
         remaining = row.threads
         while remaining > 0:
             n = min(THREADS_PER_RANK, remaining)
             procs.append(Workload(workload_argv(exe, "park", n)))
+            watched.append((procs[-1].pid, n + 1))
             remaining -= n
-        server = None
+        parked = list(procs)
+        for w in parked:
+            go(w)
+        for w in parked:
+            assert w.readline().startswith("PARKED")
         if row.conns:
             server = Workload(workload_argv(exe, "serve", row.conns))
             procs.append(server)
-        for w in procs:
-            d.wait_watching(w.pid, timeout=60)
-            w.go()
-        for w in procs:
-            if w is not server:
-                w.readline()  # PARKED n
-        if server is not None:
+            watched.append((server.pid, 1))
             port = int(server.readline().split()[1])
-            clients = subprocess.Popen(
-                [sys.executable, "-c", CLIENTS, str(port), str(row.conns)],
-                stdout=subprocess.PIPE,
-                text=True,
+            go(server)
+            clients.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", CLIENTS, str(port), str(row.conns)],
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
             )
-            assert clients.stdout is not None
-            clients.stdout.readline()
+            assert clients[-1].stdout is not None
+            clients[-1].stdout.readline()
             assert server.readline().startswith("SERVING")
-        for w in procs:
-            want = (THREADS_PER_RANK if w is not server else 0) + 1
-            d.wait_for(
-                lambda s, pid=w.pid, want=want: (
-                    value(s, "hangwatch_process_threads", pid=str(pid)) == want
-                ),
-                f"pid {w.pid}'s threads in /metrics",
-                60,
-            )
-        end = time.monotonic() + 3 * INTERVAL  # past the ticks that first read them
-        while time.monotonic() < end:
-            ms = tick_ms(d)
-            if ms is not None:
-                burst.append(ms)
-            time.sleep(INTERVAL / 4)
-        yield
+            if row.short:
+                clients.append(
+                    subprocess.Popen(
+                        [sys.executable, "-c", SHORT_CLIENTS, str(port), str(row.short)],
+                        stdout=subprocess.PIPE,
+                        text=True,
+                    )
+                )
+                assert clients[-1].stdout is not None
+                clients[-1].stdout.readline()
+        if row.turns:
+            # Deadlocked halfway through the period: past the ticks that first read it (3
+            # intervals) and half the period after.
+            secs = 3 * INTERVAL + period / 2
+            turner = Workload(workload_argv(exe, "turn", 100, f"{secs:g}"))
+            procs.append(turner)
+            watched.append((turner.pid, 3))
+            go(turner)
+        yield watched
     finally:
         if others is not None:
             os.killpg(others.pid, signal.SIGKILL)
             others.wait()
-        if clients is not None:
-            clients.kill()
-            clients.wait()
+        for c in clients:
+            c.kill()
+            c.wait()
         for w in procs:
             w.kill()
 
 
-def measure(d: Daemon, period: float, ticks: int) -> Measured:
-    c0, t0 = cpu_seconds(d.pid), time.monotonic()
-    time.sleep(period)  # nothing scrapes it meanwhile: the CPU is the ticks'
-    c1, t1 = cpu_seconds(d.pid), time.monotonic()
-    durations = []
-    for _ in range(ticks):
-        time.sleep(INTERVAL)
+def seen(d: Daemon, watched: Sequence[tuple[int, int]], burst: list[float]) -> None:
+    """Wait until the daemon counts every thread of the watched workloads, then keep the tick
+    times of the next few ticks (those that read them first) in ``burst``."""
+    for pid, want in watched:
+        d.wait_for(
+            lambda s, pid=pid, want=want: (
+                value(s, "hangwatch_process_threads", pid=str(pid)) == want
+            ),
+            f"pid {pid}'s threads in /metrics",
+            60,
+        )
+    end = time.monotonic() + 3 * INTERVAL  # past the ticks that first read them
+    while time.monotonic() < end:
         ms = tick_ms(d)
         if ms is not None:
-            durations.append(ms)
+            burst.append(ms)
+        time.sleep(INTERVAL / 4)
+
+
+def measure(d: Daemon, exporter: NodeExporter, period: float) -> Measured:
+    """The daemon's and node_exporter's CPU over ``period``, each scraped once a second
+    meanwhile (the daemon's tick times come from those scrapes)."""
+    durations: list[float] = []
+    stop = threading.Event()
+
+    def scrape() -> None:
+        at = time.monotonic()
+        while not stop.is_set():
+            ms = tick_ms(d)
+            if ms is not None:
+                durations.append(ms)
+            if exporter.pid is not None:
+                exporter.scrape()
+            at += INTERVAL
+            stop.wait(max(0.0, at - time.monotonic()))
+
+    scraper = threading.Thread(target=scrape, daemon=True)
+    ne = exporter.pid
+    c0, n0, t0 = cpu_seconds(d.pid), cpu_seconds(ne) if ne else 0.0, time.monotonic()
+    scraper.start()
+    time.sleep(period)
+    c1, n1, t1 = cpu_seconds(d.pid), cpu_seconds(ne) if ne else 0.0, time.monotonic()
+    stop.set()
+    scraper.join()
     mem = memory_kib(d.pid)
     return Measured(
         100 * (c1 - c0) / (t1 - t0),
         statistics.median(durations) if durations else float("nan"),
         max(durations, default=float("nan")),
         mem["VmRSS"] * 1024 / 1e6,
+        100 * (n1 - n0) / (t1 - t0) if ne else None,
     )
 
 
@@ -209,29 +354,41 @@ def run(
     exe: Path, quick: bool, watch: Sequence[dict[str, str]]
 ) -> tuple[list[Row], list[Measured]]:
     period = 1.0 if SMOKE[0] else 3.0 if quick else 30.0
-    ticks = 1 if SMOKE[0] else 2 if quick else 8
     todo = rows(quick)
     raise_nofile(max(r.conns for r in todo) + 100)
     got = []
-    with Daemon(watch, INTERVAL) as d:
-        d.wait_ready()
-        time.sleep(2 * INTERVAL)
-        for row in todo:
+    exporter = NodeExporter()
+    try:
+        with Daemon(watch, INTERVAL) as d:  # the rows whose shape comes up after it
+            d.wait_ready()
+            time.sleep(2 * INTERVAL)
+            for row in (r for r in todo if not r.before):
+                progress(f"scaling: {row.label}, {period:g} s")
+                burst: list[float] = []
+                with shape(exe, d, row, period) as watched:
+                    seen(d, watched, burst)
+                    m = measure(d, exporter, period)
+                got.append(replace(m, burst_max_ms=max(burst, default=float("nan"))))
+        for row in (r for r in todo if r.before):
             progress(f"scaling: {row.label}, {period:g} s")
-            burst: list[float] = []
-            with shape(exe, d, row, burst):
-                m = measure(d, period, ticks)
+            burst = []
+            with shape(exe, None, row, period) as watched, Daemon(watch, INTERVAL) as d:
+                d.wait_ready()
+                seen(d, watched, burst)
+                m = measure(d, exporter, period)
             got.append(replace(m, burst_max_ms=max(burst, default=float("nan"))))
-    return todo, got
+    finally:
+        exporter.stop()
+    return [r for r in todo if not r.before] + [r for r in todo if r.before], got
 
 
 def per_unit_us(row: Row, m: Measured, base: Measured) -> str:
-    """CPU per tick per thread or connection added, in microseconds, over the idle row."""
-    units = row.threads + row.conns + row.others
-    if not units:
+    """CPU per tick per thread, connection or process added (per short connection, for a
+    row of them), in microseconds, over the idle row."""
+    if not row.units:
         return ""
     extra_s = (m.cpu_pct - base.cpu_pct) / 100 * INTERVAL
-    return f"{max(0.0, extra_s) / units * 1e6:.2f}"
+    return f"{max(0.0, extra_s) / row.units * 1e6:.2f}"
 
 
 def table(todo: Sequence[Row], got: Sequence[Measured]) -> tuple[str, list[str], list[list[str]]]:
@@ -240,20 +397,28 @@ def table(todo: Sequence[Row], got: Sequence[Measured]) -> tuple[str, list[str],
     for row, m in zip(todo, got):
         target, ok = "", None
         if (row.threads, row.conns) == TARGET:
-            target = f"CPU <= {TARGET_CPU_PCT:g}%, RSS <= {RSS_TARGET_MB:g} MB"
-            ok = m.cpu_pct <= TARGET_CPU_PCT and m.rss_mb <= RSS_TARGET_MB
+            if m.exporter_pct is not None:
+                target = f"CPU < node_exporter's, RSS <= {RSS_TARGET_MB:g} MB"
+                ok = m.cpu_pct < m.exporter_pct and m.rss_mb <= RSS_TARGET_MB
+            else:
+                target = f"CPU <= {TARGET_CPU_PCT:g}%, RSS <= {RSS_TARGET_MB:g} MB"
+                ok = m.cpu_pct <= TARGET_CPU_PCT and m.rss_mb <= RSS_TARGET_MB
+        ne = m.exporter_pct
         out.append([
             row.label, f"{m.cpu_pct:.2f}", f"{m.cpu_pct - base.cpu_pct:+.2f}",
-            per_unit_us(row, m, base), f"{m.tick_ms:.1f}", f"{m.tick_max_ms:.1f}",
-            f"{m.burst_max_ms:.1f}", f"{m.rss_mb:.1f}", target,
+            per_unit_us(row, m, base), "n/a" if ne is None else f"{ne:.2f}",
+            "n/a" if not ne else f"{m.cpu_pct / ne:.2f}", f"{m.tick_ms:.1f}",
+            f"{m.tick_max_ms:.1f}", f"{m.burst_max_ms:.1f}", f"{m.rss_mb:.1f}", target,
             "" if ok is None else ("met" if ok else "NOT met"),
         ])  # fmt: skip
     headers = [
-        "host", "CPU % of a core", "over idle", "us per unit per tick", "tick ms (median)",
-        "tick ms (max)", "tick ms coming up (max)", "VmRSS MB", "target", "result",
+        "host", "CPU % of a core", "over idle", "us per unit per tick",
+        "node_exporter CPU %", "daemon / node_exporter", "tick ms (median)", "tick ms (max)",
+        "tick ms coming up (max)", "VmRSS MB", "target", "result",
     ]  # fmt: skip
     return (
-        f"How the daemon's cost grows (interval {INTERVAL:g} s, one daemon, one run)",
+        f"How the daemon's cost grows, beside node_exporter (interval {INTERVAL:g} s; both "
+        "scraped once a second; one run)",
         headers,
         out,
     )

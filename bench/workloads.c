@@ -27,8 +27,12 @@
  *   workloads serve N          a front-end: listens on a port the kernel chooses (it prints
  *                              "PORT p" before reading its go line), accepts N connections,
  *                              prints "SERVING n", then waits in epoll_wait on all of them
- *                              with no timeout, as an event loop holding idle keep-alive
- *                              connections does; it drains whatever a client sends
+ *                              and its listening socket with no timeout, as an event loop
+ *                              holding idle keep-alive connections does; it accepts what
+ *                              comes later, answers each read with "ok\n", closes at EOF
+ *   workloads turn N S         two threads hand two mutexes back and forth for S seconds
+ *                              (N hand-offs a second at most), then take them in opposite
+ *                              orders: a service that turns deadlocked; prints "DEADLOCKED"
  *
  * Each prints nothing and does nothing until it reads a line on stdin, so the harness can
  * make sure the daemon watches it first. The timed modes then print "ns/op"; the rate modes
@@ -243,14 +247,66 @@ static void serve(int lfd, long n)
 	}
 	printf("SERVING %ld\n", n);
 	fflush(stdout);
+	struct epoll_event lev = {.events = EPOLLIN, .data.fd = lfd};
+	if (epoll_ctl(ep, EPOLL_CTL_ADD, lfd, &lev) != 0)
+		die("epoll_ctl");
 	struct epoll_event evs[64];
 	char buf[4096];
 	for (;;) {
 		int k = epoll_wait(ep, evs, 64, -1);
-		for (int i = 0; i < k; i++)
-			if (read(evs[i].data.fd, buf, sizeof buf) <= 0)
-				close(evs[i].data.fd); /* closing removes it from the epoll set */
+		for (int i = 0; i < k; i++) {
+			int fd = evs[i].data.fd;
+			if (fd == lfd) {
+				int c = accept(lfd, NULL, NULL);
+				struct epoll_event ev = {.events = EPOLLIN, .data.fd = c};
+				if (c >= 0 && epoll_ctl(ep, EPOLL_CTL_ADD, c, &ev) != 0)
+					close(c);
+			} else if (read(fd, buf, sizeof buf) <= 0 || write(fd, "ok\n", 3) != 3) {
+				close(fd); /* closing removes it from the epoll set */
+			}
+		}
 	}
+}
+
+/* --- turn ------------------------------------------------------------------------------ */
+
+static pthread_mutex_t tn_a = PTHREAD_MUTEX_INITIALIZER, tn_b = PTHREAD_MUTEX_INITIALIZER;
+static double tn_until;
+static long tn_rate;
+
+static void *tn_worker(void *arg)
+{
+	int flip = (int)(intptr_t)arg;
+	struct timespec pause_ = {0, 1000000000L / tn_rate};
+	while (now_ns() < tn_until) {
+		pthread_mutex_lock(&tn_a);
+		pthread_mutex_lock(&tn_b);
+		pthread_mutex_unlock(&tn_b);
+		pthread_mutex_unlock(&tn_a);
+		nanosleep(&pause_, NULL);
+	}
+	/* Opposite orders, each holding its first long enough for the other to take its own. */
+	struct timespec hold = {0, 50000000L};
+	pthread_mutex_lock(flip ? &tn_b : &tn_a);
+	nanosleep(&hold, NULL);
+	pthread_mutex_lock(flip ? &tn_a : &tn_b);
+	return NULL;
+}
+
+static void turn(long rate, double secs)
+{
+	pthread_t th[2];
+	tn_rate = rate;
+	tn_until = now_ns() + secs * 1e9;
+	for (long i = 0; i < 2; i++)
+		if (pthread_create(&th[i], NULL, tn_worker, (void *)(intptr_t)i) != 0)
+			die("pthread_create");
+	struct timespec past = {(time_t)secs, 200000000L};
+	nanosleep(&past, NULL);
+	printf("DEADLOCKED\n");
+	fflush(stdout);
+	for (;;)
+		pause();
 }
 
 /* A connection to itself over loopback: *client is the connecting end, the accepted end is
@@ -369,6 +425,8 @@ int main(int argc, char **argv)
 		park(n);
 	} else if (strcmp(mode, "serve") == 0) {
 		serve(lfd, n);
+	} else if (strcmp(mode, "turn") == 0) {
+		turn(n, secs);
 	} else {
 		fprintf(stderr, "unknown mode %s\n", mode);
 		return 2;
