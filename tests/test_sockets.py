@@ -288,6 +288,113 @@ def test_a_quiet_servers_connections_keep_their_tcp_info_until_a_queue_moves(
         assert sampler.infos_read == before + 1  # that one connection's, no other
 
 
+# An event loop holding idle keep-alive connections: every socket in one epoll set for input
+# (but the last connection, with "leave-one"), answering each request.
+EPOLL_SERVER = """
+import select, socket, sys
+srv = socket.socket()
+srv.bind(("127.0.0.1", 0))
+srv.listen(64)
+print(srv.getsockname()[1], flush=True)
+conns = [srv.accept()[0] for _ in range(int(sys.argv[1]))]
+ep = select.epoll()
+byfd = {c.fileno(): c for c in conns[: -1 if sys.argv[2] == "leave-one" else None]}
+for fd in [srv.fileno(), *byfd]:
+    ep.register(fd, select.EPOLLIN)
+print("ready", flush=True)
+while True:
+    for fd, _ in ep.poll():
+        if fd == srv.fileno():
+            c = srv.accept()[0]
+            byfd[c.fileno()] = c
+            ep.register(c.fileno(), select.EPOLLIN)
+        elif byfd[fd].recv(4096):
+            byfd[fd].sendall(b"ok")
+        else:
+            ep.unregister(fd)
+            byfd.pop(fd).close()
+"""
+
+
+class CountingTables(ProcFS):
+    """Counts the reads of socket tables (dumps, lookups, listener lists)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table_reads = 0
+
+    def tcp_sockets(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        self.table_reads += 1
+        return super().tcp_sockets(*args, **kwargs)
+
+    def tcp_lookup(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        self.table_reads += 1
+        return super().tcp_lookup(*args, **kwargs)
+
+
+@pytest.mark.parametrize("n", [12, 500], ids=["looked-up", "dumped"])
+def test_an_idle_event_loop_s_table_is_not_read_until_something_wakes_it(n: int) -> None:
+    """An event loop asleep in epoll_wait on every socket it holds: while it sleeps, nothing
+    can have arrived (an arrival wakes it), so its table is not read at all, and its sockets
+    read as they did, their times aged. A request wakes it: it runs, and is read again."""
+    p = subprocess.Popen(
+        [sys.executable, "-c", EPOLL_SERVER, str(n), "all"], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert p.stdout is not None
+        port = int(p.stdout.readline())
+        with contextlib.ExitStack() as stack:
+            clients = [
+                stack.enter_context(socket.create_connection(("127.0.0.1", port))) for _ in range(n)
+            ]
+            assert p.stdout.readline().strip() == "ready"
+            proc = CountingTables()
+            sampler = Sampler(proc)
+            first = sampler.snapshot([p.pid]).processes[p.pid]
+            sampler.snapshot([p.pid])
+            reads, skipped = proc.table_reads, sampler.tables_skipped
+            time.sleep(0.2)
+            again = sampler.snapshot([p.pid]).processes[p.pid]
+            assert proc.table_reads == reads and sampler.tables_skipped == skipped + 1
+            assert len(again.connections) == n and again.listeners == first.listeners
+            assert [c.inode for c in again.connections] == [c.inode for c in first.connections]
+            assert all((c.last_recv_ms or 0) >= 200 for c in again.connections)
+            clients[0].sendall(b"GET / HTTP/1.1\r\n\r\n")
+            assert clients[0].recv(2) == b"ok"
+            sampler.snapshot([p.pid])
+            assert proc.table_reads > reads  # it ran: read
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_a_socket_no_sleeping_thread_awaits_keeps_the_table_read() -> None:
+    """The same loop with one connection outside its epoll set: a request on that one would
+    wake no one, so the table is read every tick, and the request is seen waiting."""
+    p = subprocess.Popen(
+        [sys.executable, "-c", EPOLL_SERVER, "4", "leave-one"], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert p.stdout is not None
+        port = int(p.stdout.readline())
+        with contextlib.ExitStack() as stack:
+            clients = [
+                stack.enter_context(socket.create_connection(("127.0.0.1", port))) for _ in range(4)
+            ]
+            assert p.stdout.readline().strip() == "ready"
+            sampler = Sampler(ProcFS())
+            for _ in range(3):
+                sampler.snapshot([p.pid])
+            clients[-1].sendall(b"GET / HTTP/1.1\r\n\r\n")
+            time.sleep(0.05)
+            got = sampler.snapshot([p.pid]).processes[p.pid].connections
+            assert sampler.tables_skipped == 0
+            assert sum(waiting_for_answer(c) for c in got) == 1
+    finally:
+        p.kill()
+        p.wait()
+
+
 def test_a_quiet_namespace_handed_out_again_reads_as_built_afresh() -> None:
     """While nothing in the namespace moved, the last tick's sockets are handed out again,
     their kept tcp_info aged: the same as building them from the table again would give."""

@@ -42,6 +42,8 @@ from ..sources.procfs import ProcessMemory, ProcFS, TcpSocket
 from ..sources.schedclock import SchedClock
 from ..sources.tcpinfo import TCP_ESTABLISHED, TCP_LISTEN
 from ..syscalls import (
+    BY_NR,
+    EPOLL,
     FUTEX,
     INPUT_READS,
     SYS_FUTEX,
@@ -228,6 +230,9 @@ class Sampler:
         # pid -> its writable_fds, while it is quiet
         self._writable: dict[int, tuple[tuple[int, str], ...]] = {}
         self._infos: dict[int, _KeptInfo] = {}  # socket inode -> its last tcp_info read
+        # pid -> inodes of the sockets a thread of it sleeps waiting on for input, while quiet
+        self._inputs: dict[int, frozenset[int]] = {}
+        self.tables_skipped = 0  # namespaces whose table was not read at all (tests, the bench)
         self._ns_reads: dict[str, _NsRead] = {}  # network namespace -> its last read
         self.infos_read = 0  # how many tcp_info were read from the kernel (tests, the bench)
         self.tables_reused = 0  # namespaces handed out as the last tick read them (tests)
@@ -611,7 +616,13 @@ class Sampler:
         arrival would sit in its receive queue), and its byte counts and last-data times
         stand. A client's request to a hung server shows as a receive queue that grew, and
         that connection's tcp_info is read. A holder that runs between the tick's reads of
-        its threads and of its sockets is seen running the next tick, and read then."""
+        its threads and of its sockets is seen running the next tick, and read then.
+
+        Where, besides, every socket of the last read is one a thread of its holder sleeps
+        waiting on for input (an epoll set's EPOLLIN, a blocked read), the table is not read
+        at all (_nothing_arrived): a request, a new connection or a peer's close would have
+        woken that thread. An idle front-end's event loop is that shape; a hung server's is
+        not (its loop is blocked elsewhere), and its table is read each tick as above."""
         by_ns: dict[str, dict[int, Mapping[int, int]]] = {}
         kept_infos: dict[int, _KeptInfo] = {}
         ns_reads: dict[str, _NsRead] = {}
@@ -619,10 +630,21 @@ class Sampler:
             if held:
                 ns = self.proc.net_namespace(pid) or f"pid:{pid}"
                 by_ns.setdefault(ns, {})[pid] = held
+        self._inputs = {p: v for p, v in self._inputs.items() if p in processes and p not in ran}
         for ns, held_by in by_ns.items():
             quiet = not any(pid in ran for pid in held_by)
-            table = self.sockets.read(ns, held_by, ran, info=not quiet)
             last = self._ns_reads.get(ns)
+            if (
+                quiet
+                and last is not None
+                and last.complete
+                and last.held_by == held_by
+                and self._nothing_arrived(last)
+            ):
+                table = last.table  # what a read would give: not read
+                self.tables_skipped += 1
+            else:
+                table = self.sockets.read(ns, held_by, ran, info=not quiet)
             if (
                 quiet
                 and last is not None
@@ -723,6 +745,36 @@ class Sampler:
         self._infos = kept_infos
         self._ns_reads = ns_reads
         self.sockets.forget(by_ns, {i for held in fds.values() for i in held})
+
+    def _input_awaited(self, pid: int) -> frozenset[int]:
+        """Inodes of the process's sockets that one of its threads sleeps waiting on for
+        input: in an epoll set it waits in (EPOLLIN), or the socket of its read or recv.
+        Read once while the process stays quiet (its threads and epoll sets cannot change
+        unless it runs)."""
+        got = self._inputs.get(pid)
+        if got is None:
+            kept = self._next_kept.get(pid)
+            inodes = set(kept.sample.reading) if kept is not None else set()
+            for r in kept.reads.values() if kept is not None else ():
+                sc = r.syscall
+                entry = BY_NR.get(sc.nr) if r.blocked and sc is not None and sc.args else None
+                if entry is not None and entry.fds == EPOLL and sc is not None:
+                    inodes |= self.proc.epoll_inputs(pid, sc.args[0])
+            got = self._inputs[pid] = frozenset(inodes)
+        return got
+
+    def _nothing_arrived(self, last: _NsRead) -> bool:
+        """Whether none of the sockets ``last`` read can have changed since: each one is
+        awaited for input by a thread of its quiet holder that has slept since (an arrival,
+        a new connection on a listener, a close or a reset by the peer would have woken it,
+        and it would have run), and each connection had nothing in flight (an ACK moves a
+        send queue without waking anyone)."""
+        awaited: set[int] = set()
+        for pid in last.held_by:
+            awaited |= self._input_awaited(pid)
+        return all(
+            s.inode in awaited and (s.state == TCP_LISTEN or s.tx_queue == 0) for s in last.table
+        )
 
     # --- reads asked for between snapshots --------------------------------------------------
     # What the Observer needs only sometimes (a pipe written, a quiet service to date, a

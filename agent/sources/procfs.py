@@ -296,6 +296,30 @@ def parse_epoll_fds(fdinfo: str) -> list[int]:
     return out
 
 
+EPOLLIN = 0x001
+
+
+def parse_epoll_inputs(fdinfo: str) -> set[int]:
+    """Inodes of the files an epoll set waits on for input (EPOLLIN in its events now: a
+    one-shot entry that fired has it no longer), from its /proc/PID/fdinfo/FD: one line
+    ``tfd: FD events: HEX data: HEX pos:N ino:HEX sdev:HEX`` each. A line it cannot read is
+    left out: what it leaves out is read another way, never assumed."""
+    out = set()
+    for line in fdinfo.splitlines():
+        if not line.startswith("tfd:"):
+            continue
+        parts = line.split()
+        fields = dict(p.split(":", 1) for p in parts if ":" in p and not p.endswith(":"))
+        try:
+            events = int(parts[parts.index("events:") + 1], 16)
+            inode = int(fields["ino"], 16)
+        except (ValueError, IndexError, KeyError):
+            continue
+        if events & EPOLLIN:
+            out.add(inode)
+    return out
+
+
 def parse_port_range(text: str) -> tuple[int, int] | None:
     """/proc/sys/net/ipv4/ip_local_port_range: 'FIRST\tLAST'."""
     parts = text.split()
@@ -848,6 +872,10 @@ class ProcFS:
                 return {i: printable(p.removeprefix("@")) for i, p in got.items()}
         lines = BoundedLines(self._path(pid, "net", "unix"), NET_TABLE_MAX_BYTES, NET_LINE_MAX)
         return parse_net_unix((line for line, long in lines if not long), set(inodes))
+
+    def epoll_inputs(self, pid: int, epfd: int) -> set[int]:
+        """Inodes of the files the process's epoll set ``epfd`` waits on for input."""
+        return parse_epoll_inputs(self._read(pid, "fdinfo", epfd) or "")
 
     def epoll_fds(self, pid: int, epfd: int) -> list[int]:
         """The fds in the process's epoll set ``epfd``."""
