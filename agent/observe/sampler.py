@@ -183,6 +183,10 @@ class _Kept:
     # (TID, start) of the threads read in a futex wait the probe saw begin; the others
     proven: frozenset[tuple[int, int]] = frozenset()
     others: frozenset[int] = frozenset()
+    # Of the others, those read in a wait seen from /proc whose mark was made (seed), and
+    # the rest: while every mark stands, only the rest are read
+    marked: frozenset[int] = frozenset()
+    unmarked: frozenset[int] = frozenset()
 
 
 class Sampler:
@@ -240,6 +244,7 @@ class Sampler:
         # tid -> (pid, CPU ns of its read) of threads read in a futex wait the probe did not
         # see begin, whose mark (seed) was made while they were still in it
         self._seeds: dict[int, tuple[int, int]] = {}
+        self._seeded_from: frozenset[int] | None = None  # the probe's marks _seeds was kept to
         # tid -> (pid, CPU ns of its read): this tick's reads in such a wait, not marked yet
         self._unmarked: dict[int, tuple[int, int]] = {}
         self._asked: set[tuple[int, int]] = set()  # (pid, tid) the probe would not mark
@@ -256,7 +261,9 @@ class Sampler:
         self._next_plumbing = {}
         self._next_kept = {}
         self._waiting = probe.waiting_by_process()
-        self._seeds = {t: v for t, v in self._seeds.items() if t in probe.seeded}
+        if probe.seeded is not self._seeded_from:  # the probe hands the same set while unchanged
+            self._seeds = {t: v for t, v in self._seeds.items() if t in probe.seeded}
+            self._seeded_from = probe.seeded
         self._unmarked = {}
         self.sched_clock.begin()
         try:
@@ -335,12 +342,16 @@ class Sampler:
             ),
         )
         if quiet and kept is not None and reads is kept.reads:  # not one read changed
-            tids, proven, others = kept.tids, kept.proven, kept.others
+            self._next_kept[pid] = replace(kept, sample=sample, sockets=sockets)
         else:
             tids = tuple(reads)
             proven = frozenset((t, r.wait_since_ns) for t, r in reads.items() if r.wait_since_ns)
             others = frozenset(t for t, r in reads.items() if not r.wait_since_ns)
-        self._next_kept[pid] = _Kept(key, tids, reads, sample, sockets, proven, others)
+            seeds = self._seeds
+            marked = frozenset(t for t in others if seeds.get(t) == (pid, reads[t].cpu_ns))
+            self._next_kept[pid] = _Kept(
+                key, tids, reads, sample, sockets, proven, others, marked, others - marked
+            )
         return sample, sockets, quiet
 
     def _reads_listed(
@@ -374,7 +385,8 @@ class Sampler:
             return None
         changed: dict[int, _ThreadRead] = {}
         quiet = True
-        for tid in kept.others:
+        # Threads whose marks all stand are in their waits: only the rest are read.
+        for tid in kept.unmarked if kept.marked <= probe.seeded else kept.others:
             before = kept.reads[tid]
             got = self._read_thread(pid, tid, probe, before)
             if got is None:
@@ -504,12 +516,25 @@ class Sampler:
         if not self._unmarked:
             return
         marked = mark({tid: pid for tid, (pid, _) in self._unmarked.items()})
+        made: dict[int, set[int]] = {}  # pid -> its threads marked now
         for tid, (pid, cpu) in self._unmarked.items():
             if tid in marked and self.proc.thread_cpu_ns(pid, tid) == cpu:
                 self._seeds[tid] = (pid, cpu)
+                made.setdefault(pid, set()).add(tid)
             else:
                 self._asked.add((pid, tid))
         self._unmarked = {}
+        for pid, tids in made.items():
+            kept = self._kept.get(pid)
+            if kept is not None:
+                ours = {
+                    t
+                    for t in tids
+                    if t in kept.unmarked and kept.reads[t].cpu_ns == self._seeds[t][1]
+                }
+                self._kept[pid] = replace(
+                    kept, marked=kept.marked | ours, unmarked=kept.unmarked - ours
+                )
 
     def _thread(
         self,
