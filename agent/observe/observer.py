@@ -281,9 +281,11 @@ class Observer:
         """Tell the probe to drop its entries of threads that are gone."""
         if self.probe is None:
             return
-        live = {t.tid for p in snap.processes.values() for t in p.threads}
+        live: set[int] = set()
+        for p in snap.processes.values():
+            live.update(thread_ids(p.threads))  # kept on a quiet process's threads
         kept = {*reading.inflight, *reading.refusals, *reading.threads}
-        stale = [tid for tid in kept if tid not in live]
+        stale = [tid for tid in kept if tid not in live] if not kept <= live else []
         if stale:
             self.probe.forget(stale)
 

@@ -422,6 +422,8 @@ class KernelProbes:
         # was claimed for them, so none is given back when they go
         self._inserted: dict[int, int] = {}
         self._seeded: frozenset[int] = frozenset()  # the last read's marked TIDs
+        # (the rows, the watched set, the empty polls built from them) at the last read
+        self._polls_of: tuple[Any, frozenset[int], dict[int, int]] | None = None
         self._threads_waiting: Mapping[int, frozenset[tuple[int, int]]] = {}
         self._waiting: Mapping[int, frozenset[tuple[int, int]]] = {}  # the last read's
 
@@ -727,11 +729,21 @@ class KernelProbes:
         )
         polls = None
         if self.counts_polls:
-            polls = {
-                tid: row[7]
-                for tid, row in self._threads_rows or ()
-                if row[7] and row[2] in self._watching
-            }
+            # Built again only where the rows or the watched set changed (a pool parked for
+            # hours: every tick the same rows)
+            key = (self._threads_rows, frozenset(self._watching))
+            if (
+                self._polls_of is None
+                or self._polls_of[0] is not key[0]
+                or self._polls_of[1] != key[1]
+            ):
+                built = {
+                    tid: row[7]
+                    for tid, row in self._threads_rows or ()
+                    if row[7] and row[2] in self._watching
+                }
+                self._polls_of = (key[0], key[1], built)
+            polls = dict(self._polls_of[2])
         writes: dict[int, dict[int, FdWrites]] = {}
         for k, v in self._fd_writes.items():
             tail = bytes(v.tail)[: min(v.tail_len, len(v.tail))]
