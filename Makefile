@@ -46,7 +46,8 @@ run: setup
 demo: setup
 	$(PY) -m scripts.demo
 
-bench: setup
+bench:
+	@bash scripts/setup.sh --bench
 	$(PY) -m bench $(BENCH_ARGS)
 
 # The merged kernel headers in /usr/src are left alone: they are system-wide, not the checkout's.

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Make this machine able to run and test hangwatch: apt packages, kernel headers for bcc, tracefs,
-# and .venv; with --tests also the real software the tests run (tests/realsw). Idempotent; prints
+# and .venv; with --tests also the real software the tests run (tests/realsw); with --tests or
+# --bench node_exporter's binary, for the bench. Idempotent; prints
 # one line per step it actually does, so a second run is silent and takes about a second. Debian 12 and Ubuntu 22.04/24.04; see docs/install.md.
 set -euo pipefail
 
@@ -277,6 +278,22 @@ if [[ ${1:-} == --tests ]]; then
     realsw_venv "${HANGWATCH_SGLANG_VENV:-/var/cache/hangwatch/sglang}" \
         tests/realsw/sglang-requirements.txt "SGLang on the CPU: about 6.9 GB" sglang_imports \
         --no-deps
+fi
+
+# --- 5b. node_exporter, for the scaling bench (--tests, --bench) ------------------------------
+# The bench sets the daemon's cost beside node_exporter's, the agent every node already runs.
+# Its binary only, unpacked from Debian's package: installing the package would start a
+# system service on :9100.
+NODE_EXPORTER=${HANGWATCH_NODE_EXPORTER:-/var/cache/hangwatch/node-exporter/prometheus-node-exporter}
+if [[ ${1:-} == --tests || ${1:-} == --bench ]] && [[ ! -x $NODE_EXPORTER ]]; then
+    apt_update_once
+    say "fetching prometheus-node-exporter's binary into $(dirname "$NODE_EXPORTER") (the bench's baseline)"
+    tmp=$(mktemp -d)
+    (cd "$tmp" && apt-get download -qq prometheus-node-exporter >/dev/null 2>&1) ||
+        die "apt-get download prometheus-node-exporter failed"
+    dpkg-deb -x "$tmp"/prometheus-node-exporter_*.deb "$tmp/root"
+    as_root install -D -m 755 "$tmp/root/usr/bin/prometheus-node-exporter" "$NODE_EXPORTER"
+    rm -rf "$tmp"
 fi
 
 # --- 6. check ----------------------------------------------------------------------------------

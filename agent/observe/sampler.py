@@ -57,6 +57,8 @@ from .sockets import SocketTables
 log = logging.getLogger(__name__)
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")  # /proc/PID/stat counts starttime in these
+# The ephemeral port range is a sysctl an administrator sets once: read again this often.
+EPHEMERAL_READ_NS = 30_000_000_000
 
 
 def owner_candidates(processes: Iterable[ProcessSample]) -> set[int]:
@@ -144,10 +146,23 @@ def _aged(k: _KeptInfo, now: int) -> TcpInfo:
     )
 
 
-def _aged_connection(c: Connection, k: _KeptInfo, now: int) -> Connection:
-    """``c``, whose tcp_info is ``k``, as a read at ``now`` would give it (as _aged)."""
-    ms = (now - k.read_ns) // 1_000_000
-    return c.with_times(k.info.last_data_recv_ms + ms, k.info.last_data_sent_ms + ms)
+def _aged_connections(kept: list[tuple[_KeptInfo | None, Connection]], now: int) -> Connections:
+    """The kept connections as a read at ``now`` would give them (as _aged): those with
+    tcp_info kept, their last-data times older by the time since it was read. One loop for
+    a front-end's thousand, every tick, most of them read in the same snapshot (one age)."""
+    out: list[Connection] = []
+    add = out.append
+    ages: dict[int, int] = {}
+    for k, c in kept:
+        if k is None:
+            add(c)
+            continue
+        ms = ages.get(k.read_ns)
+        if ms is None:
+            ms = ages[k.read_ns] = (now - k.read_ns) // 1_000_000
+        i = k.info
+        add(c.with_times(i.last_data_recv_ms + ms, i.last_data_sent_ms + ms))
+    return Connections(out)
 
 
 _NO_INFO = (None, None, None, None)
@@ -236,6 +251,7 @@ class Sampler:
         self._infos: dict[int, _KeptInfo] = {}  # socket inode -> its last tcp_info read
         # pid -> inodes of the sockets a thread of it sleeps waiting on for input, while quiet
         self._inputs: dict[int, frozenset[int]] = {}
+        self._ephemeral: tuple[int, int] | None = None  # (when read, the range's first port)
         self.tables_skipped = 0  # namespaces whose table was not read at all (tests, the bench)
         self._ns_reads: dict[str, _NsRead] = {}  # network namespace -> its last read
         self.infos_read = 0  # how many tcp_info were read from the kernel (tests, the bench)
@@ -292,7 +308,9 @@ class Sampler:
             tgid = self.proc.tgid_of(tid)
             if tgid is not None:
                 foreign[tid] = tgid
-        return Snapshot(now, wall, processes, frozenset(gone), foreign, self.proc.ephemeral_from())
+        if self._ephemeral is None or now - self._ephemeral[0] >= EPHEMERAL_READ_NS:
+            self._ephemeral = (now, self.proc.ephemeral_from())
+        return Snapshot(now, wall, processes, frozenset(gone), foreign, self._ephemeral[1])
 
     def _process(
         self, pid: int, probe: ProbeReading
@@ -681,10 +699,7 @@ class Sampler:
                 # quiet processes: what the code below would give, its kept tcp_info aged,
                 # without building it again (a front-end's thousand idle connections).
                 for pid in held_by:
-                    aged = Connections(
-                        c if k is None else _aged_connection(c, k, now)
-                        for k, c in last.connections[pid]
-                    )
+                    aged = _aged_connections(last.connections[pid], now)
                     processes[pid] = replace(
                         processes[pid], listeners=last.listeners[pid], connections=aged
                     )
