@@ -20,6 +20,7 @@ from agent.export.webconfig import parse as parse_web
 from agent.sources.procfs import (
     ProcFS,
     parse_cgroup_path,
+    parse_epoll_inputs,
     parse_exec_start_ms,
     parse_io_wchar,
     parse_maps_line,
@@ -152,6 +153,8 @@ _REAL = {
     "syscall": "202 0x5613a001c0a0 0x80 0x2 0x0 0x0 0x0 0x7ffd1000 0x7f00aa\n",
     "sched": "py (4242, #threads: 3)\n---------\nse.exec_start   :   265462.412643\n",
     "schedstat": "1000 20 3\n",
+    "fdinfo/epoll": "pos:\t0\nflags:\t02\nmnt_id:\t17\nino:\t1039\n"
+    "tfd:        4 events: 80000019 data:                4  pos:0 ino:b2721 sdev:9\n",
     "io": "rchar: 1\nwchar: 12345\nsyscr: 2\n",
     "maps": "7f00aa000000-7f00aa021000 rw-p 00000000 00:00 0    [heap]\n",
     "status": "Name:\tpy\nTgid:\t4242\nPid:\t4243\n",
@@ -194,6 +197,11 @@ def test_parse_syscall_any_text(text):
 def test_parse_exec_start_any_text(text):
     ms = parse_exec_start_ms(text)
     assert ms is None or 0 <= ms < 2.0**64
+
+
+@given(_mutations(_REAL["fdinfo/epoll"]))
+def test_parse_epoll_inputs_any_text(text):
+    assert all(_uint_or_none(i) for i in parse_epoll_inputs(text))
 
 
 @given(_mutations(_REAL["schedstat"]) | _mutations(_REAL["io"]))

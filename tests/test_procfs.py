@@ -19,6 +19,7 @@ from agent.sources.procfs import (
     MappingsAt,
     ProcFS,
     parse_epoll_fds,
+    parse_epoll_inputs,
     parse_exec_start_ms,
     parse_net_tcp,
     parse_net_unix,
@@ -450,6 +451,18 @@ def test_parse_net_unix_keeps_bound_paths_by_inode():
         "garbage\n"
     )
     assert parse_net_unix(text.splitlines()) == {31020: "/tmp/run/scheduler", 31021: "hidden"}
+
+
+def test_parse_epoll_inputs_reads_the_inodes_awaited_for_input():
+    fdinfo = (
+        "pos:\t0\nflags:\t02\nmnt_id:\t17\nino:\t1039\n"
+        "tfd:        4 events: 80000019 data:                4  pos:0 ino:b2721 sdev:9\n"
+        "tfd:        5 events:       4 data:                5  pos:0 ino:b2722 sdev:9\n"  # out
+        "tfd:        6 events: 40000000 data:                6  pos:0 ino:b2723 sdev:9\n"  # fired
+        "tfd:        7 events:       1 data:                7  pos:0\n"  # no inode: left out
+    )
+    assert parse_epoll_inputs(fdinfo) == {0xB2721}
+    assert parse_epoll_inputs("") == set()
 
 
 def test_parse_epoll_fds_reads_each_tfd_line():

@@ -503,14 +503,15 @@ class KernelProbes:
         probe did not see begin) in the threads map, so that the thread's next futex
         sys_exit clears the mark (bpf/futex.bpf.c): while it stays, the thread has not left
         that wait. Only threads without an entry are marked (an insert that fails if the
-        kernel made one meanwhile), at most an eighth of the map for a process and a
-        quarter for all, so that marks never take the room of the kernel's own entries.
+        kernel made one meanwhile), at most an eighth of the map in all (a process's share:
+        the marks take the room of one more process at its share, at most), so that they
+        never take much of the room of the kernel's own entries.
         Returns the TIDs marked; the caller checks that each was still in its wait when
         marked (it did not run between its read and the mark)."""
         from bcc.libbcc import lib
 
         per_process = self._threads.max_entries // 8
-        room = self._threads.max_entries // 4 - len(self._inserted)
+        room = per_process - len(self._inserted)
         held: dict[int, int] = {}
         for tgid in self._inserted.values():
             held[tgid] = held.get(tgid, 0) + 1

@@ -310,12 +310,10 @@ def parse_epoll_inputs(fdinfo: str) -> set[int]:
             continue
         parts = line.split()
         fields = dict(p.split(":", 1) for p in parts if ":" in p and not p.endswith(":"))
-        try:
-            events = int(parts[parts.index("events:") + 1], 16)
-            inode = int(fields["ino"], 16)
-        except (ValueError, IndexError, KeyError):
-            continue
-        if events & EPOLLIN:
+        at = parts.index("events:") + 1 if "events:" in parts else len(parts)
+        events = _uint(parts[at], 16, 1 << 32) if at < len(parts) else None
+        inode = _uint(fields.get("ino", ""), 16)
+        if events is not None and inode is not None and events & EPOLLIN:
             out.add(inode)
     return out
 

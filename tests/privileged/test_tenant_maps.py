@@ -15,6 +15,7 @@ processes run as ``nobody``.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 from collections.abc import Iterator
@@ -188,6 +189,39 @@ def test_a_tenant_with_many_threads_fills_only_its_share_of_the_threads_map() ->
     assert sum(r.wait_histogram.get(other.pid, {}).values()) == 11, (r.wait_histogram, r.counters)
     assert r.counters["inflight_full"] == 0, r.counters
     assert r.shares[tenant.pid].entries_refused >= 20 - 8, r.shares
+
+
+def test_marks_for_a_tenant_parked_before_it_was_watched_take_an_eighth_at_most() -> None:
+    """The threads map at 16 entries: a tenant whose 20 threads parked before it was watched
+    gets marks for 2 of them (an eighth of the map), however many the agent asks for, and
+    no share is claimed or given back for them; a process watched after it still has every
+    wait tracked."""
+    sizes = {"MAX_THREADS": 16, "MAX_THREADS_PER_PROCESS": 8}
+    with (
+        KernelProbes(map_sizes=sizes) as probes,
+        Fixture(
+            [*NOBODY, *Fixture.c("park_pool", "20", "--wait-for-go").argv], ready="WAITING"
+        ) as tenant,
+        Fixture.py("futex_calls", "10", ready="STARTED") as other,
+    ):
+        tenant.send("go")
+        tenant.wait_for("READY")
+        tids = [int(t) for t in os.listdir(f"/proc/{tenant.pid}/task")]
+        probes.watch([tenant.pid])
+        marked = probes.seed({tid: tenant.pid for tid in tids})
+        assert len(marked) == 2, marked
+        assert probes.seed({tid: tenant.pid for tid in tids}) == set()  # the room is taken
+        r = probes.read()
+        assert marked <= r.seeded and marked <= r.threads, (marked, r.seeded)
+        probes.watch([tenant.pid, other.pid])
+        other.send("go")
+        other.wait_for("DONE")
+        r = probes.read()
+        probes.forget(marked)  # claimed by no one: nothing given back to the tenant
+        released = {k.value: v.threads for k, v in probes._released.items()}
+        assert released.get(tenant.pid, 0) == 0, released
+    assert sum(r.wait_histogram.get(other.pid, {}).values()) == 11, (r.wait_histogram, r.counters)
+    assert r.counters["inflight_full"] == 0, r.counters
 
 
 # Told to, 20 threads each poll an empty pipe 200 times with a timeout of 0 (a spin), then
