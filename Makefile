@@ -16,7 +16,8 @@ help:
 	@echo "make test    setup, lint, then pytest (extra options: PYTEST_ARGS='-k futex')"
 	@echo "make run     the daemon on its built-in defaults, /metrics on :9817 (root)"
 	@echo "make demo    the daemon watching four demo programs, printing their states live"
-	@echo "make bench   benchmark suite: overhead per call, daemon CPU/RSS, latency (root; BENCH_ARGS=--quick)"
+	@echo "make bench   benchmark suite: overhead per call, daemon CPU/RSS beside node_exporter, latency"
+	@echo "             (root; fetches node_exporter's binary once; BENCH_ARGS=--quick)"
 	@echo "make clean   remove .venv, built test fixtures and caches"
 
 setup:

@@ -8,7 +8,7 @@ update park times. Verdicts are then computed over a window of ticks.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from ..analysis import evidence as ev
@@ -112,6 +112,30 @@ class Written:
     unplaced: int = 0  # of total: to an fd that could not be named, or a port of nobody's
     destinations: int = 0  # named files, terminals and pipes out written to
     calls: int | None = None  # write calls to those (None: no probe)
+
+
+class _ThreadNames(Mapping[int, str]):
+    """TID -> thread name in a snapshot, built at the first question: only a lock cycle's
+    reasons ask (a node's thousands of parked threads, every tick, would not)."""
+
+    def __init__(self, snap: Snapshot) -> None:
+        self._snap = snap
+        self._names: dict[int, str] | None = None
+
+    def _built(self) -> dict[int, str]:
+        if self._names is None:
+            procs = self._snap.processes.values()
+            self._names = {t.tid: t.name for p in procs for t in p.threads}
+        return self._names
+
+    def __getitem__(self, tid: int) -> str:
+        return self._built()[tid]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._built())
+
+    def __len__(self) -> int:
+        return len(self._built())
 
 
 @dataclass(frozen=True)
@@ -383,7 +407,7 @@ class Observer:
             latest,
             old,
             latest.graph.groups(),
-            {t.tid: t.name for p in latest.snapshot.processes.values() for t in p.threads},
+            _ThreadNames(latest.snapshot),
         )
         return [self._verdict(root, window, settings) for root in self.members]
 
