@@ -413,7 +413,7 @@ class KernelProbes:
         # The threads map's rows at the last read, the watched set then, and the answer
         self._threads_rows: list[tuple[int, tuple[int, ...]]] | None = None
         self._threads_watching: set[int] = set()
-        self._threads_answer: tuple[dict[int, InflightWait], frozenset[int], frozenset[int]] = (
+        self._threads_answer: tuple[Mapping[int, InflightWait], frozenset[int], frozenset[int]] = (
             {},
             frozenset(),
             frozenset(),
@@ -635,20 +635,22 @@ class KernelProbes:
                 self._built[tid] = (row, inflight[tid])
         return inflight, tracked, frozenset(marked)
 
-    def _waits(self) -> tuple[dict[int, InflightWait], set[int], list[int]]:
-        """In-flight waits of watched processes, the TIDs with an entry, and dead TIDs."""
+    def _waits(self) -> tuple[Mapping[int, InflightWait], frozenset[int], list[int]]:
+        """In-flight waits of watched processes, the TIDs with an entry, and dead TIDs. The
+        same objects as the last read's where nothing changed (read-only, as a reading is):
+        a node's thousands of parked threads are not copied every tick."""
         vector = self._defs["HW_SYSCALL_FUTEX_WAITV"]
         waiting = self._defs["HW_THREAD_WAITING"]
         watching = self._watching
         rows = self._rows("threads")
         if rows is self._threads_rows and self._threads_watching == watching:
             # Not a byte of the map changed, nor what is watched: the same answer.
-            inflight, tracked = dict(self._threads_answer[0]), set(self._threads_answer[1])
-            self._seeded = self._threads_answer[2]
+            inflight, tracked, self._seeded = self._threads_answer
         else:
-            inflight, tracked, self._seeded = self._threads_waits(rows, watching, vector, waiting)
+            built, found, self._seeded = self._threads_waits(rows, watching, vector, waiting)
             self._threads_rows, self._threads_watching = rows, set(watching)
-            self._threads_answer = (dict(inflight), frozenset(tracked), self._seeded)
+            self._threads_answer = (built, frozenset(found), self._seeded)
+            inflight, tracked = built, self._threads_answer[1]
             self._threads_waiting = ProbeReading(inflight).waiting_by_process()
         # A PI lock entered before the process was watched: its thread has no entry yet.
         # The entry is the thread's last PI operation, which may have ended; the sampler
@@ -667,10 +669,10 @@ class KernelProbes:
                 self._pi_refusals[tid] = (tgid, uaddr, refused_ns)
                 continue
             wait = FutexWait(uaddr=uaddr, op=op, val=0, since_ns=start_ns, source="bpf")
-            inflight[tid] = InflightWait(tid, tgid, wait)
-            pi_waits.append(inflight[tid])
+            pi_waits.append(InflightWait(tid, tgid, wait))
         self._waiting = self._threads_waiting
         if pi_waits:  # rare (PI locks entered before the process was watched)
+            inflight = {**inflight, **{w.tid: w for w in pi_waits}}
             extra = ProbeReading({w.tid: w for w in pi_waits}).waiting_by_process()
             self._waiting = dict(self._waiting)
             for tgid, pairs in extra.items():
