@@ -220,6 +220,16 @@ class NodeExporter:
             self.proc.wait()
 
 
+def started(script: str, *args: object) -> subprocess.Popen[str]:
+    """A client process running ``script``, once it has printed its first line."""
+    p = subprocess.Popen(
+        [sys.executable, "-c", script, *map(str, args)], stdout=subprocess.PIPE, text=True
+    )
+    assert p.stdout is not None
+    p.stdout.readline()
+    return p
+
+
 @contextlib.contextmanager
 def shape(exe: Path, d: Daemon | None, row: Row, period: float) -> Iterator[list[tuple[int, int]]]:
     """The row's workloads, up for the block: (pid, threads) of each that a daemon watches.
@@ -262,26 +272,10 @@ def shape(exe: Path, d: Daemon | None, row: Row, period: float) -> Iterator[list
             watched.append((server.pid, 1))
             port = int(server.readline().split()[1])
             go(server)
-            clients.append(
-                subprocess.Popen(
-                    [sys.executable, "-c", CLIENTS, str(port), str(row.conns)],
-                    stdout=subprocess.PIPE,
-                    text=True,
-                )
-            )
-            assert clients[-1].stdout is not None
-            clients[-1].stdout.readline()
+            clients.append(started(CLIENTS, port, row.conns))
             assert server.readline().startswith("SERVING")
             if row.short:
-                clients.append(
-                    subprocess.Popen(
-                        [sys.executable, "-c", SHORT_CLIENTS, str(port), str(row.short)],
-                        stdout=subprocess.PIPE,
-                        text=True,
-                    )
-                )
-                assert clients[-1].stdout is not None
-                clients[-1].stdout.readline()
+                clients.append(started(SHORT_CLIENTS, port, row.short))
         if row.turns:
             # Deadlocked halfway through the period: past the ticks that first read it (3
             # intervals) and half the period after.

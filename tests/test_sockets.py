@@ -236,8 +236,16 @@ time.sleep(600)  # quiet: no thread of it runs, nothing it holds is read or writ
 @contextlib.contextmanager
 def quiet_server(n: int):
     """A server process holding ``n`` accepted connections, asleep; the clients' ends."""
+    with server_process(QUIET_SERVER, n) as got:
+        yield got
+
+
+@contextlib.contextmanager
+def server_process(script: str, n: int, *args: str):
+    """``script`` run with ``n`` and ``args``: a server that prints its port, accepts ``n``
+    connections and prints ``ready``; its PID, its port and the clients' ends."""
     p = subprocess.Popen(
-        [sys.executable, "-c", QUIET_SERVER, str(n)], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", script, str(n), *args], stdout=subprocess.PIPE, text=True
     )
     try:
         assert p.stdout is not None
@@ -337,62 +345,36 @@ def test_an_idle_event_loop_s_table_is_not_read_until_something_wakes_it(n: int)
     """An event loop asleep in epoll_wait on every socket it holds: while it sleeps, nothing
     can have arrived (an arrival wakes it), so its table is not read at all, and its sockets
     read as they did, their times aged. A request wakes it: it runs, and is read again."""
-    p = subprocess.Popen(
-        [sys.executable, "-c", EPOLL_SERVER, str(n), "all"], stdout=subprocess.PIPE, text=True
-    )
-    try:
-        assert p.stdout is not None
-        port = int(p.stdout.readline())
-        with contextlib.ExitStack() as stack:
-            clients = [
-                stack.enter_context(socket.create_connection(("127.0.0.1", port))) for _ in range(n)
-            ]
-            assert p.stdout.readline().strip() == "ready"
-            proc = CountingTables()
-            sampler = Sampler(proc)
-            first = sampler.snapshot([p.pid]).processes[p.pid]
-            sampler.snapshot([p.pid])
-            reads, skipped = proc.table_reads, sampler.tables_skipped
-            time.sleep(0.2)
-            again = sampler.snapshot([p.pid]).processes[p.pid]
-            assert proc.table_reads == reads and sampler.tables_skipped == skipped + 1
-            assert len(again.connections) == n and again.listeners == first.listeners
-            assert [c.inode for c in again.connections] == [c.inode for c in first.connections]
-            assert all((c.last_recv_ms or 0) >= 200 for c in again.connections)
-            clients[0].sendall(b"GET / HTTP/1.1\r\n\r\n")
-            assert clients[0].recv(2) == b"ok"
-            sampler.snapshot([p.pid])
-            assert proc.table_reads > reads  # it ran: read
-    finally:
-        p.kill()
-        p.wait()
+    with server_process(EPOLL_SERVER, n, "all") as (pid, _port, clients):
+        proc = CountingTables()
+        sampler = Sampler(proc)
+        first = sampler.snapshot([pid]).processes[pid]
+        sampler.snapshot([pid])
+        reads, skipped = proc.table_reads, sampler.tables_skipped
+        time.sleep(0.2)
+        again = sampler.snapshot([pid]).processes[pid]
+        assert proc.table_reads == reads and sampler.tables_skipped == skipped + 1
+        assert len(again.connections) == n and again.listeners == first.listeners
+        assert [c.inode for c in again.connections] == [c.inode for c in first.connections]
+        assert all((c.last_recv_ms or 0) >= 200 for c in again.connections)
+        clients[0].sendall(b"GET / HTTP/1.1\r\n\r\n")
+        assert clients[0].recv(2) == b"ok"
+        sampler.snapshot([pid])
+        assert proc.table_reads > reads  # it ran: read
 
 
 def test_a_socket_no_sleeping_thread_awaits_keeps_the_table_read() -> None:
     """The same loop with one connection outside its epoll set: a request on that one would
     wake no one, so the table is read every tick, and the request is seen waiting."""
-    p = subprocess.Popen(
-        [sys.executable, "-c", EPOLL_SERVER, "4", "leave-one"], stdout=subprocess.PIPE, text=True
-    )
-    try:
-        assert p.stdout is not None
-        port = int(p.stdout.readline())
-        with contextlib.ExitStack() as stack:
-            clients = [
-                stack.enter_context(socket.create_connection(("127.0.0.1", port))) for _ in range(4)
-            ]
-            assert p.stdout.readline().strip() == "ready"
-            sampler = Sampler(ProcFS())
-            for _ in range(3):
-                sampler.snapshot([p.pid])
-            clients[-1].sendall(b"GET / HTTP/1.1\r\n\r\n")
-            time.sleep(0.05)
-            got = sampler.snapshot([p.pid]).processes[p.pid].connections
-            assert sampler.tables_skipped == 0
-            assert sum(waiting_for_answer(c) for c in got) == 1
-    finally:
-        p.kill()
-        p.wait()
+    with server_process(EPOLL_SERVER, 4, "leave-one") as (pid, _port, clients):
+        sampler = Sampler(ProcFS())
+        for _ in range(3):
+            sampler.snapshot([pid])
+        clients[-1].sendall(b"GET / HTTP/1.1\r\n\r\n")
+        time.sleep(0.05)
+        got = sampler.snapshot([pid]).processes[pid].connections
+        assert sampler.tables_skipped == 0
+        assert sum(waiting_for_answer(c) for c in got) == 1
 
 
 def test_a_quiet_namespace_handed_out_again_reads_as_built_afresh() -> None:
