@@ -27,6 +27,7 @@ from .analysis.frontdoor import FrontDoorConfig
 from .analysis.lockwords import named_verdicts, words_wanted
 from .analysis.sites import leads_rank
 from .analysis.stacks import native_asks, stack_facts
+from .analysis.window import Tick
 from .errors import HangwatchError, UsageError
 from .export.exposition import (
     BPF_STATS,
@@ -51,7 +52,7 @@ from .model import (
 )
 from .observe import enrich
 from .observe.discovery import Discovery, Service
-from .observe.observer import Scope, Tick
+from .observe.observer import Scope
 from .report.sentences import render
 from .session import Session
 from .settings import STACKS_BUDGET_S

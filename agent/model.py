@@ -57,6 +57,27 @@ def plural(n: int, noun: str, many: str | None = None) -> str:
     return f"{n} {noun if n == 1 else many or noun + 's'}"
 
 
+def fd_name(target: str | None, fd: int) -> str:
+    """An fd by its /proc/PID/fd link, as evidence names it: "a pipe (fd 3)", "the terminal
+    /dev/pts/1", "/var/log/x.log (fd 3)"; a socket, whose peer the link does not say, as
+    "a socket (fd 3)"."""
+    if target is None:
+        return f"fd {fd}"
+    if target.startswith("socket:["):
+        return f"a socket (fd {fd})"
+    if target.startswith("pipe:"):
+        return f"a pipe (fd {fd})"
+    if target == "anon_inode:[eventfd]":
+        return f"an eventfd (fd {fd})"
+    if target == "anon_inode:[eventpoll]":
+        return f"an epoll set (fd {fd})"
+    if target.startswith("anon_inode:"):
+        return f"{target[11:].strip('[]')} (fd {fd})"
+    if target.startswith(("/dev/pts/", "/dev/tty")):
+        return f"the terminal {target}"
+    return f"{target} (fd {fd})"
+
+
 def printable(text: str, limit: int) -> str:
     """Text a target or a relabelling controls (file and function names, label values), made
     safe to show: each character that is not printable (an escape sequence, a newline, a
@@ -693,7 +714,7 @@ class SocketPeer:
 @dataclass(frozen=True)
 class FdLink:
     """One fd a thread waits on: its name from its /proc/PID/fd link, as evidence names fds
-    (agent.observe.fdwaits.fd_name), and for a socket the namespace's tables know, its peer."""
+    (fd_name), and for a socket the namespace's tables know, its peer."""
 
     fd: int
     name: str  # "a pipe (fd 3)", "a socket (fd 7)", "fd 9" (the link could not be read)

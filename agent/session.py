@@ -10,8 +10,9 @@ import contextlib
 from collections.abc import Callable, Iterator
 
 from .analysis.classify import ServiceVerdict
+from .analysis.window import Tick
 from .model import GpuReading
-from .observe.observer import Observer, Scope, Tick
+from .observe.observer import Observer, Scope
 from .observe.sampler import Sampler
 from .settings import Settings
 from .sources.procfs import ProcFS

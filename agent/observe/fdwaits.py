@@ -12,7 +12,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Iterable, Iterator, Mapping
 
-from ..model import FdLink, FdWait, ProcessSample, SocketPeer
+from ..model import FdLink, FdWait, ProcessSample, SocketPeer, fd_name
 from ..sources.procfs import ProcFS
 from ..sources.tcpinfo import TCP_LISTEN
 from ..syscalls import EPOLL, FUTEX, ONE_FD, POLL, SELECT, fd_layout, wait_kind
@@ -20,27 +20,6 @@ from ..syscalls import EPOLL, FUTEX, ONE_FD, POLL, SELECT, fd_layout, wait_kind
 MAX_FDS = 4  # named per wait; the rest are counted
 MAX_POLL = 64  # pollfd entries read from a poll(2) list
 MAX_SELECT_BYTES = 128  # of a select(2) read set: fds up to 1024, FD_SETSIZE
-
-
-def fd_name(target: str | None, fd: int) -> str:
-    """An fd by its /proc/PID/fd link, as evidence names it: "a pipe (fd 3)", "the terminal
-    /dev/pts/1", "/var/log/x.log (fd 3)"; a socket, whose peer the link does not say, as
-    "a socket (fd 3)"."""
-    if target is None:
-        return f"fd {fd}"
-    if target.startswith("socket:["):
-        return f"a socket (fd {fd})"
-    if target.startswith("pipe:"):
-        return f"a pipe (fd {fd})"
-    if target == "anon_inode:[eventfd]":
-        return f"an eventfd (fd {fd})"
-    if target == "anon_inode:[eventpoll]":
-        return f"an epoll set (fd {fd})"
-    if target.startswith("anon_inode:"):
-        return f"{target[11:].strip('[]')} (fd {fd})"
-    if target.startswith(("/dev/pts/", "/dev/tty")):
-        return f"the terminal {target}"
-    return f"{target} (fd {fd})"
 
 
 class SocketPeers(Mapping[int, SocketPeer]):

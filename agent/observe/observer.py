@@ -1,60 +1,38 @@
-"""One tick of observation, shared by `diagnose` and the daemon.
+"""Observation, shared by `diagnose` and the daemon: ticks, and the reads verdicts need.
 
 Each tick: find the services' processes (the Scope says which), point the probe at them,
 take a snapshot, build its wait-for graph, confirm cycles against the previous tick, and
-update park times. Verdicts are then computed over a window of ticks.
+update park times. Verdicts are judged over a window of ticks by agent.analysis.judge, a
+pure function; the Observer makes the reads it asks for before it judges.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
-from ..analysis import evidence as ev
 from ..analysis.answers import stream_in_flight
-from ..analysis.classify import (
-    ProcessFacts,
-    ServiceFacts,
-    ServiceVerdict,
-    classify_service,
-    incomplete,
-    lock_cycle,
-    parked_group,
-    process_waits,
-    rests_on_time,
-    unanswered_requests,
-    unread_requests,
-)
+from ..analysis.classify import ServiceVerdict, unanswered_requests, unread_requests
 from ..analysis.frontdoor import FrontDoorConfig, FrontDoors, front_doors
-from ..analysis.gpu import GpuHistory, gpu_active
-from ..analysis.last_progress import last_progress
+from ..analysis.gpu import GpuHistory
+from ..analysis.judge import (
+    beats_of,
+    dating_targets,
+    goes_to_pipe,
+    judge,
+    samples_of,
+    written_targets,
+)
 from ..analysis.nowaker import no_waker
-from ..analysis.outbound import (
-    CLIENT,
-    LEAVES,
-    ServiceEnds,
-    closed_file,
-    door_answers,
-    fd_rest,
-    inode_of,
-    received_from_outside,
-)
-from ..analysis.progress import ParkSettings, ParkTracker, window_progress
-from ..analysis.waitgraph import WaitForGraph, WordGroup
-from ..model import (
-    GpuReading,
-    ProbeEvent,
-    ProbeReading,
-    ProcessSample,
-    Snapshot,
-    SocketEvent,
-    thread_ids,
-)
+from ..analysis.outbound import inode_of
+from ..analysis.progress import ParkSettings, ParkTracker
+from ..analysis.waitgraph import WaitForGraph
+from ..analysis.window import Rules, ServiceReads, Tick, Window
+from ..model import GpuReading, ProbeEvent, ProbeReading, Snapshot, SocketEvent, thread_ids
 from ..settings import Settings
 from ..sources.procfs import ProcFS
 from ..sources.protocols import ProbeSource
-from . import fdwaits as fdwords
 from .discovery import descendants
 from .sampler import Sampler
 
@@ -77,92 +55,6 @@ class Scope:
         """Fixed roots and, each tick, their descendants as /proc shows them."""
         fixed = list(dict.fromkeys(roots))
         return cls(lambda: descendants(proc, fixed), remember_gone=True)
-
-
-@dataclass(frozen=True)
-class Tick:
-    snapshot: Snapshot
-    graph: WaitForGraph
-    cycles: tuple[tuple[int, ...], ...]  # stable: seen with the same edges in the previous tick
-    reading: ProbeReading
-    gpu: GpuReading | None = None  # None: no GPU source
-    no_waker: frozenset[int] = frozenset()  # processes no thread can wake (agent.analysis.nowaker)
-    # pid -> inodes of its sockets whose streamed answer is unfinished (agent.analysis.answers)
-    streams: Mapping[int, frozenset[int]] = field(default_factory=dict)
-    # root -> its service's listeners, front doors or not (agent.analysis.frontdoor)
-    doors: Mapping[int, FrontDoors] = field(default_factory=dict)
-
-
-def describe_fd(target: str | None, fd: int) -> str:
-    """What an fd is, in words, from its /proc/PID/fd link: a file by its path alone."""
-    if target is not None and target.startswith("/") and not target.startswith("/dev/"):
-        return target
-    return fdwords.fd_name(target, fd)
-
-
-@dataclass(frozen=True)
-class Written:
-    """A process's writes in a window that left the service: in all (None: no probe), to
-    clients, and the file (or terminal, or pipe out) written most."""
-
-    total: int | None
-    answered: int = 0
-    most_to: str | None = None
-    files: tuple[str, ...] = ()  # the fd links written, not to clients
-    unplaced: int = 0  # of total: to an fd that could not be named, or a port of nobody's
-    destinations: int = 0  # named files, terminals and pipes out written to
-    calls: int | None = None  # write calls to those (None: no probe)
-
-
-class _ThreadNames(Mapping[int, str]):
-    """TID -> thread name in a snapshot, built at the first question: only a lock cycle's
-    reasons ask (a node's thousands of parked threads, every tick, would not)."""
-
-    def __init__(self, snap: Snapshot) -> None:
-        self._snap = snap
-        self._names: dict[int, str] | None = None
-
-    def _built(self) -> dict[int, str]:
-        if self._names is None:
-            procs = self._snap.processes.values()
-            self._names = {t.tid: t.name for p in procs for t in p.threads}
-        return self._names
-
-    def __getitem__(self, tid: int) -> str:
-        return self._built()[tid]
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._built())
-
-    def __len__(self) -> int:
-        return len(self._built())
-
-
-@dataclass(frozen=True)
-class _Window:
-    """The ticks a verdict compares, and what is read once per verdicts call."""
-
-    latest: Tick
-    old: Tick
-    groups: list[WordGroup]  # the latest tick's waiters by word, largest first
-    names: Mapping[int, str]  # tid -> thread name, in the latest snapshot
-
-
-class _PipesRead:
-    """Where a service's writes go (agent.analysis.outbound): the pipes its processes read
-    are listed (an fd walk of each) once, and only when a write to place goes to a pipe."""
-
-    def __init__(self, sampler: Sampler, samples: Sequence[ProcessSample]) -> None:
-        self.sampler = sampler
-        self.samples = samples
-        self._read: frozenset[int] | None = None
-
-    def ends(self, targets: Iterable[str | None]) -> ServiceEnds:
-        """The service's ends, enough to place writes to ``targets`` (fd links)."""
-        if self._read is None and any(t is not None and t.startswith("pipe:[") for t in targets):
-            self._read = self.sampler.pipes_read(p.pid for p in self.samples)
-        conns = (c for p in self.samples for c in p.connections)
-        return ServiceEnds(conns, self._read or frozenset())
 
 
 def park_settings(settings: Settings) -> ParkSettings:
@@ -218,22 +110,12 @@ class ListenHistory:
         mine = set(pids)
         return frozenset(port for pid, port in self.kernel_chosen if pid in mine)
 
-    def describe(self, pids: set[int], snap: Snapshot) -> list[ev.ListeningSince]:
-        out = []
-        for pid in sorted(pids):
-            p = snap.processes.get(pid)
-            for port in sorted({lst.port for lst in p.listeners} if p else ()):
-                ns = self.since.get((pid, port))
-                if ns is not None:
-                    out.append(ev.ListeningSince(port, snap.wall_of(ns)))
-        return out
-
 
 class Observer:
     """Ticks (snapshot, wait-for graph, stable cycles, park times) and verdicts over them.
 
     Settings are inputs of each call, so a reload changes them without reaching inside. The
-    Observer reads nothing itself: the sampler does every read of /proc, and the analysis
+    Observer reads nothing itself: the sampler does every read of /proc, and the judgement
     is handed what it returned."""
 
     def __init__(self, sampler: Sampler, probe: ProbeSource | None, scope: Scope) -> None:
@@ -400,201 +282,63 @@ class Observer:
         while len(ticks) > 1 and ticks[0].snapshot.mono_ns < limit:
             ticks.popleft()
 
+    def window(self) -> Window:
+        """The window a judgement reads: its first and latest ticks, and what is carried."""
+        return Window(
+            latest=self.ticks[-1],
+            old=self.ticks[0],  # the window: see _trim
+            members=self.members,
+            seen={root: frozenset(pids) for root, pids in self._seen.items()},
+            fd_names=self._fd_names,
+            demand_ns=self._demand_ns,
+            heartbeat_files={k: frozenset(v) for k, v in self._heartbeat_files.items()},
+            listen_since=self.sockets.since,
+            parks=self.tracker,
+            gpu=self.gpu_history,
+            probed=self.probe is not None,
+        )
+
     def verdicts(self, settings: Settings) -> list[ServiceVerdict]:
-        """Each service's verdict over the window: its latest tick against its first."""
-        latest, old = self.ticks[-1], self.ticks[0]  # the window: see _trim
-        window = _Window(
-            latest,
-            old,
-            latest.graph.groups(),
-            _ThreadNames(latest.snapshot),
-        )
-        return [self._verdict(root, window, settings) for root in self.members]
+        """Each service's verdict over the window: its latest tick against its first. The
+        reads a judgement needs are made before it; a verdict that rests on time is judged
+        again with its service's open files read (never for a working or idle one)."""
+        rules = Rules(settings.park_threshold_s, park_settings(settings))
+        window = self.window()
+        reads = {
+            root: ServiceReads(pipes_read=self._pipes(root))
+            for root in self.members
+            if goes_to_pipe(written_targets(window, root))
+        }
+        first = judge(window, reads, rules)
+        self._note_heartbeats(first.heartbeats)
+        verdicts = dict(first.verdicts)
+        if first.to_date:
+            window = self.window()  # with the heartbeats just seen: never dated from
+            for root in first.to_date:
+                reads[root] = self._dating_reads(window, root, reads.get(root))
+            dated = judge(window, reads, rules, first.to_date)
+            self._note_heartbeats(dated.heartbeats)
+            verdicts.update(dated.verdicts)
+        return [verdicts[root] for root in self.members]
 
-    def _verdict(self, root: int, w: _Window, settings: Settings) -> ServiceVerdict:
-        """One service: its processes' facts, the evidence of the service, the classifier;
-        and, for a verdict that rests on its time without progress, the same again with its
-        last progress dated (an fd walk of its processes: never for a working or idle one)."""
-        snap = w.latest.snapshot
-        samples = [snap.processes[p] for p in self.members[root] if p in snap.processes]
-        doors = w.latest.doors[root]
-        pipes = _PipesRead(self.sampler, samples)
-        ends = pipes.ends(
-            self._fd_names.get((p.pid, fd))
-            for p in samples
-            for fd in w.latest.reading.writes.get(p.pid, {})
-        )
-        park = park_settings(settings)
-        facts = [self._facts(s, w, ends, doors, park) for s in samples]
-        live = {f.sample.pid for f in facts}
-        gone = sorted(self._seen.get(root, set()) - live)  # empty unless remember_gone
-        cycles = sorted({c for f in facts for c in f.cycles})
-        demand_ns = self._demand_ns.get(root)
-        evidence = ServiceFacts(
-            cycles=[lock_cycle(c, w.latest.graph.edges, w.names) for c in cycles],
-            parked=self._parked_evidence(live, w.latest, w.groups, doors),
-            demand_age_s=(
-                (snap.mono_ns - demand_ns) / 1e9
-                if demand_ns is not None and demand_ns >= w.old.snapshot.mono_ns
-                else None
-            ),
-        )
+    def _pipes(self, root: int) -> frozenset[int]:
+        """Inodes of the pipes the service's live processes read (an fd walk of each)."""
+        snap = self.ticks[-1].snapshot
+        return self.sampler.pipes_read(p for p in self.members[root] if p in snap.processes)
 
-        def classify(evidence: ServiceFacts) -> ServiceVerdict:
-            return classify_service(
-                root,
-                facts,
-                settings.park_threshold_s,
-                gone=gone,
-                root_gone=root not in live,
-                evidence=evidence,
-            )
-
-        v = classify(evidence)
-        if rests_on_time(v):
-            v = classify(replace(evidence, last_progress=self._date(samples, pipes, doors, w)))
-        return v
-
-    def _facts(
-        self,
-        sample: ProcessSample,
-        w: _Window,
-        ends: ServiceEnds,
-        doors: FrontDoors,
-        park: ParkSettings,
-    ) -> ProcessFacts:
-        """What the classifier needs of one process over the window; heartbeat files noted."""
-        latest, old_tick = w.latest, w.old
-        snap, pid = latest.snapshot, sample.pid
-        accepts = None
-        if pid in latest.reading.accepts:  # counted by the probe since watched
-            accepts = latest.reading.accepts[pid] - old_tick.reading.accepts.get(pid, 0)
-        gpu = self.gpu_history.facts(pid, latest.gpu, old_tick.gpu, snap.mono_ns)
-        old_sample = old_tick.snapshot.processes.get(pid)
-        written = self._written_out(pid, latest.reading, old_tick.reading, ends, doors)
-        progress = window_progress(
-            old_sample,
-            sample,
-            snap.mono_ns - old_tick.snapshot.mono_ns,
-            park,
-            accepts=accepts,
-            gpu=gpu_active(gpu) if gpu is not None and gpu.active else None,
-            written_out=written.total,
-            received=received_from_outside(old_sample, sample, ends, doors.ports),
-            answered=written.answered,
-            written_to=written.most_to,
-            file_read=_file_read(pid, latest.reading, old_tick.reading),
-            unplaced=written.unplaced,
-            logged_to=written.destinations,
-            logged_calls=written.calls,
-            empty_polls=_empty_polls(sample, latest.reading, old_tick.reading),
-        )
-        if progress.heartbeat:
-            # Its mtimes tell of the heartbeat, not of work: never date from them.
-            key = (pid, sample.start_ticks)
-            self._heartbeat_files.setdefault(key, set()).update(written.files)
-        return ProcessFacts(
-            sample=sample,
-            progress=progress,
-            parked_threads=self.tracker.parked_threads(pid),
-            parked_seconds=self.tracker.parked_seconds(pid, snap.mono_ns),
-            cycles=[c for c in latest.cycles if not set(thread_ids(sample.threads)).isdisjoint(c)],
-            gpu=gpu,
-            front_door_ports=doors.ports,
-            waits=process_waits(sample, snap.mono_ns),
-            no_waker=pid in latest.no_waker,
-            streams=latest.streams.get(pid, frozenset()),
-            incomplete=incomplete(pid, latest.reading.shares.get(pid)),
-        )
-
-    def _parked_evidence(
-        self, pids: set[int], tick: Tick, groups: list[WordGroup], doors: FrontDoors
-    ) -> list[ev.Fact]:
-        """What a parked service waits on: its largest parked groups, which of its listeners
-        are front doors, since when its ports listen, and its last writes."""
-        now = tick.snapshot.mono_ns
-        mine = [g for g in groups if pids.intersection(g.pids)]
-        out: list[ev.Fact] = [parked_group(g, now) for g in mine[:3]]
-        if doors.doors:
-            out.append(doors.evidence())
-        out.extend(self.sockets.describe(pids, tick.snapshot))
-        out.extend(self._last_writes(pids, tick.reading, now))
-        return out
-
-    def _date(
-        self,
-        samples: Sequence[ProcessSample],
-        pipes: _PipesRead,
-        doors: FrontDoors,
-        w: _Window,
-    ) -> ev.LastProgress | None:
-        """The service's last progress before the window (agent.analysis.last_progress), from
-        the fds its processes hold open for writing, read now."""
-        snap = w.latest.snapshot
-        beats = set().union(
-            *(self._heartbeat_files.get((p.pid, p.start_ticks), ()) for p in samples)
-        )
+    def _dating_reads(self, window: Window, root: int, reads: ServiceReads | None) -> ServiceReads:
+        """What dating a service's last progress reads: the fds its processes hold open for
+        writing, and the pipes they read if a write to place goes to one."""
+        samples = samples_of(window, root)
         written = self.sampler.written_files(p.pid for p in samples)
-        ends = pipes.ends(
-            f.target for fds in written.values() for f in fds if f.target not in beats
-        )
-        return last_progress(
-            samples,
-            written,
-            ends,
-            doors.ports,
-            snap.mono_ns,
-            snap.wall,
-            w.old.snapshot.mono_ns,
-            beats,
-        )
+        pipes = reads.pipes_read if reads is not None else None
+        if pipes is None and goes_to_pipe(dating_targets(written, beats_of(window, samples))):
+            pipes = self._pipes(root)
+        return ServiceReads(pipes, written)
 
-    def _written_out(
-        self,
-        pid: int,
-        latest: ProbeReading,
-        old: ProbeReading,
-        ends: ServiceEnds,
-        doors: FrontDoors,
-    ) -> Written:
-        """What the process wrote in the window that left the service (agent.analysis.outbound),
-        by the probe's count per fd and, for connections it accepted, per local port: an
-        answer at a front door counts as one whatever became of its connection, one at an
-        internal door stays inside (total None without a probe)."""
-        if self.probe is None:
-            return Written(None)
-        before = old.writes.get(pid, {})
-        calls = 0
-        files: dict[str, int] = {}
-        links: list[str] = []
-        answered, unplaced = door_answers(
-            latest.door_writes.get(pid, {}),
-            old.door_writes.get(pid, {}),
-            doors.ports,
-            {d.port for d in doors.doors},
-        )
-        total = answered + unplaced
-        for fd, w in latest.writes.get(pid, {}).items():
-            prev = before.get(fd)
-            delta = fd_rest(w, prev)
-            name = self._fd_names.get((pid, fd))
-            where = ends.destination(name)
-            if delta <= 0 or where not in LEAVES:
-                continue
-            total += delta
-            closed = closed_file(w, prev, delta) if name is None else None
-            if where == CLIENT:
-                answered += delta
-            elif name is None and closed is None:
-                unplaced += delta
-            else:
-                key = closed or describe_fd(name, fd)
-                files[key] = files.get(key, 0) + delta
-                if name is not None:
-                    links.append(name)
-                calls += w.calls - (prev.calls if prev is not None else 0)
-        most = max(files, key=lambda k: files[k]) if files else None
-        return Written(total, answered, most, tuple(links), unplaced, len(files), calls)
+    def _note_heartbeats(self, found: Mapping[tuple[int, int], frozenset[str]]) -> None:
+        for key, files in found.items():
+            self._heartbeat_files.setdefault(key, set()).update(files)
 
     def _name_written_fds(self, reading: ProbeReading) -> None:
         """Name each fd when it is written (a log closed later is still named), and only
@@ -615,50 +359,3 @@ class Observer:
                     names[(pid, fd)] = name
         self._fd_names = names  # bounded by the fds the probe still reports
         self._fd_seen = {k: v for k, v in self._fd_seen.items() if k in names}
-
-    def _last_writes(self, pids: set[int], reading: ProbeReading, now: int) -> list[ev.Fact]:
-        """The most recent write, and the most recent to a file (a log) if that was not it."""
-        writes = sorted(
-            ((w.last_ns, pid, w.fd) for pid in pids for w in reading.writes.get(pid, {}).values()),
-            reverse=True,
-        )
-        out: list[ev.Fact] = []
-        for i, (ns, pid, fd) in enumerate(writes):
-            target = self._fd_names.get((pid, fd))
-            is_file = (
-                target is not None and target.startswith("/") and not target.startswith("/dev/")
-            )
-            if i == 0 or is_file:
-                what = describe_fd(target, fd)
-                out.append(ev.LastWrite(what, pid, (now - ns) / 1e9))
-            if is_file:
-                break
-        return out
-
-
-def _file_read(pid: int, latest: ProbeReading, old: ProbeReading) -> int:
-    """Bytes the probe saw the process read from regular files in the window (0 without
-    the count: no probe, or a kernel where it cannot tell a regular file)."""
-    now = (latest.file_reads or {}).get(pid)
-    if now is None:
-        return 0
-    return max(0, now - (old.file_reads or {}).get(pid, 0))
-
-
-def _empty_polls(
-    sample: ProcessSample, latest: ProbeReading, old: ProbeReading
-) -> dict[int, int] | None:
-    """Per thread of the process, its polls that found nothing in the window (None without
-    the count). A thread without an entry at the window's start made it in the window; a
-    count below the last one is a new entry (the TID's thread gone and the TID reused), so
-    all of it is new. A wrap of the u32 (weeks at thousands a second) reads as that too."""
-    now, before = latest.empty_polls, old.empty_polls or {}
-    if now is None:
-        return None
-    out = {}
-    for t in sample.threads:
-        n = now.get(t.tid)
-        if n:
-            last = before.get(t.tid, 0)
-            out[t.tid] = n - last if n >= last else n
-    return out
