@@ -1,10 +1,10 @@
 """`hangwatch run`: watch every inference service on the host and export what it sees.
 
 One loop, one interval; each step: read NVML, discover services, observe (the same code path
-as `diagnose`), classify over the progress window, log state changes, publish the exposition
-that the /metrics collectors read. The stages that read the host (``STAGES``) go through
-``Daemon._timed``: a failing one is logged and exported as a failed collector, and the next
-step tries again.
+as `diagnose`), judge over the progress window, log state changes, publish the exposition
+that the /metrics collectors read. Each stage (``STAGES``) is timed and exported as a
+collector; a stage that fails is logged and the next step tries again, and a judgement that
+raises ends its tick alone, the last verdicts still served.
 """
 
 from __future__ import annotations
@@ -22,30 +22,29 @@ from typing import Any, TypeVar
 from . import __version__
 from . import config as config_mod
 from . import session as session_mod
-from .analysis.classify import DEADLOCKED, STALLED, ProcessVerdict, ServiceVerdict
+from .analysis.classify import DEADLOCKED, STALLED, ServiceVerdict
 from .analysis.frontdoor import FrontDoorConfig
 from .analysis.lockwords import named_verdicts, words_wanted
 from .analysis.sites import leads_rank
 from .analysis.stacks import native_asks, stack_facts
 from .analysis.window import Tick
 from .errors import HangwatchError, UsageError
+from .export.build import build_exposition
 from .export.exposition import (
     BPF_STATS,
     DISCOVERY,
     GPU,
+    JUDGE,
     PROC,
     AgentStatus,
     CollectorStatus,
     Exposition,
-    ProcessStatus,
-    ServiceStatus,
 )
 from .flight import MAX_PENDING, FlightRecorder
 from .model import (
     Enrichment,
     GpuDevice,
     GpuReading,
-    ProbeReading,
     ProgramStats,
     StackRead,
     Wanted,
@@ -65,88 +64,6 @@ from .waiting import Park, SiteBook, read_site
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-def build_exposition(
-    verdicts: list[ServiceVerdict],
-    services: Mapping[int, Service],
-    tick: Tick,
-    labels: Mapping[int, Mapping[str, str]],
-    agent: AgentStatus,
-    sites: Mapping[int, str] | None = None,
-) -> Exposition:
-    """Plain data for the collectors, from one tick's verdicts, probe and GPU readings;
-    ``sites``: where each parked process waits, by pid (agent.waiting)."""
-    sites = sites or {}
-    gpu = tick.gpu if tick.gpu is not None and tick.gpu.ok else None
-    out = []
-    for v in verdicts:
-        svc = services.get(v.pid)
-        name = svc.name if svc else "unknown"
-        procs = tuple(
-            _process_status(name, v.pid, p, tick, labels.get(p.pid, {}), gpu, sites.get(p.pid))
-            for p in v.processes
-            if not p.gone and p.pid in tick.snapshot.processes
-        )
-        out.append(
-            ServiceStatus(
-                name,
-                v.pid,
-                v.state,
-                procs,
-                gpu_spin=v.gpu_spin,
-                unanswered_requests=v.unanswered_requests,
-                seconds_since_progress=v.seconds_since_progress,
-            )
-        )
-    return Exposition(tuple(out), agent)
-
-
-def _count(text: str | None) -> int | None:
-    """A label value that is a decimal count (WORLD_SIZE), as a number; None otherwise."""
-    return int(text) if text is not None and text.isdigit() and len(text) <= 9 else None
-
-
-def _process_status(
-    service: str,
-    root: int,
-    p: ProcessVerdict,
-    tick: Tick,
-    labels: Mapping[str, str],
-    gpu: GpuReading | None,
-    site: str | None = None,
-) -> ProcessStatus:
-    """One live process of a service: its verdict, what the probe counted, its GPU use."""
-    reading: ProbeReading = tick.reading
-    sample = tick.snapshot.processes[p.pid]
-    writes = reading.writes.get(p.pid, {})
-    last = max((w.last_ns for w in writes.values()), default=None)
-    uses = gpu.processes.get(p.pid, ()) if gpu is not None else ()
-    share = reading.shares.get(p.pid)
-    return ProcessStatus(
-        service=service,
-        root_pid=root,
-        pid=p.pid,
-        comm=p.comm,
-        state=p.state,
-        threads=p.threads,
-        parked_threads=p.parked_threads,
-        parked_seconds=p.parked_seconds,
-        lock_cycles=len(p.cycles),
-        no_waker=p.no_waker,
-        labels=dict(labels),
-        waiting_at=site,
-        world_size=_count(labels.get("world_size")),
-        write_bytes_total=sum(w.bytes for w in writes.values()),
-        last_write_age_seconds=max(0.0, (tick.snapshot.mono_ns - last) / 1e9) if last else None,
-        accepts_total=reading.accepts.get(p.pid, 0),
-        listening_ports=len({lst.port for lst in sample.listeners}),
-        futex_wait_slots=dict(reading.wait_histogram.get(p.pid, {})),
-        gpu_memory_bytes={str(u.gpu): u.memory_bytes for u in uses if u.memory_bytes is not None},
-        gpu_utilization={str(u.gpu): u.sm_utilization for u in uses},
-        bpf_entries_refused_total=share.entries_refused if share else 0,
-        bpf_events_dropped_total=share.events_dropped if share else 0,
-    )
 
 
 # The loop's wait is cut into drains this short, so that a stop set by another thread is
@@ -304,13 +221,27 @@ class Daemon:
         # A process that exec'd is matched again by its new command line.
         self.discovery.exec_seen([*(e.tgid for e in tick.reading.execs), *tick.reading.renamed])
         self._forget_gone(session, tick)
-        verdicts = session.verdicts()
+        verdicts = self._judged(session)
         self._log_changes(verdicts, tick)
         labels = {pid: self.discovery.labels(pid) for pid in tick.snapshot.processes}
         sites = self._sites_of(verdicts, tick, labels)
+        names = {root: svc.name for root, svc in self.services.items()}
         self.exposition = build_exposition(
-            verdicts, self.services, tick, labels, self._agent_status(session, tick), sites
+            verdicts, names, tick, labels, self._agent_status(session, tick), sites
         )
+
+    def _judged(self, session: Session) -> list[ServiceVerdict]:
+        """The verdicts over the window, as the stage ``JUDGE``: timed, and a rule that raises
+        is exported as the stage failed and ends this tick alone (``tick`` counts and logs
+        it; /metrics keeps the last verdicts, dated by the last good tick)."""
+        t0 = time.monotonic()
+        try:
+            verdicts = session.verdicts()
+        except Exception:
+            self.collectors[JUDGE] = CollectorStatus(False, time.monotonic() - t0)
+            raise
+        self.collectors[JUDGE] = CollectorStatus(True, time.monotonic() - t0)
+        return verdicts
 
     def _sites_of(
         self,
@@ -514,13 +445,16 @@ class Daemon:
                 self._tick_errors_unlogged,
             )
             self._tick_error_logged, self._tick_errors_unlogged = now, 0
-        if self.exposition is not None:
-            agent = replace(
-                self.exposition.agent,
-                tick_errors_total=self.tick_errors,
-                http_connections_dropped=dict(self.http_dropped()),
-            )
-            self.exposition = replace(self.exposition, agent=agent)
+        # The last verdicts stay, dated by the last good tick; what failed is exported now.
+        last = self.exposition or Exposition((), AgentStatus(version=__version__))
+        agent = replace(
+            last.agent,
+            collectors=dict(self.collectors),
+            tick_errors_total=self.tick_errors,
+            http_connections_dropped=dict(self.http_dropped()),
+            park_threshold_seconds=self.cfg.park_threshold_seconds,
+        )
+        self.exposition = replace(last, agent=agent)
 
     def _wait_until(self, deadline: float) -> None:
         """Sleep until the next step, draining the ring buffer meanwhile: drained once per

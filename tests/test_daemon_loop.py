@@ -38,7 +38,7 @@ def make(tmp_path: Path, probe: RecordingProbe | None, clock: FakeClock | None =
 
 def test_the_exported_stage_names_are_the_contract() -> None:
     # Alerts (deploy/prometheus) and docs/deploy.md name these collector="..." values.
-    assert STAGES == ("gpu", "discovery", "proc", "bpf_stats", "exposition")
+    assert STAGES == ("gpu", "discovery", "proc", "judge", "bpf_stats", "exposition")
 
 
 def test_a_step_exports_its_stages_and_a_failing_one_is_logged_and_retried(
@@ -47,7 +47,7 @@ def test_a_step_exports_its_stages_and_a_failing_one_is_logged_and_retried(
     d = make(tmp_path, RecordingProbe())
     d.cfg = replace(d.cfg, bpf_stats=True)
     d.step()
-    assert set(d.collectors) == {"discovery", "proc", "bpf_stats"}  # no GPU source here
+    assert set(d.collectors) == {"discovery", "proc", "judge", "bpf_stats"}  # no GPU here
     assert all(c.success for c in d.collectors.values())
     first = d.exposition
     assert first is not None and first.agent.collectors == d.collectors
@@ -257,6 +257,57 @@ def test_a_tick_that_raises_is_counted_logged_once_and_the_loop_goes_on(
     d.tick()
     assert d.tick_errors == 7 and d.exposition.agent.tick_errors_total == 7
     assert d.exposition.agent.last_tick_seconds > first.agent.last_tick_seconds
+
+
+def test_a_rule_that_raises_in_the_judgement_is_a_failed_stage_and_metrics_go_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rule that raises inside the pure judgement: the judge stage is exported as failed,
+    the tick is counted and logged, /metrics goes on serving the last verdicts with the
+    failure, and the next tick with a working rule succeeds again."""
+    from prometheus_client import generate_latest
+
+    from agent.analysis import judge as judge_mod
+    from agent.export.metrics import registry_for
+
+    d = make(tmp_path, RecordingProbe())
+    d.step()
+    registry = registry_for(lambda: d.exposition)
+    assert b'hangwatch_collector_success{collector="judge"} 1.0' in generate_latest(registry)
+    working = judge_mod.judge
+
+    def broken(*args: object, **kwargs: object) -> object:
+        raise KeyError("a rule looked up a port it never saw")
+
+    monkeypatch.setattr("agent.observe.observer.judge", broken)
+    with caplog.at_level(logging.ERROR, logger="agent.daemon"):
+        d.tick()
+    assert d.tick_errors == 1 and not d.collectors["judge"].success
+    assert "a rule looked up a port" in caplog.text
+    text = generate_latest(registry)
+    assert b'hangwatch_collector_success{collector="judge"} 0.0' in text
+    assert b"hangwatch_tick_errors_total 1.0" in text
+    assert b'hangwatch_collector_success{collector="exposition"} 1.0' in text
+
+    monkeypatch.setattr("agent.observe.observer.judge", working)
+    d.tick()
+    assert d.tick_errors == 1 and d.collectors["judge"].success
+    assert b'collector="judge"} 1.0' in generate_latest(registry)
+
+
+def test_a_judgement_failing_before_any_verdict_still_exports_the_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    d = make(tmp_path, RecordingProbe())
+
+    def broken(*args: object, **kwargs: object) -> object:
+        raise RuntimeError("first tick")
+
+    monkeypatch.setattr("agent.observe.observer.judge", broken)
+    d.tick()
+    assert d.exposition is not None and d.exposition.services == ()
+    assert not d.exposition.agent.collectors["judge"].success
+    assert d.exposition.agent.last_tick_seconds == 0.0  # no verdict yet: nothing to date
 
 
 def test_a_drain_that_raises_is_counted_and_the_wait_still_waits(tmp_path: Path) -> None:

@@ -13,17 +13,20 @@ from dataclasses import dataclass, field
 from ..model import GpuDevice, ProgramStats
 
 # The agent's stages, as hangwatch_collector_success{collector} and _duration_seconds name them
-# (alerts and dashboards match these values). The daemon runs the first four in this order
+# (alerts and dashboards match these values). The daemon runs the first five in this order
 # every tick; the last is the /metrics collector reading the latest exposition, on each scrape.
 GPU = "gpu"  # NVML, before discovery: the gpu selector needs it
 DISCOVERY = "discovery"  # the services to watch, from /proc
 # The whole observation (Observer.tick): the probe's reading, the /proc snapshot, the wait-for
 # graph. Its failure means stale verdicts (docs/deploy.md), and a scale test reads its duration
-# as the cost of a tick; the verdicts and this exposition that follow it are not timed.
+# as the cost of a tick.
 PROC = "proc"
+# The verdicts over the window (agent.analysis.judge) with the reads they ask for, the log of
+# state changes and this exposition. Its failure keeps the last verdicts on /metrics.
+JUDGE = "judge"
 BPF_STATS = "bpf_stats"  # the BPF programs' run time (only with bpf_stats: true)
 EXPOSITION = "exposition"
-STAGES = (GPU, DISCOVERY, PROC, BPF_STATS, EXPOSITION)
+STAGES = (GPU, DISCOVERY, PROC, JUDGE, BPF_STATS, EXPOSITION)
 
 
 @dataclass(frozen=True)
