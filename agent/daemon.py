@@ -24,11 +24,12 @@ from . import config as config_mod
 from . import session as session_mod
 from .analysis.classify import DEADLOCKED, STALLED, ServiceVerdict
 from .analysis.frontdoor import FrontDoorConfig
-from .analysis.lockwords import named_verdicts, words_wanted
+from .analysis.lockwords import words_wanted
 from .analysis.sites import leads_rank
 from .analysis.stacks import native_asks, stack_facts
 from .analysis.window import Tick
 from .errors import HangwatchError, UsageError
+from .explain import explain
 from .export.build import build_exposition
 from .export.exposition import (
     BPF_STATS,
@@ -49,7 +50,6 @@ from .model import (
     StackRead,
     Wanted,
 )
-from .observe import enrich
 from .observe.discovery import Discovery, Service
 from .observe.observer import Scope
 from .report.sentences import render
@@ -322,11 +322,25 @@ class Daemon:
         flight = v.state in (STALLED, DEADLOCKED) and self.cfg.stacks
         # Lock words named from memory at the change only: it reads /proc/PID/maps
         # and symbol tables, too much to do every tick for every service.
-        inputs = self._enrich(v, tick, STACKS_BUDGET_S if flight else 0.0)
-        (v,) = named_verdicts([v], tick.snapshot, inputs.words)
+        budget = STACKS_BUDGET_S if flight else 0.0
+        snap = tick.snapshot
+        pids = [p.pid for p in v.processes if not p.gone and p.pid in snap.processes]
+
+        def wanted(stacks: Mapping[int, StackRead]) -> Wanted:
+            natives = [
+                ask
+                for pid, read in stacks.items()
+                for ask in native_asks(snap.processes[pid], read)
+            ]
+            return Wanted(natives, words_wanted([v], snap), fds=list(stacks))
+
+        told = explain(
+            self.proc, snap, [v], pids if flight else [], wanted, budget, self.source_lines
+        )
+        (v,) = told.verdicts
         self._log_change(change.service, change.old, v)
         if flight:
-            self._log_stacks(change.service, v, tick, inputs)
+            self._log_stacks(change.service, v, tick, told.inputs)
 
     def _record_at_once(self, change: Change) -> None:
         """A change's line with what the verdict alone says: the recorder is full."""
@@ -347,24 +361,6 @@ class Daemon:
             old or "new",
             v.state,
             "; ".join(map(render, v.reasons)),
-        )
-
-    def _enrich(self, v: ServiceVerdict, tick: Tick, budget: float) -> Enrichment:
-        """What the change's lines show beyond the snapshot: the names of its lock words, and
-        with a budget, the stacks of its processes and what their threads wait on."""
-        snap = tick.snapshot
-        pids = [p.pid for p in v.processes if not p.gone and p.pid in snap.processes]
-
-        def wanted(stacks: Mapping[int, StackRead]) -> Wanted:
-            natives = [
-                ask
-                for pid, read in stacks.items()
-                for ask in native_asks(snap.processes[pid], read)
-            ]
-            return Wanted(natives, words_wanted([v], snap), fds=list(stacks))
-
-        return enrich.gather(
-            self.proc, snap.processes, pids if budget > 0 else [], wanted, budget, self.source_lines
         )
 
     def _log_stacks(self, name: str, v: ServiceVerdict, tick: Tick, inputs: Enrichment) -> None:

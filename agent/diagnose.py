@@ -12,9 +12,8 @@ from typing import TextIO
 from . import session as session_mod
 from .analysis.classify import PROGRESSING, ServiceVerdict
 from .analysis.evidence import UnderThreshold
-from .analysis.lockwords import named_verdicts
 from .errors import UsageError
-from .observe import enrich
+from .explain import explain
 from .observe.discovery import process_labels
 from .observe.observer import Observer, Scope
 from .report import as_json as json_report
@@ -127,8 +126,8 @@ def write_report(
     out: TextIO,
     log: TextIO,
 ) -> None:
-    """Read what the report shows beyond the last tick (agent.observe.enrich), then write
-    it, as text or JSON (agent.report)."""
+    """Read what the report shows beyond the last tick (agent.explain), then write it, as
+    text or JSON (agent.report)."""
     tick = observer.ticks[-1]
     # The probe reports EDEADLK for every process; show those of the services asked about.
     ours = {p for pids in observer.members.values() for p in pids}
@@ -146,18 +145,19 @@ def write_report(
         labels={pid: process_labels(proc, pid) for pid in snap.processes},
     )
     pids = [p.pid for v in verdicts for p in v.processes if not p.gone] if opts.stacks else []
-    inputs = enrich.gather(
+    told = explain(
         proc,
-        snap.processes,
+        snap,
+        verdicts,
         pids,
         (lambda _: json_report.wanted(base))
         if opts.as_json
         else (lambda stacks: text_report.wanted(base, stacks)),
     )
     if opts.stacks:
-        took = sum(r.seconds for r in inputs.stacks.values())
-        print(notices.stacks_read(len(inputs.stacks), took), file=log)
-    report = replace(base, verdicts=named_verdicts(verdicts, snap, inputs.words), inputs=inputs)
+        took = sum(r.seconds for r in told.inputs.stacks.values())
+        print(notices.stacks_read(len(told.inputs.stacks), took), file=log)
+    report = replace(base, verdicts=told.verdicts, inputs=told.inputs)
     if opts.as_json:
         json.dump(json_report.to_json(report), out, indent=2)
         out.write("\n")

@@ -21,9 +21,9 @@ from agent.analysis.judge import goes_to_pipe, judge, written_targets
 from agent.analysis.progress import ParkTracker
 from agent.analysis.waitgraph import WaitForGraph
 from agent.analysis.window import Rules, ServiceReads, Tick, Window
+from agent.model import FdWrites, ProbeReading, Snapshot, WrittenFd
 from agent.observe.observer import park_settings
 from agent.settings import Settings
-from agent.model import FdWrites, ProbeReading, Snapshot, WrittenFd
 from tests.synth import S, on_mutex, parked, process, snapshot
 
 RULES = Rules(threshold_s=10.0, park=park_settings(Settings()))

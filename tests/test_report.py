@@ -12,6 +12,7 @@ import pytest
 from agent.analysis import evidence as ev
 from agent.analysis.classify import ProcessVerdict, ServiceVerdict
 from agent.analysis.waitgraph import WaitForGraph
+from agent.explain import explain
 from agent.model import (
     Enrichment,
     FdLink,
@@ -115,7 +116,7 @@ def test_the_json_asks_only_for_the_names_of_cycle_words() -> None:
     assert as_json.wanted(replace(report(), verdicts=[v])) == Wanted(words={(10, 0x1300)})
 
 
-def test_gather_reads_the_stacks_then_what_is_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_explain_reads_the_stacks_then_what_is_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     order: list[object] = []
 
     def read_many(pids, budget_s, proc, source=None, starts=None):
@@ -134,14 +135,14 @@ def test_gather_reads_the_stacks_then_what_is_asked(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(
         enrich, "waits_on", lambda proc, samples: {(s.pid, 0): FdWait(()) for s in samples}
     )
-    got = enrich.gather(ProcFS(os.devnull), SNAP.processes, [10, 20], wanted, 2.0)
+    got = explain(ProcFS(os.devnull), SNAP, [], [10, 20], wanted, 2.0).inputs
     assert order == [("stacks", [10, 20], 2.0), ("asked", [10])]
     assert got.natives == {(10, 11): "`f` in a.so+0x1"}  # a thread with no answer is left out
     assert got.words == {(20, 0x2000): "the heap"}
     assert set(got.fds) == {(10, 0)}  # a process no longer in the snapshot is not asked
 
 
-def test_gather_with_no_stacks_to_read_reads_none(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_explain_with_no_stacks_to_read_reads_none(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(enrich, "read_many", lambda *a: pytest.fail("read"))
-    got = enrich.gather(ProcFS(os.devnull), SNAP.processes, [], lambda stacks: Wanted())
+    got = explain(ProcFS(os.devnull), SNAP, [], [], lambda stacks: Wanted()).inputs
     assert got == Enrichment()

@@ -5,12 +5,13 @@ through here, once per report, and hand the result (agent.model.Enrichment) to t
 and the renderer as plain data: nothing past this step reads /proc.
 
 What to read is the report's to say (agent.model.Wanted): which threads and words matter
-depends on the stacks, so ``gather`` reads the stacks first and then asks.
+depends on the stacks, so the stacks are read first (``read_stacks``), and then what the
+report asks given them (``read_asked``); agent.explain runs the two in order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from ..model import Enrichment, ProcessSample, StackRead, Wanted
 from ..settings import STACKS_BUDGET_S
@@ -35,21 +36,27 @@ def native_caller(proc: ProcFS, pid: int, tid: int) -> str | None:
     return str(frame) if frame is not None else None
 
 
-def gather(
+def read_stacks(
     proc: ProcFS,
     samples: Mapping[int, ProcessSample],
-    stacks_of: Sequence[int],
-    wanted: Callable[[Mapping[int, StackRead]], Wanted],
+    pids: Sequence[int],
     budget_s: float = STACKS_BUDGET_S,
     source: SourceLines | None = None,
-) -> Enrichment:
-    """Read the Python stacks of ``stacks_of`` (within ``budget_s``), then what ``wanted``
-    asks given them. ``samples``: the snapshot's processes by pid; fd waits are read only
-    for those (a process gone since has no fds to ask about)."""
-    # Each process as the snapshot saw it: a PID reused since is not read for its verdict.
+) -> dict[int, StackRead]:
+    """The Python stacks of ``pids``, within ``budget_s``; ``samples``: the snapshot's
+    processes by pid (a PID reused since is not read for its verdict)."""
     starts = {pid: s.start_ticks for pid, s in samples.items()}
-    stacks = read_many(stacks_of, budget_s, proc, source, starts) if stacks_of else {}
-    asks = wanted(stacks)
+    return read_many(pids, budget_s, proc, source, starts) if pids else {}
+
+
+def read_asked(
+    proc: ProcFS,
+    samples: Mapping[int, ProcessSample],
+    stacks: Mapping[int, StackRead],
+    asks: Wanted,
+) -> Enrichment:
+    """What a report asks for beyond the stacks: native callers, lock words, fd waits (only
+    of processes in ``samples``: one gone since has no fds to ask about)."""
     natives: dict[tuple[int, int], str] = {}
     for pid, tid in asks.natives:
         caller = native_caller(proc, pid, tid)
@@ -57,4 +64,4 @@ def gather(
             natives[(pid, tid)] = caller
     words = {(pid, addr): describe_address(pid, addr, proc) for pid, addr in asks.words}
     fds = waits_on(proc, (samples[pid] for pid in asks.fds if pid in samples))
-    return Enrichment(stacks, natives, fds, words)
+    return Enrichment(dict(stacks), natives, fds, words)
