@@ -104,19 +104,9 @@ class Daemon:
         self.gpus: tuple[GpuDevice, ...] = ()  # devices of the last good NVML reading
         self.gpu_errors = 0
         self.discovery = Discovery(
-            proc,
-            cfg.targets,
-            gpu_pids=self._gpu_pids,
-            self_pid=os.getpid(),
-            max_services=cfg.max_services,
+            proc, cfg.targets, self_pid=os.getpid(), max_services=cfg.max_services
         )
         self.services: dict[int, Service] = {}
-        # Discovery's services, as found at the start of each step; gone processes dropped.
-        self.scope = Scope(
-            lambda: {root: s.pids for root, s in self.services.items()},
-            remember_gone=False,
-            declared_doors=self._declared_doors,
-        )
         self.exposition: Exposition | None = None
         self.states: dict[tuple[str, int], str] = {}  # (service, root) -> last logged state
         self.collectors: dict[str, CollectorStatus] = {}
@@ -152,19 +142,27 @@ class Daemon:
     ) -> Daemon:
         """A daemon over given sources (tests: a fixture /proc, a fake NVML, a real probe)."""
         d = cls(cfg, proc, clock)
-        d.session = Session(cfg.settings, d.scope, probe, gpu, proc)
+        d.session = Session(cfg.settings, probe, gpu, proc)
         d.start_workers()
         return d
 
-    def _declared_doors(self, root: int) -> FrontDoorConfig | None:
-        """The front doors the service's target declares, if it does."""
-        svc = self.services.get(root)
-        target = next((t for t in self.cfg.targets if svc and t.name == svc.name), None)
-        return target.front_doors if target is not None else None
+    def _scope(self) -> Scope:
+        """What this tick watches: discovery's services, and the front doors their targets
+        declare."""
+        doors: dict[str, FrontDoorConfig | None] = {}
+        for t in self.cfg.targets:  # the first target of a name, as discovery matches them
+            doors.setdefault(t.name, t.front_doors)
+        declared = {root: doors.get(s.name) for root, s in self.services.items()}
+        return Scope(
+            {root: s.pids for root, s in self.services.items()},
+            {root: d for root, d in declared.items() if d is not None},
+        )
 
-    def _gpu_pids(self) -> set[int]:
-        gpu = self.session.gpu if self.session is not None else None
-        return gpu.pids() if gpu is not None else set()
+    def _gpu_pids(self, session: Session) -> set[int]:
+        """The processes holding GPU memory, asked only when a target selects by it."""
+        if session.gpu is None or not any(t.gpu for t in self.cfg.targets):
+            return set()
+        return session.gpu.pids()
 
     def _timed(
         self,
@@ -210,12 +208,13 @@ class Daemon:
         renewed = session.probe.take_execs() if session.probe is not None else None
         self.discovery.changes_reported = renewed is not None
         self.discovery.exec_seen(renewed or ())
-        services = self._timed(DISCOVERY, self.discovery.scan)
+        services = self._timed(DISCOVERY, lambda: self.discovery.scan(self._gpu_pids(session)))
         if services is not None:
             self.services = services
         # A service that is gone logs "new" if its root PID comes back: bounded by live ones.
         self.states = {k: v for k, v in self.states.items() if k[1] in self.services}
-        tick = self._timed(PROC, lambda: session.observe(gpu))
+        scope = self._scope()
+        tick = self._timed(PROC, lambda: session.observe(scope, gpu))
         if tick is None:
             return
         # A process that exec'd is matched again by its new command line.
@@ -519,7 +518,7 @@ def run(config_path: str | None, listen: str | None, web_config: str | None = No
         if stop.is_set():  # asked to stop before anything was attached
             return _stopped()
         with session_mod.start(
-            cfg.settings, daemon.scope, proc=daemon.proc, bpf_stats=cfg.bpf_stats, notice=log.info
+            cfg.settings, proc=daemon.proc, bpf_stats=cfg.bpf_stats, notice=log.info
         ) as session:
             daemon.session = session
             log.info(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TextIO
 
@@ -62,7 +62,9 @@ def unsettled(verdicts: Sequence[ServiceVerdict]) -> list[ServiceVerdict]:
     ]
 
 
-def observe(session: Session, opts: DiagnoseOptions, log: TextIO) -> list[ServiceVerdict]:
+def observe(
+    session: Session, scope: Callable[[], Scope], opts: DiagnoseOptions, log: TextIO
+) -> list[ServiceVerdict]:
     """Tick for the duration; at least two ticks, so a cycle can be confirmed. Then, while
     a service did nothing but its evidence is younger than the threshold (a heartbeat
     rewrote its log a moment before the window, say), watch on until the threshold, so
@@ -73,7 +75,7 @@ def observe(session: Session, opts: DiagnoseOptions, log: TextIO) -> list[Servic
     longest = opts.duration_s
     told = False
     while True:
-        session.observe(session.read_gpu())
+        session.observe(scope(), session.read_gpu())
         n += 1
         elapsed = time.monotonic() - start
         if elapsed >= longest and n >= 2:
@@ -100,20 +102,24 @@ def observe(session: Session, opts: DiagnoseOptions, log: TextIO) -> list[Servic
 def run(opts: DiagnoseOptions, out: TextIO = sys.stdout, log: TextIO = sys.stderr) -> int:
     proc = ProcFS()
     validate(opts, proc)
-    scope = Scope.of_roots(proc, opts.pids)
+
+    def scope() -> Scope:  # the processes asked about and, each tick, their descendants
+        return Scope.of_roots(proc, opts.pids)
 
     def notice(line: str) -> None:
         print(f"hangwatch: {line}", file=log)
 
-    with session_mod.start(opts.settings, scope, proc=proc, notice=notice) as session:
+    with session_mod.start(opts.settings, remember_gone=True, proc=proc, notice=notice) as session:
         probe = session.probe
         assert probe is not None  # start() always attaches one
-        watched = session.observer.discover()  # before "attached": from here on, waits are seen
+        watched = session.observer.discover(
+            scope()
+        )  # before "attached": from here on, waits are seen
         attached = notices.attached(
             probe.programs, probe.load_seconds, len(watched), len(opts.pids), opts.duration_s
         )
         print(attached, file=log, flush=True)
-        verdicts = observe(session, opts, log)
+        verdicts = observe(session, scope, opts, log)
     write_report(opts, proc, session.observer, verdicts, out, log)
     return 0
 

@@ -1,7 +1,7 @@
 """Where an observation starts and ends, for both commands: preflight, attach, observe, detach.
 
-`diagnose` and `run` differ only in their inputs (the settings, the Scope of services to
-watch) and in what they do with each tick; both start through ``start()``.
+`diagnose` and `run` differ only in their inputs (the settings, the Scope of services each
+tick watches) and in what they do with each tick; both start through ``start()``.
 """
 
 from __future__ import annotations
@@ -27,22 +27,22 @@ class Session:
     def __init__(
         self,
         settings: Settings,
-        scope: Scope,
         probe: ProbeSource | None,
         gpu: GpuSource | None,
         proc: ProcFS | None = None,
+        remember_gone: bool = False,
     ) -> None:
         self.settings = settings
         self.probe = probe
         self.gpu = gpu
-        self.observer = Observer(Sampler(proc or ProcFS()), probe, scope)
+        self.observer = Observer(Sampler(proc or ProcFS()), probe, remember_gone)
 
     def read_gpu(self) -> GpuReading | None:
         """This interval's NVML reading; None without a GPU source."""
         return self.gpu.read() if self.gpu is not None else None
 
-    def observe(self, gpu: GpuReading | None) -> Tick:
-        return self.observer.observe(gpu, self.settings)
+    def observe(self, scope: Scope, gpu: GpuReading | None) -> Tick:
+        return self.observer.observe(scope, gpu, self.settings)
 
     def verdicts(self) -> list[ServiceVerdict]:
         return self.observer.verdicts(self.settings)
@@ -55,8 +55,8 @@ class Session:
 @contextlib.contextmanager
 def start(
     settings: Settings,
-    scope: Scope,
     *,
+    remember_gone: bool = False,
     proc: ProcFS | None = None,
     bpf_stats: bool = False,
     notice: Callable[[str], None] = lambda _: None,
@@ -81,4 +81,4 @@ def start(
                 stack.callback(restore)
         gpu = NvmlSource()
         stack.callback(gpu.close)
-        yield Session(settings, scope, probe, gpu, proc)
+        yield Session(settings, probe, gpu, proc, remember_gone)

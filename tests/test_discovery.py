@@ -95,15 +95,14 @@ def test_comm_pids_and_gpu_selectors(tmp_path):
             Target("pinned", pids=frozenset({300})),
             Target("gpu", gpu=True),
         ),
-        gpu_pids=lambda: gpu,
     )
-    services = d.scan()
+    services = d.scan(gpu)
     assert services[200].name == "shell"
     assert services[300].name == "pinned"
     d.set_targets((Target("gpu", gpu=True),))
-    assert set(d.scan()) == {200}
+    assert set(d.scan(gpu)) == {200}
     gpu.clear()  # released its GPU memory
-    assert d.scan() == {}
+    assert d.scan(gpu) == {}
 
 
 def test_never_watches_itself(tmp_path):

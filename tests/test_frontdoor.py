@@ -381,7 +381,6 @@ def test_the_observer_keeps_a_services_doors_only_while_what_they_are_read_from_
         a = replace(a, listeners=tuple(replace(x, queued=rng.randint(0, 3)) for x in a.listeners))
         snaps += [{1: a, 2: b}] * rng.randint(1, 3)
     want = [front_doors([s[1], s[2]], None, 40000) for s in snaps]
-    obs = Observer(_Scripted(list(snaps)), None, Scope(lambda: {1: [1, 2]}, False))
-    obs.discover()
+    obs = Observer(_Scripted(list(snaps)), None)  # type: ignore[arg-type]
     for i, w in enumerate(want):
-        assert obs.observe().doors[1] == w, i
+        assert obs.observe(Scope({1: [1, 2]})).doors[1] == w, i

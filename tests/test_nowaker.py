@@ -95,9 +95,9 @@ class _Frozen(Sampler):
 
 def test_a_posix_timer_could_send_a_signal():
     for timers, want in ((set(), {10}), ({10}, set())):
-        obs = Observer(_Frozen(_TimersOf(timers)), None, Scope(lambda: {10: [10]}, False))  # type: ignore[arg-type]
-        obs.observe()
-        assert obs.observe().no_waker == want, timers
+        obs = Observer(_Frozen(_TimersOf(timers)), None)  # type: ignore[arg-type]
+        obs.observe(Scope({10: [10]}))
+        assert obs.observe(Scope({10: [10]})).no_waker == want, timers
 
 
 def test_random_processes_have_no_waker_exactly_when_every_thread_waits_forever_privately():

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..config import MAX_SERVICES, Target
@@ -193,13 +193,11 @@ class Discovery:
         self,
         proc: ProcFS,
         targets: Iterable[Target],
-        gpu_pids: Callable[[], set[int]] = set,
         self_pid: int | None = None,
         max_services: int = MAX_SERVICES,
     ) -> None:
         self.proc = proc
         self.targets = tuple(targets)
-        self.gpu_pids = gpu_pids
         self.self_pid = self_pid  # never watch ourselves
         self.max_services = max_services  # in all targets together
         self.operator = operator_slice(proc.cgroup(self_pid)) if self_pid else None
@@ -282,9 +280,10 @@ class Discovery:
             k.cgroup, k.cgroup_read = self.proc.cgroup(pid), True
         return k.cgroup
 
-    def scan(self) -> dict[int, Service]:
-        """Services by root PID, as /proc shows them now."""
-        gpu = self.gpu_pids() if any(t.gpu for t in self.targets) else set()
+    def scan(self, gpu_pids: Collection[int] = frozenset()) -> dict[int, Service]:
+        """Services by root PID, as /proc shows them now; ``gpu_pids``: the processes that
+        hold GPU memory (NVML's last good reading), for the gpu selector."""
+        gpu = set(gpu_pids) if any(t.gpu for t in self.targets) else set()
         seen: dict[int, _Known] = {}
         read: set[int] = set()  # whose stat was read this scan
         arrived: set[int] = set()  # new /proc entries: new processes, or PIDs reused

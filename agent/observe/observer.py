@@ -9,8 +9,8 @@ pure function; the Observer makes the reads it asks for before it judges.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from ..analysis.answers import stream_in_flight
 from ..analysis.classify import ServiceVerdict, unanswered_requests, unread_requests
@@ -39,22 +39,17 @@ from .sampler import Sampler
 
 @dataclass(frozen=True)
 class Scope:
-    """Which services an observation watches: the difference between `diagnose` and `run`,
-    as data. ``members`` is asked once per tick for root -> the service's PIDs (root first);
-    ``remember_gone`` keeps processes that exited in the verdicts, marked gone (diagnose
-    reports on what it was asked about; the daemon drops them)."""
+    """Which services a tick watches, as data: root -> the service's PIDs (root first), and
+    the front doors each service's target declares (absent: decided from what connects to
+    its listeners). The daemon builds it from discovery; `diagnose` from the PIDs asked."""
 
-    members: Callable[[], Mapping[int, Sequence[int]]]
-    remember_gone: bool
-    # The front doors a service's target declares (root -> config; None: decide from what
-    # connects to its listeners).
-    declared_doors: Callable[[int], FrontDoorConfig | None] = lambda _root: None
+    members: Mapping[int, Sequence[int]]
+    declared_doors: Mapping[int, FrontDoorConfig] = field(default_factory=dict)
 
     @classmethod
     def of_roots(cls, proc: ProcFS, roots: Iterable[int]) -> Scope:
-        """Fixed roots and, each tick, their descendants as /proc shows them."""
-        fixed = list(dict.fromkeys(roots))
-        return cls(lambda: descendants(proc, fixed), remember_gone=True)
+        """Fixed roots and their descendants as /proc shows them now."""
+        return cls(descendants(proc, list(dict.fromkeys(roots))))
 
 
 def park_settings(settings: Settings) -> ParkSettings:
@@ -78,18 +73,30 @@ class ListenHistory:
         self.since: dict[tuple[int, int], int] = {}  # (pid, port) -> CLOCK_MONOTONIC of listen
         self.kernel_chosen: set[tuple[int, int]] = set()  # (pid, port) bound to port 0
 
+    def unresolved(self, events: Sequence[SocketEvent]) -> list[tuple[int, int]]:
+        """The (pid, fd) sockets whose port a listen among ``events`` leaves to /proc: bound
+        to port 0 (the kernel chose) or bound before the probe saw it."""
+        bound = dict(self._bound)
+        out = []
+        for e in events:
+            if e.kind == "bind" and (e.port or e.family):
+                bound[(e.tgid, e.fd)] = e.port
+            elif e.kind == "listen" and not bound.get((e.tgid, e.fd)):
+                out.append((e.tgid, e.fd))
+        return out
+
     def update(
-        self, events: Iterable[SocketEvent], port_now: Callable[[int, int], int | None]
+        self, events: Iterable[SocketEvent], ports_now: Mapping[tuple[int, int], int | None]
     ) -> None:
-        """Take the probe's events; ``port_now`` reads the port of a (pid, fd) socket now
-        (Sampler.listening_port), asked only of a listen after a bind to port 0."""
+        """Take the probe's events; ``ports_now``: the port of each socket ``unresolved``
+        named, read from /proc after the listen."""
         for e in events:
             if e.kind == "bind" and (e.port or e.family):
                 self._bound[(e.tgid, e.fd)] = e.port
             elif e.kind == "listen":
-                # A bind to port 0 lets the kernel choose: then ask /proc which port it chose.
+                # A bind to port 0 lets the kernel choose: then /proc says which port it chose.
                 asked = self._bound.get((e.tgid, e.fd))
-                port = asked or port_now(e.tgid, e.fd)
+                port = asked or ports_now.get((e.tgid, e.fd))
                 if port:
                     self.since[(e.tgid, port)] = e.ts_ns
                     if asked == 0:
@@ -118,10 +125,15 @@ class Observer:
     Observer reads nothing itself: the sampler does every read of /proc, and the judgement
     is handed what it returned."""
 
-    def __init__(self, sampler: Sampler, probe: ProbeSource | None, scope: Scope) -> None:
+    def __init__(
+        self, sampler: Sampler, probe: ProbeSource | None, remember_gone: bool = False
+    ) -> None:
+        """``remember_gone``: keep processes that exited in the verdicts, marked gone
+        (`diagnose` reports on what it was asked about; the daemon drops them)."""
         self.sampler = sampler
         self.probe = probe
-        self.scope = scope
+        self.remember_gone = remember_gone
+        self.declared: Mapping[int, FrontDoorConfig] = {}
         self.tracker = ParkTracker()
         self.members: dict[int, list[int]] = {}
         self._seen: dict[int, set[int]] = {}  # root -> every pid ever in the service
@@ -137,10 +149,11 @@ class Observer:
         self._heartbeat_files: dict[tuple[int, int], set[str]] = {}
         self._doors_kept: dict[int, tuple[tuple, FrontDoors]] = {}  # root -> (inputs, doors)
 
-    def discover(self) -> list[int]:
-        """Find the services' processes now and point the probe at them."""
-        self.members = {root: list(pids) for root, pids in self.scope.members().items()}
-        if self.scope.remember_gone:
+    def discover(self, scope: Scope) -> list[int]:
+        """Take the services' processes now and point the probe at them."""
+        self.members = {root: list(pids) for root, pids in scope.members.items()}
+        self.declared = scope.declared_doors
+        if self.remember_gone:
             for root, pids in self.members.items():
                 self._seen.setdefault(root, set()).update(pids)
         pids = sorted({p for ps in self.members.values() for p in ps})
@@ -148,15 +161,19 @@ class Observer:
             self.probe.watch(pids)
         return pids
 
-    def observe(self, gpu: GpuReading | None = None, settings: Settings = _DEFAULTS) -> Tick:
-        """One observation; ``gpu`` is this interval's NVML reading, when there is a source.
-        Ticks older than the progress window (``settings.window_s``) are let go."""
-        pids = self.discover()
+    def observe(
+        self, scope: Scope, gpu: GpuReading | None = None, settings: Settings = _DEFAULTS
+    ) -> Tick:
+        """One observation of ``scope``; ``gpu`` is this interval's NVML reading, when there
+        is a source. Ticks older than the progress window (``settings.window_s``) are let go."""
+        pids = self.discover(scope)
         reading = ProbeReading()
         if self.probe is not None:
             reading = self.probe.read()
             self.events.extend(reading.events)
-        self.sockets.update(reading.socket_events, self.sampler.listening_port)
+        unresolved = self.sockets.unresolved(reading.socket_events)
+        ports = {(pid, fd): self.sampler.listening_port(pid, fd) for pid, fd in unresolved}
+        self.sockets.update(reading.socket_events, ports)
         self._name_written_fds(reading)
         snap = self.sampler.snapshot(pids, reading)
         if self.probe is not None:
@@ -243,7 +260,7 @@ class Observer:
         """The service's listeners, front doors or not: once per tick, for the tick's demand
         and for the verdicts over it."""
         samples = [snap.processes[p] for p in self.members[root] if p in snap.processes]
-        declared = self.scope.declared_doors(root)
+        declared = self.declared.get(root)
         chosen = self.sockets.chosen_by_kernel(p.pid for p in samples)
         # What the rules read, and no more: a socket's ends never change once it is
         # connected, so its inode stands for them, and a listener's queue is not read.

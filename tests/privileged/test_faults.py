@@ -391,7 +391,7 @@ def _vanishing(cls: type[VanishingProcFS]) -> type[VanishingProcFS]:
 
 
 _vanishing(VanishingProcFS)
-SCOPE = Scope(lambda: {10: [10, 20]}, remember_gone=False)
+SCOPE = Scope({10: [10, 20]})
 
 
 @pytest.mark.parametrize("only_thread", [False, True])
@@ -399,14 +399,14 @@ def test_proc_entries_vanishing_mid_read_mean_gone(tmp_path: Path, only_thread: 
     """Pure: whichever read the process (or one thread) disappears before, a tick completes
     and says gone (or one thread fewer); the observer's verdicts never raise."""
     counting = VanishingProcFS(make_proc(tmp_path / "count"), at=-1, only_thread=only_thread)
-    Observer(Sampler(counting), None, SCOPE).observe()
+    Observer(Sampler(counting), None).observe(SCOPE)
     assert counting.calls > 10
     for at in range(1, counting.calls + 2):
         root = make_proc(tmp_path / f"{at}")
         proc = VanishingProcFS(root, at, only_thread)
-        obs = Observer(Sampler(proc), None, SCOPE)
-        tick = obs.observe()
-        obs.observe()  # and the tick after, with the entry gone for good
+        obs = Observer(Sampler(proc), None)
+        tick = obs.observe(SCOPE)
+        obs.observe(SCOPE)  # and the tick after, with the entry gone for good
         verdicts = obs.verdicts(Settings.daemon(60, 1))
         assert [v.pid for v in verdicts] == [10]
         p = tick.snapshot.processes.get(10)
