@@ -32,7 +32,7 @@ FORBIDDEN = {
 }
 # Inside observe/, only the Observer hands snapshots to the analysis; the modules that build a
 # snapshot (discovery, the sampler, the report-time reads) know nothing of what it will mean.
-SNAPSHOT_ONLY = {"discovery", "sampler", "fdwaits", "enrich"}
+SNAPSHOT_ONLY = {"discovery", "sampler", "threads", "socketcache", "fdwaits", "enrich"}
 
 # Top-level modules that are commands or glue, never imported from below.
 COMMANDS = {"cli", "daemon", "diagnose", "preflight"}

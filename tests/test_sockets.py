@@ -392,7 +392,7 @@ def test_a_quiet_namespace_handed_out_again_reads_as_built_afresh() -> None:
         now[0] += 2_500_000_000
         again = sampler.snapshot([pid]).processes[pid]
         assert sampler.tables_reused == reused + 1
-        sampler._ns_reads.clear()  # as if never read: built from the table
+        sampler.socket_reads._ns_reads.clear()  # as if never read: built from the table
         built = sampler.snapshot([pid]).processes[pid]
         assert sampler.tables_reused == reused + 1
     assert again.connections == built.connections and again.listeners == built.listeners

@@ -1,5 +1,5 @@
 """Each CPU's scheduler clock against CLOCK_MONOTONIC, so that a thread's se.exec_start (when
-it last ran) can be dated: SchedClock, for agent.observe.sampler.
+it last ran) can be dated: SchedClock, for agent.observe.threads.
 
 se.exec_start is stamped on the task clock of the CPU the thread ran on (rq->clock_task),
 which leaves out the steal time (and, with IRQ_TIME_ACCOUNTING, the interrupt time) that
