@@ -10,9 +10,9 @@ from dataclasses import dataclass, replace
 from typing import TextIO
 
 from . import session as session_mod
-from .analysis.classify import PROGRESSING, ServiceVerdict
 from .analysis.evidence import UnderThreshold
 from .analysis.lockwords import named_verdicts
+from .analysis.verdict import PROGRESSING, ServiceVerdict
 from .errors import UsageError
 from .observe import enrich
 from .observe.discovery import process_labels

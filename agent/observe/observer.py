@@ -13,19 +13,7 @@ from dataclasses import dataclass, field, replace
 
 from ..analysis import evidence as ev
 from ..analysis.answers import stream_in_flight
-from ..analysis.classify import (
-    ProcessFacts,
-    ServiceFacts,
-    ServiceVerdict,
-    classify_service,
-    incomplete,
-    lock_cycle,
-    parked_group,
-    process_waits,
-    rests_on_time,
-    unanswered_requests,
-    unread_requests,
-)
+from ..analysis.classify import classify_service, rests_on_time
 from ..analysis.frontdoor import FrontDoorConfig, FrontDoors, front_doors
 from ..analysis.gpu import GpuHistory, gpu_active
 from ..analysis.last_progress import last_progress
@@ -41,7 +29,10 @@ from ..analysis.outbound import (
     received_from_outside,
 )
 from ..analysis.progress import ParkSettings, ParkTracker, window_progress
+from ..analysis.requests import unanswered_requests, unread_requests
+from ..analysis.verdict import ProcessFacts, ServiceFacts, ServiceVerdict, incomplete
 from ..analysis.waitgraph import WaitForGraph, WordGroup
+from ..analysis.waits import lock_cycle, parked_group, process_waits
 from ..model import (
     GpuReading,
     ProbeEvent,
