@@ -22,11 +22,11 @@ from typing import Any, TypeVar
 from . import __version__
 from . import config as config_mod
 from . import session as session_mod
-from .analysis.classify import DEADLOCKED, STALLED, ServiceVerdict
 from .analysis.frontdoor import FrontDoorConfig
 from .analysis.lockwords import words_wanted
 from .analysis.sites import leads_rank
 from .analysis.stacks import native_asks, stack_facts
+from .analysis.verdict import DEADLOCKED, STALLED, ServiceVerdict
 from .analysis.window import Tick
 from .errors import HangwatchError, UsageError
 from .explain import explain

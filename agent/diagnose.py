@@ -10,8 +10,8 @@ from dataclasses import dataclass, replace
 from typing import TextIO
 
 from . import session as session_mod
-from .analysis.classify import PROGRESSING, ServiceVerdict
 from .analysis.evidence import UnderThreshold
+from .analysis.verdict import PROGRESSING, ServiceVerdict
 from .errors import UsageError
 from .explain import explain
 from .observe.discovery import process_labels

@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from .analysis.classify import ServiceVerdict
 from .analysis.lockwords import named_verdicts
+from .analysis.verdict import ServiceVerdict
 from .model import Enrichment, Snapshot, StackRead, Wanted
 from .observe import enrich
 from .settings import STACKS_BUDGET_S

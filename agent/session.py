@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 
-from .analysis.classify import ServiceVerdict
+from .analysis.verdict import ServiceVerdict
 from .analysis.window import Tick
 from .model import GpuReading
 from .observe.observer import Observer, Scope

@@ -6,19 +6,18 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from agent.analysis import evidence as ev
-from agent.analysis.classify import (
+from agent.analysis.classify import classify_process, classify_service
+from agent.analysis.progress import ProcessProgress
+from agent.analysis.verdict import (
     DEADLOCKED,
     IDLE,
     PROGRESSING,
     STALLED,
     ProcessFacts,
     ServiceFacts,
-    classify_process,
-    classify_service,
     incomplete,
-    process_waits,
 )
-from agent.analysis.progress import ProcessProgress
+from agent.analysis.waits import process_waits
 from agent.model import Connection, Listener, ProbeShare
 from agent.report.sentences import reasons
 from tests.synth import parked, process
@@ -304,7 +303,7 @@ def _process_waits_by_definition(s, now_ns):
     """process_waits as its docstring defines it, thread by thread: the reference."""
     from collections import Counter
 
-    from agent.analysis.classify import STARTUP_S
+    from agent.analysis.waits import STARTUP_S
     from agent.syscalls import FUTEX, syscall_name, wait_kind
 
     counts: Counter = Counter()

@@ -11,9 +11,10 @@ from dataclasses import replace
 import pytest
 
 from agent.analysis import evidence as ev
-from agent.analysis.classify import STALLED, ProcessFacts, ServiceVerdict, process_waits
 from agent.analysis.culprit import find_culprit
 from agent.analysis.progress import ProcessProgress
+from agent.analysis.verdict import STALLED, ProcessFacts, ServiceVerdict
+from agent.analysis.waits import process_waits
 from agent.model import Connection, Listener, ProcessSample, ThreadSample
 from agent.report import sentences as words
 from tests.synth import S, parked, process

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 
 from agent import daemon as daemon_mod
-from agent.analysis.classify import ProcessVerdict, ServiceVerdict
+from agent.analysis.verdict import ProcessVerdict, ServiceVerdict
 from agent.config import validate
 from agent.daemon import DRAIN_SLICE_S, Daemon
 from agent.errors import HangwatchError

@@ -2,17 +2,10 @@
 
 from __future__ import annotations
 
-from agent.analysis.classify import (
-    IDLE,
-    PROGRESSING,
-    STALLED,
-    ProcessFacts,
-    classify_process,
-    classify_service,
-    gpu_idle,
-)
-from agent.analysis.gpu import GpuHistory, gpu_active
+from agent.analysis.classify import classify_process, classify_service
+from agent.analysis.gpu import GpuHistory, gpu_active, gpu_idle
 from agent.analysis.progress import ProcessProgress
+from agent.analysis.verdict import IDLE, PROGRESSING, STALLED, ProcessFacts
 from agent.model import GpuProcessUse, GpuReading, Listener
 from agent.report.sentences import gpu_list, reasons, render
 from tests.synth import parked, process

@@ -14,11 +14,11 @@ from collections.abc import Mapping, Sequence
 import pytest
 
 from agent.analysis import evidence as ev
-from agent.analysis.classify import DEADLOCKED, PROGRESSING, STALLED
 from agent.analysis.frontdoor import FrontDoors
 from agent.analysis.gpu import GpuHistory
 from agent.analysis.judge import goes_to_pipe, judge, written_targets
 from agent.analysis.progress import ParkTracker
+from agent.analysis.verdict import DEADLOCKED, PROGRESSING, STALLED
 from agent.analysis.waitgraph import WaitForGraph
 from agent.analysis.window import Rules, ServiceReads, Tick, Window
 from agent.model import FdWrites, ProbeReading, Snapshot, WrittenFd

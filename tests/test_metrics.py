@@ -22,7 +22,7 @@ from prometheus_client import make_wsgi_app
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import CollectorRegistry
 
-from agent.analysis.classify import DEADLOCKED, IDLE, STALLED, STATES
+from agent.analysis.verdict import DEADLOCKED, IDLE, STALLED, STATES
 from agent.export.exposition import (
     AgentStatus,
     CollectorStatus,

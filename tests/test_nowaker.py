@@ -6,15 +6,10 @@ import random
 from collections.abc import Iterable
 from dataclasses import replace
 
-from agent.analysis.classify import (
-    DEADLOCKED,
-    STALLED,
-    ProcessFacts,
-    ServiceFacts,
-    classify_service,
-)
+from agent.analysis.classify import classify_service
 from agent.analysis.nowaker import no_waker
 from agent.analysis.progress import ProcessProgress
+from agent.analysis.verdict import DEADLOCKED, STALLED, ProcessFacts, ServiceFacts
 from agent.model import FutexWait, ProbeReading, Snapshot, ThreadSample
 from agent.observe.observer import Observer, Scope
 from agent.observe.sampler import Sampler

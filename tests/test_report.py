@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from agent.analysis import evidence as ev
-from agent.analysis.classify import ProcessVerdict, ServiceVerdict
+from agent.analysis.verdict import ProcessVerdict, ServiceVerdict
 from agent.analysis.waitgraph import WaitForGraph
 from agent.explain import explain
 from agent.model import (

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 import pytest
 
-from agent.analysis.classify import waiting_for_answer
+from agent.analysis.requests import waiting_for_answer
 from agent.observe import sockets as sockets_module
 from agent.observe.sampler import Sampler
 from agent.observe.sockets import SocketTables

@@ -25,20 +25,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.analysis import classify as classify_module
-from agent.analysis.classify import (
-    IDLE,
-    PROGRESSING,
-    STALLED,
-    ProcessFacts,
-    classify_process,
-    classify_service,
+from agent.analysis import requests as requests_module
+from agent.analysis.classify import classify_process, classify_service
+from agent.analysis.progress import ProcessProgress
+from agent.analysis.requests import (
     incomplete_requests,
     unanswered_requests,
     unread_requests,
     waiting_for_answer,
 )
-from agent.analysis.progress import ProcessProgress
+from agent.analysis.verdict import IDLE, PROGRESSING, STALLED, ProcessFacts
 from agent.model import Connection, Connections, Listener, TcpInfo
 from agent.observe.sampler import Sampler
 from agent.report.sentences import reasons
@@ -116,9 +112,9 @@ def test_a_samples_connections_are_judged_once_per_question(monkeypatch):
     kept = _sample(listeners=(LISTEN,), connections=held, kind=Connections)
     plain = _sample(listeners=(LISTEN,), connections=held)
     asked = []
-    judge = classify_module.waiting_for_answer
+    judge = requests_module.waiting_for_answer
     monkeypatch.setattr(
-        classify_module, "waiting_for_answer", lambda c: asked.append(c) or judge(c)
+        requests_module, "waiting_for_answer", lambda c: asked.append(c) or judge(c)
     )
     questions = [
         (frozenset({8000}), frozenset()),

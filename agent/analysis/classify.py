@@ -8,237 +8,33 @@ threshold), and stalled otherwise.
 
 from __future__ import annotations
 
-import bisect
-from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
+from dataclasses import replace
 
-from ..model import Connection, Listener, ProbeShare, ProcessSample, ThreadSample, derived
-from ..syscalls import FUTEX, syscall_name, wait_kind
+from ..model import Connection, Listener, ProcessSample
 from . import evidence as ev
 from .culprit import find_culprit
-from .gpu import ProcessGpu
+from .gpu import gpu_idle, gpu_spin
 from .progress import ProcessProgress
-from .waitgraph import WaitEdge, WordGroup
+from .requests import (
+    door_listeners,
+    incomplete_requests,
+    oldest_request_s,
+    unanswered_requests,
+    unread_requests,
+)
+from .verdict import (
+    DEADLOCKED,
+    IDLE,
+    PROGRESSING,
+    STALLED,
+    ProcessFacts,
+    ProcessVerdict,
+    ServiceFacts,
+    ServiceVerdict,
+)
 
-DEADLOCKED = "deadlocked"
-STALLED = "stalled"
-IDLE = "idle"
-PROGRESSING = "progressing"
-STATES = (DEADLOCKED, STALLED, IDLE, PROGRESSING)
 MAX_NAMED = 3  # processes with no waker named one by one in a service's reasons
-# A thread that has waited since the process's first seconds is parked since start-up (Ray's
-# gRPC threads, gloo's run loops, a C++ daemon's main thread joining its workers), not the
-# hang.
-STARTUP_S = 5.0
-
-
-@dataclass
-class ProcessVerdict:
-    pid: int
-    comm: str
-    threads: int
-    parked_threads: int
-    parked_seconds: float  # how long every thread has been parked; 0 if any works
-    state: str
-    reasons: list[ev.Fact]
-    cycles: list[tuple[int, ...]] = field(default_factory=list)
-    listening_ports: tuple[int, ...] = ()
-    gone: bool = False
-    gpu_spin: bool = False  # host parked past the threshold while its GPUs stay pegged
-    worked: bool = False  # did work of its own in the window (not merely under the threshold)
-    waits: ev.ProcessWaits | None = None  # what its threads wait in
-    no_waker: bool = (
-        False  # deadlocked because no thread of it can be woken (agent.analysis.nowaker)
-    )
-
-
-@dataclass
-class ServiceVerdict:
-    pid: int
-    state: str
-    reasons: list[ev.Fact]
-    cycles: list[tuple[int, ...]]
-    processes: list[ProcessVerdict]
-    gone: bool = False
-    gpu_spin: bool = False
-    # The parked evidence its verdict used (0 when it works): requests on its front doors
-    # waiting for an answer, and its time without progress (the longest of its parked time,
-    # its oldest unanswered request's age and the age of its last dated progress).
-    unanswered_requests: int = 0
-    seconds_since_progress: float = 0.0
-    oldest_request_s: float = 0.0  # how long its oldest unanswered request has waited
-    culprit: ev.Culprit | None = None  # the process that holds it up, when one is known
-
-
-@dataclass(frozen=True)
-class ServiceFacts:
-    """The lock and I/O evidence of a service, gathered before it is classified: the
-    classifier puts the part that explains its verdict into the reasons."""
-
-    cycles: Sequence[ev.LockCycle] = ()  # each stable lock cycle (for a deadlock)
-    parked: Sequence[ev.Fact] = ()  # the largest parked groups, listen times, last writes
-    # The most recent progress dated before the window (None: nothing dated, or not looked
-    # for): a parked service that is not idle has made none for at least that long. The
-    # caller dates only where it counts (see rests_on_time).
-    last_progress: ev.LastProgress | None = None
-    # How long ago work last waited at its front doors, when that was within the window
-    # (None: not in the window): a service is idle only if nothing waited in all of it.
-    demand_age_s: float | None = None
-
-
-@dataclass(frozen=True)
-class ProcessFacts:
-    """Everything the classifier needs about one process, gathered by the caller."""
-
-    sample: ProcessSample
-    progress: ProcessProgress
-    parked_threads: int
-    parked_seconds: float
-    cycles: Sequence[tuple[int, ...]] = ()
-    gpu: ProcessGpu | None = None  # None: NVML did not answer, or it holds no GPU
-    # The service's listening ports that outside clients connect to; None: all of them.
-    front_door_ports: frozenset[int] | None = None
-    waits: ev.ProcessWaits | None = None  # what its threads wait in (process_waits)
-    no_waker: bool = (
-        False  # no thread of it can ever be woken but by a signal (agent.analysis.nowaker)
-    )
-    # Inodes of its connections whose streamed answer is still being sent (agent.analysis.answers)
-    streams: frozenset[int] = frozenset()
-    # What the kernel side did not keep of it beyond its share of the shared maps; None: nothing
-    incomplete: ev.EvidenceIncomplete | None = None
-
-
-def incomplete(pid: int, share: ProbeShare | None) -> ev.EvidenceIncomplete | None:
-    """The fact that the kernel side kept less of ``pid`` than it did, where it did."""
-    if share is None or not (share.entries_refused or share.events_dropped):
-        return None
-    return ev.EvidenceIncomplete(pid, share.entries_refused, share.events_dropped)
-
-
-def lock_cycle(
-    cycle: tuple[int, ...], edges: Mapping[int, WaitEdge], names: Mapping[int, str]
-) -> ev.LockCycle:
-    return ev.LockCycle(
-        tuple(
-            ev.CycleLink(tid, names.get(tid, "?"), e.kind, e.uaddr, e.owner)
-            for tid in cycle
-            if (e := edges.get(tid)) is not None
-        )
-    )
-
-
-def parked_group(g: WordGroup, now_ns: int) -> ev.ParkedGroup:
-    return ev.ParkedGroup(
-        threads=len(g.tids),
-        uaddr=g.uaddr,
-        op=g.op_name,
-        processes=len(g.pids),
-        owner_kind=(g.owner_kind or "") if g.owner else "",
-        owner=g.owner or 0,
-        age_s=(now_ns - g.since_ns) / 1e9 if g.since_ns else None,
-    )
-
-
-def door_listeners(sample: ProcessSample, ports: frozenset[int] | None) -> list[Listener]:
-    """The process's listeners that clients outside the service connect to (``ports``: the
-    service's front-door ports; None: every listener counts, as when nothing is known)."""
-    return [lst for lst in sample.listeners if ports is None or lst.port in ports]
-
-
-def waiting_for_answer(c: Connection) -> bool:
-    """The connection holds a request the service has not answered: it received data more
-    recently than it sent any (tcp_info, both times known, some data received). An idle
-    keep-alive connection sent last (its answer), so it does not wait. A fresh connection
-    whose first request is unanswered has sent nothing since the handshake, which set both
-    times at once: equal times (jiffy granular) with nothing of its own acknowledged are the
-    same case, checked on this kernel with a request sent right after connect()."""
-    recv, sent = c.last_recv_ms, c.last_sent_ms
-    if recv is None or sent is None or not c.bytes_received:
-        return False
-    return recv < sent or (recv == sent and c.bytes_acked == 0)
-
-
-def client_turn(c: Connection, reading: frozenset[int]) -> bool:
-    """The connection holds a request the server has not been sent in full: it looks
-    unanswered (waiting_for_answer), the server has read every byte of it (nothing in its
-    receive queue) and a thread of the server is blocked reading more of it (``reading``:
-    ProcessSample.reading). The server cannot answer what it has not received: the client
-    owes the rest, so the wait is the client's. What this cannot see (event loops, a reader
-    that hands requests off) is in docs/how-it-works.md."""
-    return c.inode in reading and c.rx_queue == 0 and waiting_for_answer(c)
-
-
-def incomplete_requests(
-    sample: ProcessSample, ports: frozenset[int] | None, streams: frozenset[int] = frozenset()
-) -> list[Connection]:
-    """The process's accepted connections on a front door (``ports`` and ``streams`` as for
-    unanswered_requests) whose request the client has not finished sending (client_turn),
-    oldest first. An answer being streamed on one says its request was whole: not one."""
-    if not sample.reading:
-        return []
-    if ports is None:
-        ports = frozenset(lst.port for lst in sample.listeners)
-    reading = sample.reading
-    return sorted(
-        (
-            c
-            for c in sample.connections
-            if c.local_port in ports and c.inode not in streams and client_turn(c, reading)
-        ),
-        key=lambda c: -(c.last_recv_ms or 0),
-    )
-
-
-def unread_requests(sample: ProcessSample, ports: frozenset[int] | None) -> int:
-    """Bytes received and not yet read on the process's accepted connections on a front door
-    (``ports`` as for unanswered_requests): requests not read. Its other connections' unread
-    bytes are chatter caught in flight: a Ray cluster's ~95 loopback gRPC messages a second
-    left 218 bytes queued on some connection of an idle Serve app now and then."""
-    if ports is None:
-        ports = frozenset(lst.port for lst in sample.listeners)
-    return derived(
-        sample.connections,
-        ("unread", ports),
-        lambda cs: sum(c.rx_queue for c in cs if c.local_port in ports),
-    )
-
-
-def unanswered_requests(
-    sample: ProcessSample, ports: frozenset[int] | None, streams: frozenset[int] = frozenset()
-) -> list[Connection]:
-    """The process's accepted connections on a front door (``ports``: the service's front-door
-    ports; None: its own listening ports) that wait for an answer, oldest first: not answered
-    at all, or (``streams``: their inodes) a streamed answer still being sent. A request the
-    server is still reading from its client (client_turn) is not one: it waits on the client."""
-    if ports is None:
-        ports = frozenset(lst.port for lst in sample.listeners)
-    reading = sample.reading
-    return list(
-        derived(
-            sample.connections,
-            ("unanswered", ports, streams, reading),
-            lambda cs: tuple(
-                sorted(
-                    (
-                        c
-                        for c in cs
-                        if c.local_port in ports
-                        and (
-                            c.inode in streams
-                            or (waiting_for_answer(c) and not client_turn(c, reading))
-                        )
-                    ),
-                    key=lambda c: -(c.last_recv_ms or 0),
-                )
-            ),
-        )
-    )
-
-
-def oldest_request_s(unanswered: Iterable[Connection]) -> float:
-    """How long the oldest of these unanswered requests has waited (0 for none)."""
-    return max((c.last_recv_ms or 0 for c in unanswered), default=0) / 1000
 
 
 def classify_process(facts: ProcessFacts, threshold_s: float) -> ProcessVerdict:
@@ -310,73 +106,6 @@ def no_waker(s: ProcessSample, waits: ev.ProcessWaits | None) -> ev.NoWaker:
     words = {t.wait.uaddr for t in s.threads if t.wait is not None}
     age = waits.oldest_untimed_s if waits is not None else None
     return ev.NoWaker(s.pid, s.comm, len(s.threads), len(words), age)
-
-
-def process_waits(s: ProcessSample, now_ns: int) -> ev.ProcessWaits:
-    """What the threads of a process wait in, counted by syscall and timeout; with the age
-    of its oldest untimed futex wait (from ThreadSample.quiet_since_ns), and of each untimed
-    futex wait but those of pools parked since start-up (ProcessWaits)."""
-    waits, running, began, by_tid = derived(s.threads, "waits", _waits_of)
-    main_ns = by_tid.get(s.pid)
-    if not began:
-        return ev.ProcessWaits(waits, running, None, (), None)
-    oldest = max(0.0, (now_ns - began[0]) / 1e9)
-    # Those of the first STARTUP_S of the process are left out: they begin at the cut.
-    cut = 0
-    if s.age_s is not None:
-        cut = bisect.bisect_left(began, now_ns - (s.age_s - STARTUP_S) * 1e9)
-    ages = tuple(max(0.0, (now_ns - ns) / 1e9) for ns in began[cut:])  # oldest first
-    main = None
-    if main_ns is not None and (s.age_s is None or main_ns >= now_ns - (s.age_s - STARTUP_S) * 1e9):
-        main = max(0.0, (now_ns - main_ns) / 1e9)
-    return ev.ProcessWaits(waits, running, oldest, ages, main)
-
-
-def _waits_of(
-    threads: Sequence[ThreadSample],
-) -> tuple[tuple[tuple[str, bool | None, int], ...], int, list[int], dict[int, int]]:
-    """Of process_waits, what the threads alone say: the waits counted, the threads not
-    blocked, when each untimed futex wait began (in order), and the same by TID."""
-    counts: Counter[tuple[str, bool | None]] = Counter()
-    running = 0
-    by_tid: dict[int, int] = {}
-    for t in threads:
-        if not t.blocked:
-            running += 1
-            continue
-        name = syscall_name(t.syscall) if t.syscall is not None and t.syscall >= 0 else "no syscall"
-        counts[(name, t.timed)] += 1
-        if wait_kind(t.syscall) == FUTEX and t.timed is False:
-            ns = t.quiet_since_ns
-            if ns is not None:
-                by_tid[t.tid] = ns
-    waits = tuple(
-        (name, timed, n) for (name, timed), n in sorted(counts.items(), key=lambda x: -x[1])
-    )
-    return waits, running, sorted(by_tid.values()), by_tid
-
-
-def gpu_idle(gpus: Mapping[int, ProcessGpu]) -> ev.GpuIdle | None:
-    """Processes holding GPUs but not using them, or None."""
-    held = [g for g in gpus.values() if g.memory_bytes and not g.active]
-    if not held:
-        return None
-    uses = [u for g in held for u in g.uses]
-    per_gpu = [u.memory_bytes or 0 for u in uses]
-    each = per_gpu[0] if len(set(per_gpu)) == 1 and len(per_gpu) > 1 else None
-    return ev.GpuIdle(
-        tuple(u.gpu for u in uses), min(g.idle_for_s for g in held), each, sum(per_gpu)
-    )
-
-
-def gpu_spin(gpus: Iterable[ProcessGpu]) -> ev.GpuSpin:
-    gs = list(gpus)
-    uses = [u for g in gs for u in g.uses]
-    return ev.GpuSpin(
-        tuple(u.gpu for u in uses),
-        min(u.sm_utilization for u in uses),
-        min(g.high_for_s for g in gs),
-    )
 
 
 def _parked_state(
@@ -598,11 +327,15 @@ def _waiters_take(v: ServiceVerdict) -> ServiceVerdict:
     """Processes that did nothing of their own but wait (not in a cycle, not gone) take the
     service's state: a healthy idle server's scheduler is idle, not stalled; a rank parked in
     a collective behind a computing peer is progressing; the front-end of a scheduler in a
-    lock cycle is deadlocked with it."""
-    for p in v.processes:
-        if not (p.worked or p.gone or p.state == DEADLOCKED or p.gpu_spin):
-            # Its own reasons judged it alone ("no front door", "under the threshold"):
-            # keep what it did (parked since when), and say whose state it takes.
-            p.state = v.state
-            p.reasons = [*p.reasons[:1], ev.WaitsWithService(v.state)]
-    return v
+    lock cycle is deadlocked with it. Returns the verdict with those processes' verdicts
+    replaced; ``v`` and its process verdicts are left as they were."""
+    return replace(v, processes=[_takes(p, v.state) for p in v.processes])
+
+
+def _takes(p: ProcessVerdict, state: str) -> ProcessVerdict:
+    """``p``, or where it only waits, a copy that takes the service's ``state``."""
+    if p.worked or p.gone or p.state == DEADLOCKED or p.gpu_spin:
+        return p
+    # Its own reasons judged it alone ("no front door", "under the threshold"): keep what it
+    # did (parked since when), and say whose state it takes.
+    return replace(p, state=state, reasons=[*p.reasons[:1], ev.WaitsWithService(state)])

@@ -6,13 +6,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from ..syscalls import FUTEX, kind_by_name
 from . import evidence as ev
-
-if TYPE_CHECKING:  # the classifier imports this module: its types only, for annotations
-    from .classify import ProcessFacts, ServiceVerdict
+from .verdict import ProcessFacts, ServiceVerdict
 
 # How far from the service's stop a wait may have begun and still be part of the hang: the
 # stop is dated by tcp_info or a log's mtime, a wait by se.exec_start, on its CPU's task

@@ -9,7 +9,7 @@ peer that never comes. That is a stall, whatever the GPU counters say.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from ..model import GpuProcessUse, GpuReading
@@ -95,3 +95,26 @@ class GpuHistory:
 
 def gpu_active(g: ProcessGpu) -> ev.GpuActive:
     return ev.GpuActive(tuple(u.gpu for u in g.uses), g.max_utilization, g.memory_change)
+
+
+def gpu_idle(gpus: Mapping[int, ProcessGpu]) -> ev.GpuIdle | None:
+    """Processes holding GPUs but not using them, or None."""
+    held = [g for g in gpus.values() if g.memory_bytes and not g.active]
+    if not held:
+        return None
+    uses = [u for g in held for u in g.uses]
+    per_gpu = [u.memory_bytes or 0 for u in uses]
+    each = per_gpu[0] if len(set(per_gpu)) == 1 and len(per_gpu) > 1 else None
+    return ev.GpuIdle(
+        tuple(u.gpu for u in uses), min(g.idle_for_s for g in held), each, sum(per_gpu)
+    )
+
+
+def gpu_spin(gpus: Iterable[ProcessGpu]) -> ev.GpuSpin:
+    gs = list(gpus)
+    uses = [u for g in gs for u in g.uses]
+    return ev.GpuSpin(
+        tuple(u.gpu for u in uses),
+        min(u.sm_utilization for u in uses),
+        min(g.high_for_s for g in gs),
+    )

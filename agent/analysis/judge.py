@@ -13,17 +13,7 @@ from dataclasses import dataclass, replace
 
 from ..model import ProbeReading, ProcessSample, Snapshot, WrittenFd, fd_name, thread_ids
 from . import evidence as ev
-from .classify import (
-    ProcessFacts,
-    ServiceFacts,
-    ServiceVerdict,
-    classify_service,
-    incomplete,
-    lock_cycle,
-    parked_group,
-    process_waits,
-    rests_on_time,
-)
+from .classify import classify_service, rests_on_time
 from .frontdoor import FrontDoors
 from .gpu import gpu_active
 from .last_progress import last_progress
@@ -37,7 +27,9 @@ from .outbound import (
     received_from_outside,
 )
 from .progress import window_progress
+from .verdict import ProcessFacts, ServiceFacts, ServiceVerdict, incomplete
 from .waitgraph import WordGroup
+from .waits import lock_cycle, parked_group, process_waits
 from .window import Rules, ServiceReads, Window
 
 HeartbeatFiles = Mapping[tuple[int, int], frozenset[str]]

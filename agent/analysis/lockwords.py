@@ -9,7 +9,7 @@ from dataclasses import replace
 
 from ..model import Snapshot
 from . import evidence as ev
-from .classify import ServiceVerdict
+from .verdict import ServiceVerdict
 
 
 def _links(facts: Iterable[ev.Fact]) -> Iterator[ev.CycleLink]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ..analysis.classify import ProcessVerdict, ServiceVerdict
+from ..analysis.verdict import ProcessVerdict, ServiceVerdict
 from ..analysis.window import Tick
 from ..model import GpuReading, ProbeReading
 from .exposition import AgentStatus, Exposition, ProcessStatus, ServiceStatus

@@ -30,7 +30,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.utils import floatToGoString
 
 from .. import __version__
-from ..analysis.classify import STATES
+from ..analysis.verdict import STATES
 from .exposition import EXPOSITION, AgentStatus, Exposition, ProcessStatus, ServiceStatus
 
 log = logging.getLogger(__name__)

@@ -13,7 +13,6 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..analysis.answers import stream_in_flight
-from ..analysis.classify import ServiceVerdict, unanswered_requests, unread_requests
 from ..analysis.frontdoor import FrontDoorConfig, FrontDoors, front_doors
 from ..analysis.gpu import GpuHistory
 from ..analysis.judge import (
@@ -27,6 +26,8 @@ from ..analysis.judge import (
 from ..analysis.nowaker import no_waker
 from ..analysis.outbound import inode_of
 from ..analysis.progress import ParkSettings, ParkTracker
+from ..analysis.requests import unanswered_requests, unread_requests
+from ..analysis.verdict import ServiceVerdict
 from ..analysis.waitgraph import WaitForGraph
 from ..analysis.window import Rules, ServiceReads, Tick, Window
 from ..model import GpuReading, ProbeEvent, ProbeReading, Snapshot, SocketEvent, thread_ids

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..analysis.classify import ProcessVerdict, ServiceVerdict
 from ..analysis.lockwords import words_wanted
 from ..analysis.stacks import group_stacks, lock_cycle_hint, lock_waiters
+from ..analysis.verdict import ProcessVerdict, ServiceVerdict
 from ..model import ProcessSample, StackRead, Wanted
 from .diagnosis import ISO, Report, probe_summary, since
 from .sentences import clock, evidence_json, reasons, wait_words

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ..analysis.classify import ServiceVerdict
+from ..analysis.verdict import ServiceVerdict
 from ..analysis.waitgraph import WaitForGraph
 from ..model import Enrichment, GpuReading, ProbeEvent, Snapshot
 from .sentences import clock

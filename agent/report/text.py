@@ -9,11 +9,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from ..analysis.classify import ProcessVerdict, ServiceVerdict, parked_group
 from ..analysis.evidence import NoPythonStack, ParkedGroup
 from ..analysis.lockwords import words_wanted
 from ..analysis.stacks import in_futex, native_asks, stack_facts, wait_of
+from ..analysis.verdict import ProcessVerdict, ServiceVerdict
 from ..analysis.waitgraph import WordGroup
+from ..analysis.waits import parked_group
 from ..model import ProcessSample, StackRead, ThreadSample, Wanted, plural
 from .diagnosis import Report, probe_summary, since
 from .fds import fds_words
