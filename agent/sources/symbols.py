@@ -47,7 +47,7 @@ STT_OBJECT, STT_FUNC = 1, 2
 SHN_UNDEF = 0
 # Not "native callers": the wait itself lives there, in every blocked thread alike.
 # The C++ runtime too: std::condition_variable::wait and std::mutex live in libstdc++, and
-# every C++ wait passes through them (found on real torch: gloo's and c10d's waits).
+# every C++ wait passes through them (docs/how-it-works.md, "Native frames").
 _LIBC_PREFIXES = (
     "libc.so",
     "libc-",
