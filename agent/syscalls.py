@@ -1,13 +1,10 @@
 """The x86-64 syscalls threads block in: the one table of what hangwatch knows of each.
 
-Pure data, like agent.abi, usable by every layer: for each syscall its number (as
-/proc/PID/task/TID/syscall reports it, raw), its name, the kind of wait, which argument holds
-its timeout and how that argument reads, and where its arguments name the fds it waits on.
-Any syscall not in the table shows as its number, of kind OTHER.
-
-The kind says who can end the wait: a futex wait without a timeout ends only when another
-thread wakes it (or a signal); an I/O wait when data or a peer arrives; a sleep or a timed wait
-when its time is up, whatever else happens.
+Pure data, like agent.abi, for every layer: each syscall's number (raw, as
+/proc/PID/task/TID/syscall reports it), name, kind of wait, the argument that holds its
+timeout and how it reads, and where its arguments name the fds it waits on; any other shows as
+its number, of kind OTHER. The kind says who can end the wait: another thread (a futex wait
+without a timeout), data or a peer (an I/O wait), or time (a sleep or timed wait).
 """
 
 from __future__ import annotations

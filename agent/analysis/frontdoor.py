@@ -1,58 +1,13 @@
 """Which listeners of a service are front doors: pure, from the sampled processes alone.
 
 A listener is a front door when clients from outside the service connect to it; a
-distributed job's plumbing is not (DESIGN.md, "Idle needs a front door with nothing waiting
-at it"). Per listening port of the service, in this order:
-
-1. The target's config decides when it declares: ``front_door_ports`` are exactly the front
-   doors, ``front_door: false`` means none.
-2. A port that a process of the service names as plumbing is not: its ``MASTER_PORT`` (the
-   TCPStore of rank 0, or of the torchrun agent), torchrun's ``--master-port`` or
-   ``--rdzv-endpoint`` (the agent hosts the store there).
-3. A listener on an ephemeral port (at or above ip_local_port_range's start) held by a
-   process of a distributed job (a rank: it has MASTER_PORT; or the torchrun agent) is a
-   collective library's listener (gloo) or an auto-assigned store (``--standalone``), whatever
-   connects to it: across nodes its peers are ranks on other hosts, outside this host's view
-   of the service, so "from outside" cannot tell them from clients.
-4. Otherwise its accepted connections (the service's established sockets on that local
-   port) decide: every peer a socket of the service (the other end of the loopback pair is
-   held by a process of the service) makes it plumbing; one peer from outside makes it a front
-   door.
-5. A listener with no connection is a front door until shown otherwise when it is an address
-   clients can know: a port the service's root names on its command line (the engine's
-   ``--port``), or one below the kernel's ephemeral range (8000, 30000: asked for by number).
-   It is not when the probe saw it bound to port 0 (the kernel chose it), nor when it lies in
-   the ephemeral range unnamed by the root: a port the kernel or a runtime chose. vLLM's
-   Worker opens a gloo listener per process group on kernel-chosen ports even at world size
-   1, with no torchrun variables around; Ray picks free ports for its raylet, workers,
-   agents and metrics exporters and hands them to each child on its command line (so the
-   root's command line is the one that counts, not the holder's). An idle server on a port
-   it was given has no connection and stays a front door: an idle server has none.
-
-What the real thing looks like (torch 2.14.1, gloo on CPU, 2 ranks; checked by hand with
-tests/realsw/torch_jobs.py and the serving stack of tests/realsw/serving):
-
-* ``torchrun --master_port=29611``: the agent (comm ``pt_elastic``, no MASTER_PORT of its
-  own) listens on ``:::29611`` (rule 2, its flag); its own client and each rank connect to it
-  over ``::ffff:127.0.0.1``. Each rank has MASTER_PORT=29611 and one gloo listener on
-  ``127.0.0.1:<ephemeral>`` (35293, 38653); rank 1 connects to rank 0's, nothing to rank 1's
-  (rule 3; rule 4 would also call rank 0's plumbing, but rank 1's has no connection).
-* ``torchrun --standalone``: the agent listens on two ephemeral ports, the c10d rendezvous
-  store (localhost:0, named nowhere; only the agent connects to it) and the ranks'
-  MASTER_PORT (rule 2 through the ranks' environment); both also fall under rule 3.
-* ``--rdzv-backend=c10d --rdzv-endpoint 127.0.0.1:29633``: the agent listens on 29633 (its
-  flag) and on an ephemeral port that is the ranks' MASTER_PORT.
-* ``torchrun --nnodes=2`` with node 1 missing: the agent listens on its --master_port, only
-  its own client connected. A rank run directly with MASTER_PORT=29621 (rendezvous_peer_missing)
-  listens on :::29621, only itself connected.
-* The serving stack (uvicorn front-end, zmq over ipc:// to its spawned children): one listener,
-  the front-end's port (ephemeral with ``--port 0``; no process of it has MASTER_PORT), its
-  peers the client's sockets, outside the service: a front door; with no client, still one
-  (rule 4). Its children hold no TCP socket.
-
-Environment hints are what the process was exec'd with (/proc/PID/environ): a script that sets
-``os.environ["MASTER_PORT"]`` itself shows it only in the children it starts; declare the
-ports in the config when the rules guess wrong.
+distributed job's plumbing is not. Per listening port, the first rule that applies decides:
+(1) the target's config; (2) a port a process names as plumbing (``MASTER_PORT``, torchrun's
+``--master-port`` and ``--rdzv-endpoint``); (3) an ephemeral port held by a rank or its
+launcher; (4) its accepted connections: every peer a socket of the service, or one outside;
+(5) with no connection, whether clients can know the address (named on the root's command
+line, or below the ephemeral range). Why each, and real jobs under them: docs/how-it-works.md,
+"Front doors and work waiting".
 """
 
 from __future__ import annotations

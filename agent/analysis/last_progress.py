@@ -1,30 +1,13 @@
 """When a quiet service last made progress, from evidence that carries its own age.
 
-A hang is often older than the observation: ``diagnose`` watches for 5 s a service that
-stopped minutes ago. What the service did in the window cannot say for how long it has done
-nothing; what the kernel kept can. For a service that did nothing in the window, the most
-recent of these dates its last progress:
-
-* a file, terminal or pipe it holds open for writing, out of the service (its log): the
-  mtime, which every write moves; except where a process of the service was seen writing
-  heartbeats to it (agent.analysis.progress): then the mtime dates the last status line, not the
-  last work (vLLM's EngineCore logs its warning to the stdout it shares with the API server);
-* a TCP connection to a peer outside the service: when data was last sent on it, and, on
-  connections that are not requests at a front door, when data was last received
-  (tcp_info: weights streamed in, a peer rank's data);
-* a process's main thread in a futex wait without a timeout that has not run since before
-  the window: when it last ran (se.exec_start); it stopped then to wait for another thread
-  of its process. Other threads say nothing of when work was last done, so they are left
-  out: one that waits with a timeout ticks (gloo's loop, a monitor's sleep, with periods
-  longer than the window), one that waits on a file descriptor is woken by the service's
-  own chatter (torch's store answering its own client, zmq's I/O threads), and a runtime's
-  pool threads wake on periods of their own: a Ray worker's gRPC event-engine thread last
-  ran 10 s before, in a window of 10 s, while the actor's main thread had waited 41 s on
-  the Event that hung it.
-
-What it cannot see: CPU work before the window by a thread that now wakes on a timer. A
-service that computed silently until just before the observation and then parked is dated
-from its last output instead (docs/how-it-works.md, "What hangwatch cannot see").
+A hang is often older than the observation, and what the service did in the window cannot say
+for how long it has done nothing; what the kernel kept can. The most recent of these dates it:
+the mtime of a file, terminal or pipe it writes out of the service (not one it was seen
+writing heartbeats to: that dates a status line), when data last went each way on a TCP
+connection outside the service (received only off a front door), and when a main thread in a
+futex wait without a timeout last ran. Other threads wake on timers, the service's own chatter
+or a runtime's periods, not work, so they date nothing (docs/how-it-works.md, "Time without
+progress, dated by evidence with its own age").
 """
 
 from __future__ import annotations

@@ -1,28 +1,12 @@
 """Hangs proven without an owner: a process that no thread of its own, and no other process,
 can ever wake.
 
-A set of threads is deadlocked when each waits for an event that only another thread of the
-set can cause. Python locks, condition variables and events record no owner, so the wait-for
-graph cannot draw their cycles. But when **every** thread of a process is blocked in a futex
-wait that
-
-* has no timeout (it does not end by itself),
-* is process-private (``FUTEX_PRIVATE_FLAG``, or a word in a private mapping: no other
-  process can reach it), and
-* is the same wait in two reads a tick apart, with no CPU used in between,
-
-then no thread of it runs to wake another, and nothing outside can: the process has no waker
-now, whatever the threshold. That covers a cycle of Python locks with the main thread joining
-the workers, a child forked while another thread held a lock (the child has only the thread
-that forked), and an event that no remaining thread can set.
-
-What breaks the proof, by design: any thread that can be woken from outside. A timed wait, a
-sleep, ``poll``/``epoll``/``read`` on a file descriptor, a shared futex, a thread that ran: a
-server waiting on sockets, a rank waiting for a peer (gloo's loop polls with a timeout), a
-pool waiting for work while an I/O thread polls always have one. What could still end
-such a wait is a signal: a handler that runs (Python's run on the main thread) or a timer armed to
-send one (``alarm``, ``setitimer``, POSIX timers). A process with a POSIX timer (listed in
-``/proc/PID/timers``) is left out; ``alarm`` and ``setitimer`` cannot be seen from outside.
+Python locks, condition variables and events record no owner, so the wait-for graph cannot
+draw their cycles. But when every thread of a process is blocked in a futex wait with no
+timeout, on a process-private word, the same in two reads a tick apart with no CPU used in
+between, no thread of it can run to wake another and nothing outside can: it has no waker
+now, whatever the threshold. Any thread that can be woken from outside, or a timer that can
+send a signal, breaks the proof (docs/how-it-works.md, "Hangs proven without an owner").
 """
 
 from __future__ import annotations

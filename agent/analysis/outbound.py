@@ -1,17 +1,10 @@
 """Which writes leave the service: the only writes that count as progress.
 
 Progress is work for someone outside the service. A write reaches outside when it goes to a
-file (a log, a checkpoint), a terminal, or a TCP peer that is not one of the service's own
-sockets. Chatter between the service's own processes and threads is not progress: eventfd
-signals (zmq wakes its I/O threads with them), pipes whose reading end the service holds
-(asyncio's and multiprocessing's), unix sockets (zmq ipc://), and loopback TCP between its
-processes (torch's store client polling its own server every 10 ms). Writes to /dev/null
-reach nobody.
-
-A pipe whose reading end is outside the service (a server's stdout going to journald or a
-container runtime) is a log: it leaves. A unix socket is taken as internal: inference
-services talk to clients over TCP, and peers of unix sockets are not in /proc/net/tcp (a
-front-end serving over a unix socket would go unseen).
+file, a terminal, a pipe read outside the service (a log), or a TCP peer that is not one of
+the service's own sockets. Chatter between its own processes and threads (eventfds, pipes it
+reads itself, unix sockets, loopback TCP between its processes) and writes to /dev/null reach
+nobody (docs/how-it-works.md, "Progress and park time").
 """
 
 from __future__ import annotations

@@ -1,30 +1,12 @@
 """Progress: did a process do work in the window, and since when is each thread parked.
 
-Progress is work, not wake-ups: a thread that wakes on a timer and parks again
-uses almost no CPU, so it stays parked. Each signal is one field of
-``ProcessProgress``; the daemon's probes (writes per fd, accepts) and the GPU
-source feed the same fields, so the classifier has one place to look.
-
-A write is progress unless it is proven a heartbeat. A process waiting for something writes
-on a timer (a status line each minute, a state file rewritten every few seconds), so a write
-alone does not show work; but the absence of other work proves nothing where some work goes
-unseen, so the proof has two parts, both from one window:
-
-* no other work, by the whole accounting (``ProcessProgress.other_work``: a thread above the
-  CPU floor, an answer to a client, data received from outside, data read from storage, GPU
-  work): a loading log comes with the CPU or the reads of the load, a checkpoint with its
-  bytes;
-* the shape of a status write: small (``HEARTBEAT_MAX_BYTES``), few calls
-  (``HEARTBEAT_MAX_CALLS``), all to a few destinations that were named
-  (``HEARTBEAT_MAX_FILES``: a status writer's own logs, such as a log file, an event log, a
-  terminal, a pipe out of the service). A write whose destination could not be named (its
-  fd closed before it was read) is counted as progress: an answer on a connection closed at
-  once looks like that, and an unseen answer is what must never read as idle.
-
-Examples: Ray's autoscaler monitor appending its status to monitor.log every 5 s, vLLM's
-EngineCore logging "No available shared memory broadcast block found in 60 seconds" each
-minute its Worker does not answer. Answers to clients always count: the probe places them by
-the port they were accepted on when they are written (ProbeReading.door_writes).
+Progress is work, not wake-ups: a thread that wakes on a timer and parks again uses almost no
+CPU, so it stays parked. Each signal is one field of ``ProcessProgress`` (CPU, writes out of
+the service, answers, data received or read from storage, GPU), so the classifier has one
+place to look. A write is progress unless it is proven a heartbeat: no other work in the
+window, and the shape of a status write (small, few calls, to a few named destinations). A
+write to a destination that could not be named counts: an unseen answer must never read as
+idle (docs/how-it-works.md, "Progress and park time").
 """
 
 from __future__ import annotations
@@ -37,8 +19,8 @@ from . import evidence as ev
 
 NS = 1_000_000_000
 # Most a process may write to files in one window, with no other work, and still be taken
-# for a heartbeat: the raylet's debug_state.txt rewrite is 16-20 KB; a log line, a few
-# hundred bytes. More than this is data, whatever else the process did.
+# for a heartbeat: a status file rewritten whole is tens of KB; a log line, a few hundred
+# bytes. More than this is data, whatever else the process did.
 HEARTBEAT_MAX_BYTES = 256 * 1024
 # Least a process must read from storage, per second of the window, for the reading to be
 # work: a loader reads MBs a second even from network storage, while a config file, a

@@ -1,16 +1,11 @@
 """Where a parked process waits, as one short label value: the ``site`` of
-``hangwatch_process_waiting_at``, which lets Prometheus compare the ranks of a job across
-hosts ("three ranks at `all_reduce (train.py:57)`, one at `__next__ (train.py:60)`").
+``hangwatch_process_waiting_at``, which lets Prometheus compare the ranks of a job across hosts.
 
-Pure: from a stack read of the process (agent.model.StackRead) or its main thread's first
-native caller. The value must stay low-cardinality and comparable between ranks, so it names
-code, never an address, a TID or a time, and it is cut to MAX_SITE characters.
-
-The frame a site names is the innermost one of the program's own code: outside the standard
-library and outside installed packages, since every rank of a job waits inside torch alike
-and what tells them apart is the line of the training script that called it. The call is the
-function that line called, read through decorators (torch wraps its collectives in a
-``wrapper``), or the frame's own function when its line waits in native code directly.
+Pure, from a stack read of the process or its main thread's first native caller. The value
+names code, never an address, a TID or a time, so that it stays comparable between ranks and
+low in cardinality: the innermost frame of the program's own code (every rank waits inside
+its libraries alike) and the call it made there (docs/how-it-works.md, "Where a parked process
+waits, for Prometheus").
 """
 
 from __future__ import annotations

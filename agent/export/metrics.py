@@ -1,14 +1,10 @@
 """Prometheus metrics: the daemon's latest ``Exposition`` as metric families, on every scrape.
 
-``HangwatchCollector`` keeps nothing between scrapes: each ``collect()`` reads the latest
-exposition from its ``source`` and builds fresh families from it, so only processes present
-in that exposition produce samples and cardinality stays bounded by what is watched now.
-
-Labels: service metrics carry ``{service, pid, state}`` (pid is the service's root);
-process metrics carry ``{service, service_pid, pid, comm}`` plus the allow-listed
-environment labels (``rank``, ``local_rank``...): the union of the names present in the
-exposition, with "" where a process lacks one, so every sample of a family has the same
-label names. Never a TID: per-thread series would grow with every thread ever seen.
+``HangwatchCollector`` keeps nothing between scrapes: each ``collect()`` builds fresh families
+from the latest exposition, so cardinality stays bounded by what is watched now. A family's
+samples share one set of label names ("" where a process lacks an environment label), and
+none is a TID: per-thread series would grow with every thread ever seen (docs/how-it-works.md,
+"Labels").
 """
 
 from __future__ import annotations

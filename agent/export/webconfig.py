@@ -1,13 +1,5 @@
-"""TLS and basic auth for /metrics, from a web config file in the Prometheus exporter format.
-
-    tls_server_config:
-      cert_file: /etc/hangwatch/tls.crt
-      key_file: /etc/hangwatch/tls.key
-      client_auth_type: RequireAndVerifyClientCert   # optional
-      client_ca_file: /etc/hangwatch/clients-ca.crt  # with a client_auth_type that verifies
-      min_version: TLS12                             # optional: TLS12 (default) or TLS13
-    basic_auth_users:
-      prometheus: $2y$10$...                         # bcrypt hash (htpasswd -nBC 10 "" | tr -d ':')
+"""TLS and basic auth for /metrics, from a web config file in the Prometheus exporter format
+(``tls_server_config``, ``basic_auth_users``: docs/security.md, "Protecting /metrics").
 
 The file is validated completely, certificates and keys loaded and hashes checked, before the
 daemon binds or attaches anything: a bad one is a UsageError (exit 2) that names the key.

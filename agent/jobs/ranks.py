@@ -1,28 +1,11 @@
 """A distributed job's ranks, from the series of its processes: pure, no I/O.
 
 The semantics are those of the shipped rules (deploy/prometheus/hangwatch-rules.yml, group
-hangwatch.jobs), computed here from the daemon's raw series so that the command works against
-a Prometheus that does not load the rules:
-
-* a job is keyed by `service, job_key` (what all its ranks share and no other job does:
-  agent.observe.jobkey); ranks without a key are grouped per host: `instance, service_pid` as
-  well;
-* a rank's processes carry its `rank` label (its DataLoader workers inherit it); its parked
-  seconds are the smallest of its processes', and it waits (is stalled, for the job) when
-  every one of them has been parked at least its host's park threshold
-  (`hangwatch_park_threshold_seconds`) and none is idle: a rank parked in a collective while a
-  peer on its own host computes is stalled for the job, though its host calls it progressing,
-  and an idle server's ranks are not (where a host exports no threshold: when every process
-  is stalled);
-* a job is stalled when one of its ranks waits, for the longest park among its waiting ranks;
-* in a stalled job the odd ranks out are those `not parked`, and those at an `other site` than
-  the one most ranks wait at (a tie for the top names nobody; ranks without a site don't count);
-* a rank of any job seen in the last 15 minutes and gone now is `missing`, and a job with an
-  key whose world size says more ranks than were seen has ranks `never seen`.
-
-Any other label than those and `pid` (`comm`, Prometheus's `job`, a federation's `cluster`) is
-ignored, so the series may come per process or already aggregated by the job key, `instance`,
-`service_pid`, `rank` and `pid` (and `state` or `site`): the answer is the same.
+hangwatch.jobs; docs/deploy.md), computed here from the daemon's raw series so that the
+command works against a Prometheus that does not load the rules: jobs keyed by ``service,
+job_key`` (per host without a key), the ranks that wait, a stalled job and its odd ranks out,
+ranks missing or never seen. Labels other than those and ``pid`` are ignored, so series per
+process or already aggregated give the same answer.
 """
 
 from __future__ import annotations

@@ -2,28 +2,9 @@
 
 Label values come from the watched programs (a site is made of their file and function names)
 and from whoever configures Prometheus: text shows them with every non-printable character
-(escapes, newlines, bidirectional overrides) replaced by "?", so a value can neither move the
-cursor nor pass for another. JSON keeps them exact (json escapes them all).
-
-JSON (`--json`); keys are an interface, added to, never renamed:
-
-    {"prometheus": URL (its userinfo shown as ***@),
-     "jobs": [JOB, ...],            every job seen, as the list without --job shows them
-     "job": JOB + {"ranks": [RANK, ...], "sites": [{"site", "ranks"}, ...]} or null
-                                     the job shown; null when none was picked (exit 2)}
-    JOB:  {"job": the name --job takes, "service", "job_key" ("" for ranks without one),
-           "torchelastic_run_id", "slurm_job_id" (the id a key of that kind holds, else ""),
-           "instance", "service_pid" (these two only for a job without a key, else ""),
-           "world_size": int or null, "ranks_visible": int, "ranks_missing": [rank, ...],
-           "stalled": bool, "stalled_seconds": float (0 when not stalled)}
-    RANK: {"rank": str, "instances": [str, ...] (for a missing rank: where last seen),
-           "pid": its own process (with its site, else its lowest PID; what to give
-           `hangwatch diagnose --pid` on its host) or null, "pids": [every PID of the rank],
-           "state": deadlocked|stalled|idle|progressing|unknown|missing (its host's word),
-           "waits": bool (stalled for the job: parked past its host's threshold, not idle),
-           "site": str or null, "parked_seconds": float or null (null: not visible),
-           "reason": "not parked"|"other site"|"missing"|"never seen" or null (not odd),
-           "last_seen_seconds_ago": float or null}
+replaced by "?", so a value can neither move the cursor nor pass for another; JSON keeps them
+exact. The JSON's keys are an interface, added to, never renamed (README.md, "`hangwatch job`:
+which rank holds a job up", lists them).
 """
 
 from __future__ import annotations

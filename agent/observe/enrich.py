@@ -1,12 +1,10 @@
-"""The reads a report makes beyond its snapshot, all in one place: the Python stacks of its
-processes, the first native caller of the threads it asks about, the fds its threads blocked
-on wait on, and what its futex words are. `diagnose` and the daemon's flight record both read
-through here, once per report, and hand the result (agent.model.Enrichment) to the analysis
-and the renderer as plain data: nothing past this step reads /proc.
+"""The reads a report makes beyond its snapshot, all in one place: Python stacks, native
+callers, what blocked fds wait on, what futex words are.
 
-What to read is the report's to say (agent.model.Wanted): which threads and words matter
-depends on the stacks, so the stacks are read first (``read_stacks``), and then what the
-report asks given them (``read_asked``); agent.explain runs the two in order.
+`diagnose` and the daemon's flight record read through here once per report and hand the
+result on as plain data (agent.model.Enrichment): nothing past this step reads /proc. The
+stacks are read first (``read_stacks``), since which threads and words matter depends on them,
+then what the report asks given them (``read_asked``); agent.explain runs the two in order.
 """
 
 from __future__ import annotations

@@ -1,38 +1,13 @@
 """Files a watched process names, read with its view and its rights, never the agent's.
 
-A target names files: the file of each Python frame (a code object's ``co_filename``, which
-``compile()`` sets to anything) and the objects it maps. Opened by root as
-``/proc/PID/root`` + name, such a name is not confined: ``..`` and absolute symlinks are
-resolved against the agent's root, and root reads what the target could not. So every such
-read goes through here:
-
-* **the target's view**: the name is resolved inside the target's root directory (an fd on
-  ``/proc/PID/root``), with ``openat2(RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)`` where the kernel
-  has it (5.6+) and otherwise a walk that does the same one component at a time (``..`` stops
-  at the root, an absolute symlink starts again from it, a symlink is read as text and never
-  followed by the kernel). No mount crossing is refused: the walk runs in the target's own
-  mount namespace, so a mount it crosses is one the target sees, and the rights below decide.
-* **the target's rights, fixed once**: its identity (ids, start time, executable, whether
-  the kernel made it non-dumpable) is taken with an fd on its /proc directory and one on its
-  root, before anything is read on its behalf (``Target``: before py-spy reads its frames,
-  before its maps are read for symbols), and checked unchanged after each read that depends
-  on it; a target that runs a setuid or setgid image, or is not dumpable, is read for not at
-  all. A child process takes the file-system uid, gid and supplementary groups of that
-  identity (never ones read again later: an exec of a setuid binary between the frames and
-  the lines would make them root's) and drops every capability before it opens anything, so
-  the kernel itself checks each directory searched and the file read (mode bits, ACLs), as
-  it would for the target. It opens with ``O_PATH`` first and reopens only a regular file, so a name that
-  points at a FIFO or a device never opens it (no blocking, no side effect of an open).
-* **bounded**: one child per batch, killed at its timeout (a file on a hung network or FUSE
-  mount cannot hold up the agent), at most ``MAX_FILE_BYTES`` read of a file and
-  ``MAX_LINE_CHARS`` of a line returned.
-
-What comes back is only what the target could have read itself, and a short reason for each
-name that gave nothing (the phrases below), for the JSON report to say why a line is missing.
-
-The child is this module run as ``python -I -B -m agent.sources.confined``: its request on stdin, its
-answer on stdout (JSON), file descriptors (for ELF objects) over a socket pair. It imports
-nothing from the rest of the agent, and nothing after it has dropped its rights.
+A name a target chose (a Python frame's ``co_filename``, which ``compile()`` sets to anything;
+the path of an object it maps), opened by root as ``/proc/PID/root`` + name, would resolve
+``..`` and symlinks against the agent's root and read what the target could not. So each is
+resolved inside the target's root and read by a child of this module that has taken the
+target's file-system ids, fixed once by ``Target`` before anything is read on its behalf, and
+dropped every capability; the child is killed at its timeout and reads a bounded amount. What
+comes back is what the target could have read itself, or a short reason per name
+(docs/security.md, "Rights fixed before the read").
 """
 
 from __future__ import annotations
@@ -75,7 +50,8 @@ NOT_DUMPABLE = "the target is not dumpable"
 TIMED_OUT = "not read in time"
 FAILED = "could not be read"
 
-# openat2(2), include/uapi/linux/openat2.h. NO_XDEV is left out on purpose (see above): it
+# openat2(2), include/uapi/linux/openat2.h. NO_XDEV is left out on purpose: the walk runs in
+# the target's own mount namespace, so a mount it crosses is one the target sees, and NO_XDEV
 # would refuse a /home or /app on its own file system, a bind mount in a container.
 RESOLVE_NO_MAGICLINKS = 0x02
 RESOLVE_IN_ROOT = 0x10
@@ -380,8 +356,10 @@ def _serve_objects(root_fd: int, paths: Sequence[str], sock: socket.socket) -> l
 
 
 def _child_main() -> int:
-    """Request on stdin: {"uid", "gid", "groups", "root_fd", "op": "lines"|"objects",
-    "files" | "paths", "sock"}. Answer on stdout."""
+    """The child, run as ``python -I -B -m agent.sources.confined``; it imports nothing from
+    the rest of the agent, and nothing once it has dropped its rights. Request on stdin:
+    {"uid", "gid", "groups", "root_fd", "op": "lines"|"objects", "files" | "paths", "sock"}.
+    Answer on stdout (JSON); the fds of ELF objects go back over the socket pair ``sock``."""
     req = json.load(sys.stdin)
     try:
         take_credentials(Credentials(int(req["uid"]), int(req["gid"]), tuple(req["groups"])))

@@ -1,13 +1,9 @@
 """Python stacks of parked threads, read without stopping the process.
 
-The reader is py-spy (``py-spy dump --nonblocking --json``), run as a child process: it reads
-the target's memory with process_vm_readv and never attaches, so the target is not stopped
-and gets no signal (a blocking dump ptrace-stops every thread while it reads). A child process
-bounds what a reader can cost us: it is killed at its timeout, and a crash in it is one line
-in the report, never the verdict or the daemon.
-
-What the stacks show (threads grouped by the line of the program's own code where they wait)
-is agent.analysis.stacks; this module only reads them, as agent.model's PyThread records.
+The reader is py-spy (``py-spy dump --nonblocking --json``) run as a child: it reads the
+target's memory and never attaches, so the target is not stopped and gets no signal, and a
+child is killed at its timeout, a crash in it one line of the report. What the stacks show is
+agent.analysis.stacks; this module only reads them, as agent.model's PyThread records.
 """
 
 from __future__ import annotations

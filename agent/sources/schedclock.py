@@ -1,13 +1,11 @@
 """Each CPU's scheduler clock against CLOCK_MONOTONIC, so that a thread's se.exec_start (when
 it last ran) can be dated: SchedClock, for agent.observe.threads.
 
-se.exec_start is stamped on the task clock of the CPU the thread ran on (rq->clock_task),
-which leaves out the steal time (and, with IRQ_TIME_ACCOUNTING, the interrupt time) that
-CPU lost since boot. The CPUs lose different amounts: on this project's 2-CPU VM their task
-clocks lagged CLOCK_MONOTONIC by 13.3 s and 20.4 s, so one offset for all (the agent's own
-CPU's) dated a wait on the other CPU 7 s wrong, either way. Each CPU's offset is read the
-only exact way user space has: run on that CPU (pinned for a moment) and read our own
-exec_start, which is "now" on its clock.
+se.exec_start is on the task clock of the CPU the thread ran on, which leaves out the steal
+(and interrupt) time that CPU lost, and CPUs lose different amounts: one offset for all would
+date a wait on another CPU seconds wrong. The only exact reading user space has is to run on
+that CPU for a moment and read its own exec_start, "now" on that clock (docs/how-it-works.md,
+"Progress and park time").
 """
 
 from __future__ import annotations
@@ -21,9 +19,8 @@ from .procfs import ProcFS
 
 # How long a CPU's offset is used before it is read again. It grows by the time the CPU
 # loses, so a thread that ran after the read can be dated up to that much early (at 10%
-# steal, 0.5 s). One read is a migration and a /proc read: 0.45 ms a CPU on this project's
-# VM (python -m bench --only schedclock), most of it waiting to run there, more (up to a
-# time slice) where the CPU is busy.
+# steal, 0.5 s). One read is a migration and a /proc read, most of it waiting to run there
+# (docs/performance.md, `--only schedclock`), up to a time slice where the CPU is busy.
 REFRESH_NS = 5_000_000_000
 # Stale offsets read again per snapshot, at most (a CPU never read is read at once): what a
 # tick can wait on a host whose 200 busy CPUs all have blocked threads to date. The others

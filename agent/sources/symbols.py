@@ -1,16 +1,10 @@
 """Where a native (C) thread waits, read from /proc without stopping the process.
 
-Two questions, answered from the outside: what a futex word is (``describe_address``: "`abba_a`
-in libabba.so+0x40a0", "the heap", "a thread stack") and which native code a thread blocked in
-a syscall came from (``caller_outside_libc``: "`abba_ab` in libabba.so+0x11a9"). Nothing here
-ptrace-attaches or sends a signal: the maps, the syscall line and the memory of a target are
-read through /proc (``/proc/PID/mem`` needs ptrace *access*, not an attach), and its objects'
-symbol tables from their files, through /proc/PID/map_files or else opened as the target
-would open them (agent.sources.confined), so that a process in a container is read with its own files
-and never with more rights than its own.
-
-Both are best effort and total: whatever cannot be read (the process exited, an object is not
-ELF, a word is not what it seems) gives None, never an exception, and every read is bounded.
+What a futex word is (``describe_address``: "`abba_a` in libabba.so+0x40a0", "the heap") and
+which native code a blocked thread came from (``caller_outside_libc``). Nothing ptrace-attaches
+or signals: maps, syscall line and memory are read through /proc, and symbol tables from the
+objects' files as the target would open them (agent.sources.confined). Best effort and total:
+what cannot be read gives None, never an exception, and every read is bounded.
 """
 
 from __future__ import annotations
@@ -53,7 +47,7 @@ STT_OBJECT, STT_FUNC = 1, 2
 SHN_UNDEF = 0
 # Not "native callers": the wait itself lives there, in every blocked thread alike.
 # The C++ runtime too: std::condition_variable::wait and std::mutex live in libstdc++, and
-# every C++ wait passes through them (found on real torch: gloo's and c10d's waits).
+# every C++ wait passes through them (docs/how-it-works.md, "Native frames").
 _LIBC_PREFIXES = (
     "libc.so",
     "libc-",

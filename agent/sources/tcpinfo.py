@@ -1,29 +1,13 @@
 """The kernel's tcp_info of established TCP sockets, over inet_diag netlink.
 
 /proc/PID/net/tcp says which connections a process holds and what sits in their queues, not
-when data last went each way. tcp_info does: ``tcpi_last_data_recv`` and
-``tcpi_last_data_sent`` (ms since the last data segment received and sent), and
-``tcpi_bytes_received`` / ``tcpi_bytes_acked``. That tells a request the service received and
-has not answered from an idle keep-alive connection (classify.waiting_for_answer).
-
-The sampler asks only for the listening ports of the processes it watches, in the ticks where
-such a port has accepted connections, and the kernel does the filtering: by state
-(ESTABLISHED only) and by local port (one inet_diag bytecode per family, as ss(8) builds).
-
-Why a reader of our own and not pyroute2's: the daemon reads this every tick, and a front-end
-holds thousands of keep-alive connections. Measured here (kernel 6.18, 1,000 connections on
-one port, one dump): pyroute2 0.9.7 took 63 ms, decoding every attribute of every message
-into dicts; this reader took 4.4 ms, reading the inode and four fields of tcp_info at their
-fixed offsets (the uapi layout, which the kernel only ever extends at the end).
-
-Network namespaces: a netlink socket reads the namespace it was created in. For a process in
-another one (a container), the socket is made by a thread of its own (``NETNS``, started with
-the daemon) that joins that namespace and comes back (setns(CLONE_NEWNET) affects the calling
-thread only; needs CAP_SYS_ADMIN, which the agent has as root); the agent's other threads
-never leave theirs.
-
-Every failure (netlink refused, no permission, a namespace gone, a dump that does not end)
-gives an empty answer, never an exception: the verdict then does without this evidence.
+when data last went each way; tcp_info does (``tcpi_last_data_recv``/``_sent``, bytes
+received and acked), which tells a request not yet answered from an idle keep-alive
+connection (classify.waiting_for_answer). The kernel filters (ESTABLISHED, by local port, as
+ss(8) builds it), and this reader decodes only the inode and four fields at their fixed uapi
+offsets: a front-end's thousands of connections are read every tick. Another network
+namespace is read through ``NETNS``. Every failure gives an empty answer, never an exception:
+the verdict then does without this evidence.
 """
 
 from __future__ import annotations
@@ -391,9 +375,9 @@ def lookup_sockets(
 ) -> list[TcpSocket] | None:
     """``sockets`` (established ones, from an earlier read) as they are now, with their
     tcp_info unless ``info`` is False, by an exact lookup of each 4-tuple: the kernel finds
-    each in its hash table, where a dump walks every bucket of it (262,144 here: about 1 ms
-    per family, however few sockets match). Those no longer there are left out. None on any
-    failure."""
+    each in its hash table, where a dump walks every bucket of it (about 1 ms per family
+    however few sockets match: docs/performance.md). Those no longer there are left out. None
+    on any failure."""
     out: list[TcpSocket] = []
     try:
         _lookups(sockets, out, info, netns)

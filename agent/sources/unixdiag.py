@@ -1,15 +1,10 @@
 """The bound names of unix sockets, looked up by inode over sock_diag netlink (unix_diag).
 
-/proc/net/unix prints each socket's name raw, as the last field of its line, and a name is
-the socket's owner's to choose: an abstract name may hold a newline and, after it, a line
-that reads as the record of another socket. Asked by inode, the kernel answers with the
-socket's own name as a length-counted attribute: there is no text to forge, and one lookup
-costs the same whatever the namespace holds (where reading the table costs its whole size).
-
-A lookup is exact (no dump): ``unix_diag_req`` with the inode, no cookie, and
-UDIAG_SHOW_NAME; a socket that is gone, or is in another namespace, is answered ENOENT and
-left out. Every failure of the read as a whole (netlink refused, no unix_diag in the
-kernel, a namespace gone) gives None: the caller reads /proc/PID/net/unix instead.
+/proc/net/unix prints each name raw, and a name is its owner's to choose: an abstract name
+may hold a newline and a forged record after it. Asked by inode (an exact lookup with
+UDIAG_SHOW_NAME), the kernel answers with the name as a length-counted attribute, at the same
+cost whatever the namespace holds. A socket gone or in another namespace is left out; a read
+that fails as a whole gives None, and the caller reads /proc/PID/net/unix instead.
 """
 
 from __future__ import annotations
