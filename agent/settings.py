@@ -14,7 +14,7 @@ Two kinds of constants live here, so that a default or a range is written once:
 What stays beside its code: a limit of one reader (a subprocess timeout, a cache's lifetime,
 a byte cap: pystacks.READ_TIMEOUT_S, nvml.CACHE_S, tcpinfo.NETNS_TIMEOUT_S), which only
 bounds how that reader does its I/O, needs its reason next to the call it bounds and has one
-user; and a rule's own calibration in analysis/ (classify.STARTUP_S), which is part of what
+user; and a rule's own calibration in analysis/ (waits.STARTUP_S), which is part of what
 the rule means, measured on the software it was written for, not a choice of the caller.
 """
 

@@ -3,7 +3,7 @@
 /proc/PID/net/tcp says which connections a process holds and what sits in their queues, not
 when data last went each way; tcp_info does (``tcpi_last_data_recv``/``_sent``, bytes
 received and acked), which tells a request not yet answered from an idle keep-alive
-connection (classify.waiting_for_answer). The kernel filters (ESTABLISHED, by local port, as
+connection (requests.waiting_for_answer). The kernel filters (ESTABLISHED, by local port, as
 ss(8) builds it), and this reader decodes only the inode and four fields at their fixed uapi
 offsets: a front-end's thousands of connections are read every tick. Another network
 namespace is read through ``NETNS``. Every failure gives an empty answer, never an exception:
