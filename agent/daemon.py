@@ -39,7 +39,6 @@ from .export.exposition import (
     ProcessStatus,
     ServiceStatus,
 )
-from .flight import MAX_PENDING, FlightRecorder
 from .model import (
     Enrichment,
     GpuDevice,
@@ -60,6 +59,7 @@ from .sources.protocols import GpuSource, ProbeSource
 from .sources.pystacks import SourceLines
 from .sources.tcpinfo import NETNS
 from .waiting import Park, SiteBook, read_site
+from .worker import MAX_PENDING, BoundedWorker
 
 log = logging.getLogger(__name__)
 
@@ -206,8 +206,13 @@ class Daemon:
         self.reload_requested = threading.Event()
         self.config_path: str | None = None
         self.source_lines = SourceLines(proc)  # the lines stacks point at, kept between changes
-        # Change lines and stacks, beside the loop; only its thread uses source_lines.
-        self.flight: FlightRecorder[Change] = FlightRecorder(self._record, self._record_at_once)
+        # The flight record: each change's lines and, at a change to stalled or deadlocked, its
+        # stacks (up to the stacks budget: seconds), written beside the loop so that no verdict
+        # waits for them; only its thread uses source_lines. Past MAX_PENDING waiting, a change
+        # is logged at once with what its verdict alone says, and counted.
+        self.flight: BoundedWorker[Change] = BoundedWorker(
+            self._record, self._record_at_once, name="hangwatch-flight", what="flight record"
+        )
         self.sites = SiteBook(lambda park: read_site(self.proc, park))  # where parked ones wait
         self.tick_errors = 0  # ticks that raised: counted, logged, and the loop went on
         self._tick_error_logged: float | None = None  # monotonic time of the last one logged
@@ -373,7 +378,7 @@ class Daemon:
         """A log line for every state change of a service, whether or not anyone scraped it;
         on a change to stalled or deadlocked, the Python stacks of its processes at that
         moment (a flight record: by the time someone looks, the process may be gone). Both
-        are written beside the loop (agent.flight): the tick does not wait for them."""
+        are written beside the loop (agent.worker): the tick does not wait for them."""
         for v in verdicts:
             svc = self.services.get(v.pid)
             key = (svc.name if svc else "unknown", v.pid)
