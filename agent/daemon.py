@@ -51,6 +51,7 @@ from .model import (
 from .observe import enrich
 from .observe.discovery import Discovery, Service
 from .observe.observer import Scope, Tick
+from .observe.sitebook import Park, SiteBook, read_site
 from .report.sentences import render
 from .session import Session
 from .settings import STACKS_BUDGET_S
@@ -58,7 +59,6 @@ from .sources.procfs import ProcFS
 from .sources.protocols import GpuSource, ProbeSource
 from .sources.pystacks import SourceLines
 from .sources.tcpinfo import NETNS
-from .waiting import Park, SiteBook, read_site
 from .worker import MAX_PENDING, BoundedWorker
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ def build_exposition(
     sites: Mapping[int, str] | None = None,
 ) -> Exposition:
     """Plain data for the collectors, from one tick's verdicts, probe and GPU readings;
-    ``sites``: where each parked process waits, by pid (agent.waiting)."""
+    ``sites``: where each parked process waits, by pid (agent.observe.sitebook)."""
     sites = sites or {}
     gpu = tick.gpu if tick.gpu is not None and tick.gpu.ok else None
     out = []
@@ -323,7 +323,7 @@ class Daemon:
         labels: Mapping[int, Mapping[str, str]],
     ) -> dict[int, str]:
         """Where each parked process that leads its rank waits, as read for its park
-        (agent.waiting); reads are asked for the parks that have lasted half the threshold."""
+        (agent.observe.sitebook); reads are asked for the parks that have lasted half the threshold."""
         snap = tick.snapshot
         parked_s: dict[Park, float] = {}  # each park, and how long it has lasted
         for v in verdicts:

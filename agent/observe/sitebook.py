@@ -17,13 +17,13 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from .analysis.sites import native_site, process_site
-from .observe.enrich import native_frame
-from .sources.confined import Target
-from .sources.procfs import ProcFS
-from .sources.pystacks import READ_TIMEOUT_S, read_stacks
-from .sources.symbols import short_name
-from .worker import BoundedWorker
+from ..analysis.sites import native_site, process_site
+from ..sources.confined import Target
+from ..sources.procfs import ProcFS
+from ..sources.pystacks import READ_TIMEOUT_S, read_stacks
+from ..sources.symbols import short_name
+from ..worker import BoundedWorker
+from .enrich import native_frame
 
 MAX_PENDING_READS = 4
 # Two reads of one park differ by the rounding of parked_seconds, far under a tick.
