@@ -23,7 +23,6 @@ from . import __version__
 from . import config as config_mod
 from . import session as session_mod
 from .analysis.classify import DEADLOCKED, STALLED, ProcessVerdict, ServiceVerdict
-from .analysis.frontdoor import FrontDoorConfig
 from .analysis.lockwords import named_verdicts, words_wanted
 from .analysis.sites import leads_rank
 from .analysis.stacks import native_asks, stack_facts
@@ -41,6 +40,7 @@ from .export.exposition import (
 )
 from .model import (
     Enrichment,
+    FrontDoorConfig,
     GpuDevice,
     GpuReading,
     ProbeReading,

@@ -42,6 +42,9 @@ OP_NAMES = {
 }
 
 
+# The kernel's ceiling for kernel.pid_max (PID_MAX_LIMIT on 64-bit): no PID is larger.
+PID_MAX_LIMIT = 1 << 22
+
 # Letters of /proc/PID/task/TID/stat that mean the thread is not on a CPU nor runnable:
 # sleeping (S), in uninterruptible sleep (D), an idle kernel thread (I), stopped (T) or
 # stopped by a tracer (t). Z and X are dead, R runs or waits for a CPU.
@@ -360,6 +363,13 @@ class Plumbing:
         if port == self.master_port:
             return "MASTER_PORT"
         return next((flag for flag, p in self.flag_ports if p == port), None)
+
+
+@dataclass(frozen=True)
+class FrontDoorConfig:
+    """What a target's config declares: ``ports`` are the front doors (empty: none)."""
+
+    ports: frozenset[int] = frozenset()
 
 
 D = TypeVar("D")

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from ..model import (
     DEFAULT_EPHEMERAL_FROM,
+    PID_MAX_LIMIT,
     TORCHRUN_DEFAULT_MASTER_PORT,
     Plumbing,
     SyscallLine,
@@ -39,8 +40,6 @@ from .tcpinfo import (
 )
 from .unixdiag import UnixPathsRead, read_unix_paths
 
-# The kernel's ceiling for kernel.pid_max (PID_MAX_LIMIT on 64-bit): no PID is larger.
-PID_MAX_LIMIT = 1 << 22
 U64 = 1 << 64
 
 # What one read of a file a target controls may cost (docs/security.md, "Every read
