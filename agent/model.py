@@ -42,6 +42,10 @@ OP_NAMES = {
 }
 
 
+# The label that names a process's distributed job: agent.observe.jobkey makes its value from
+# the process's environment, and `hangwatch job` groups a job's ranks by it in Prometheus.
+JOB_KEY_LABEL = "job_key"
+
 # The kernel's ceiling for kernel.pid_max (PID_MAX_LIMIT on 64-bit): no PID is larger.
 PID_MAX_LIMIT = 1 << 22
 
