@@ -64,12 +64,20 @@ def plural(n: int, noun: str, many: str | None = None) -> str:
     return f"{n} {noun if n == 1 else many or noun + 's'}"
 
 
-def printable(text: str, limit: int) -> str:
-    """Text a target or a relabelling controls (file and function names, label values), made
-    safe to show: each character that is not printable (an escape sequence, a newline, a
-    bidirectional override) as "?", and at most ``limit`` characters."""
-    out = "".join(c if c.isprintable() else "?" for c in text)
-    return out if len(out) <= limit else out[: limit - 1] + "…"
+# At most what a name a target chose takes when shown: a file name, a thread's, a function's,
+# a socket's path, a line of its source.
+NAME_SHOWN_MAX = 1024
+
+
+def printable(text: str, limit: int | None) -> str:
+    """Text a target or anyone but us controls (its comm, thread, file and function names, a
+    socket's path, a label value, a server's error message), made safe to show: each character
+    that is not printable (control characters, a newline, a bidirectional override: Unicode's
+    categories C and Z but the space) as "?", and at most ``limit`` characters (None: the
+    caller bounds it). Our report and our log are read in a terminal, and a name must not
+    rewrite either (an escape sequence, a line that looks like ours)."""
+    out = text if text.isprintable() else "".join(c if c.isprintable() else "?" for c in text)
+    return out if limit is None or len(out) <= limit else out[: limit - 1] + "…"
 
 
 @dataclass(frozen=True)

@@ -20,12 +20,14 @@ from dataclasses import dataclass
 
 from ..model import (
     DEFAULT_EPHEMERAL_FROM,
+    NAME_SHOWN_MAX,
     PID_MAX_LIMIT,
     TORCHRUN_DEFAULT_MASTER_PORT,
     Plumbing,
     SyscallLine,
     TcpInfo,
     WrittenFd,
+    printable,
 )
 from .tcpinfo import (
     ALL_STATES,
@@ -64,22 +66,6 @@ FDS_WALKED_MAX = 1 << 16  # fds of one process looked at per walk (RLIMIT_NOFILE
 PROCMAP_QUERY = 0xC0686611  # _IOWR('f', 17, struct procmap_query), 104 bytes
 PROCMAP_QUERY_ARG = struct.Struct("=9Q4I2Q")
 PROCMAP_READ, PROCMAP_WRITE, PROCMAP_EXEC, PROCMAP_SHARED = 1, 2, 4, 8
-
-
-def printable(text: str, limit: int = 1024) -> str:
-    """``text`` with every character that is not printable (control characters, newlines,
-    bidirectional overrides: Unicode's categories C and Z but the space) escaped as ``\\xNN`` or
-    ``\\uNNNN``, and cut at ``limit`` characters. For what a target names itself (its comm,
-    thread names, file names, function names): our report and our log are read in a terminal,
-    and a name must not rewrite either (an escape sequence, a line that looks like ours)."""
-    if len(text) > limit:
-        text = text[:limit] + "..."
-    if text.isprintable():
-        return text
-    return "".join(
-        c if c.isprintable() else f"\\x{ord(c):02x}" if ord(c) < 256 else f"\\u{ord(c):04x}"
-        for c in text
-    )
 
 
 def _uint(text: str, base: int = 10, limit: int = U64) -> int | None:
@@ -278,7 +264,7 @@ def parse_net_unix(lines: Iterable[str], inodes: Collection[int] | None = None) 
             twice.add(inode)
         seen.add(inode)
         if m.group(2) and (inodes is None or inode in inodes):
-            out[inode] = printable(m.group(2).removeprefix("@"))
+            out[inode] = printable(m.group(2).removeprefix("@"), NAME_SHOWN_MAX)
     for inode in twice:
         out.pop(inode, None)
     return out
@@ -807,7 +793,7 @@ class ProcFS:
                 mtime = os.stat(os.path.join(self.root, str(pid), "fd", str(fd))).st_mtime
             except OSError:
                 continue
-            out.append(WrittenFd(fd, printable(link), mtime))
+            out.append(WrittenFd(fd, printable(link, NAME_SHOWN_MAX), mtime))
         return out
 
     def has_posix_timers(self, pid: int) -> bool:
@@ -826,7 +812,9 @@ class ProcFS:
     def fd_target(self, pid: int, fd: int) -> str | None:
         """What an fd points to: a path, 'socket:[inode]', 'pipe:[inode]', ..."""
         try:
-            return printable(os.readlink(os.path.join(self.root, str(pid), "fd", str(fd))))
+            return printable(
+                os.readlink(os.path.join(self.root, str(pid), "fd", str(fd))), NAME_SHOWN_MAX
+            )
         except OSError:
             return None
 
@@ -866,7 +854,7 @@ class ProcFS:
             netns = None if theirs == self.net_namespace("self") else self._path(pid, "ns", "net")
             got = self._unix_paths(inodes, netns)
             if got is not None:
-                return {i: printable(p.removeprefix("@")) for i, p in got.items()}
+                return {i: printable(p.removeprefix("@"), NAME_SHOWN_MAX) for i, p in got.items()}
         lines = BoundedLines(self._path(pid, "net", "unix"), NET_TABLE_MAX_BYTES, NET_LINE_MAX)
         return parse_net_unix((line for line, long in lines if not long), set(inodes))
 
