@@ -1,8 +1,10 @@
 """Which listeners of a service are front doors: pure, from the sampled processes alone.
 
 A listener is a front door when clients from outside the service connect to it; a
-distributed job's plumbing is not (DESIGN.md, "Idle needs a front door with nothing waiting
-at it"). Per listening port of the service, in this order:
+distributed job's plumbing is not. A service is idle only when it has a front door with
+nothing waiting at it (docs/how-it-works.md, "Front doors and work waiting"): plumbing taken
+for a front door would call a stalled job idle. Per listening port of the service, in this
+order:
 
 1. The target's config decides when it declares: ``front_door_ports`` are exactly the front
    doors, ``front_door: false`` means none.
