@@ -337,9 +337,6 @@ class WrittenFd:
 
 # The kernel's default start of net.ipv4.ip_local_port_range.
 DEFAULT_EPHEMERAL_FROM = 32768
-# torchrun's own default (torch/distributed/run.py): the static rendezvous's store port when
-# no --master-port is given.
-TORCHRUN_DEFAULT_MASTER_PORT = 29500
 
 
 @dataclass(frozen=True)

@@ -41,8 +41,9 @@ FORBIDDEN = {
     "jobs": {"sources", "observe"},
 }
 # Inside observe/, only the Observer hands snapshots to the analysis; the modules that build a
-# snapshot (discovery, the sampler, the report-time reads) know nothing of what it will mean.
-SNAPSHOT_ONLY = {"discovery", "sampler", "fdwaits", "enrich"}
+# snapshot (discovery, the sampler, the report-time reads, and the parsers they call) know
+# nothing of what it will mean.
+SNAPSHOT_ONLY = {"discovery", "sampler", "fdwaits", "enrich", "jobkey", "launchers"}
 
 # Top-level modules every layer may import: they import no layer and no command.
 BASE = {"__init__", "abi", "config", "errors", "model", "settings", "syscalls", "worker"}

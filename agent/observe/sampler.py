@@ -52,6 +52,7 @@ from ..syscalls import (
     syscall_wait,
     wait_kind,
 )
+from . import launchers
 from .sockets import SocketTables
 
 log = logging.getLogger(__name__)
@@ -463,7 +464,11 @@ class Sampler:
 
     def _plumbing_of(self, pid: int, key: tuple[int, str]) -> Plumbing:
         known = self._plumbing.get(pid)
-        hints = known[1] if known is not None and known[0] == key else self.proc.plumbing(pid)
+        hints = (
+            known[1]
+            if known is not None and known[0] == key
+            else launchers.parse_plumbing(self.proc.environ(pid), self.proc.argv(pid) or [])
+        )
         self._next_plumbing[pid] = (key, hints)
         return hints
 
