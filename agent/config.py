@@ -20,10 +20,9 @@ from typing import Any
 
 import yaml
 
-from .analysis.frontdoor import FrontDoorConfig
 from .errors import UsageError, show
+from .model import PID_MAX_LIMIT, FrontDoorConfig
 from .settings import INTERVAL, PARK_THRESHOLD, Seconds, Settings
-from .sources.procfs import PID_MAX_LIMIT
 
 DEFAULT_PORT = 9817
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")  # becomes a label value

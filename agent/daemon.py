@@ -22,7 +22,6 @@ from typing import Any, TypeVar
 from . import __version__
 from . import config as config_mod
 from . import session as session_mod
-from .analysis.frontdoor import FrontDoorConfig
 from .analysis.lockwords import words_wanted
 from .analysis.sites import leads_rank
 from .analysis.stacks import native_asks, stack_facts
@@ -41,9 +40,9 @@ from .export.exposition import (
     CollectorStatus,
     Exposition,
 )
-from .flight import MAX_PENDING, FlightRecorder
 from .model import (
     Enrichment,
+    FrontDoorConfig,
     GpuDevice,
     GpuReading,
     ProgramStats,
@@ -52,6 +51,7 @@ from .model import (
 )
 from .observe.discovery import Discovery, Service
 from .observe.observer import Scope
+from .observe.sitebook import Park, SiteBook, read_site
 from .report.sentences import render
 from .session import Session
 from .settings import STACKS_BUDGET_S
@@ -59,7 +59,7 @@ from .sources.procfs import ProcFS
 from .sources.protocols import GpuSource, ProbeSource
 from .sources.pystacks import SourceLines
 from .sources.tcpinfo import NETNS
-from .waiting import Park, SiteBook, read_site
+from .worker import MAX_PENDING, BoundedWorker
 
 log = logging.getLogger(__name__)
 
@@ -114,8 +114,13 @@ class Daemon:
         self.reload_requested = threading.Event()
         self.config_path: str | None = None
         self.source_lines = SourceLines(proc)  # the lines stacks point at, kept between changes
-        # Change lines and stacks, beside the loop; only its thread uses source_lines.
-        self.flight: FlightRecorder[Change] = FlightRecorder(self._record, self._record_at_once)
+        # The flight record: each change's lines and, at a change to stalled or deadlocked, its
+        # stacks (up to the stacks budget: seconds), written beside the loop so that no verdict
+        # waits for them; only its thread uses source_lines. Past MAX_PENDING waiting, a change
+        # is logged at once with what its verdict alone says, and counted.
+        self.flight: BoundedWorker[Change] = BoundedWorker(
+            self._record, self._record_at_once, name="hangwatch-flight", what="flight record"
+        )
         self.sites = SiteBook(lambda park: read_site(self.proc, park))  # where parked ones wait
         self.tick_errors = 0  # ticks that raised: counted, logged, and the loop went on
         self._tick_error_logged: float | None = None  # monotonic time of the last one logged
@@ -249,7 +254,7 @@ class Daemon:
         labels: Mapping[int, Mapping[str, str]],
     ) -> dict[int, str]:
         """Where each parked process that leads its rank waits, as read for its park
-        (agent.waiting); reads are asked for the parks that have lasted half the threshold."""
+        (agent.observe.sitebook); reads are asked for the parks that have lasted half the threshold."""
         snap = tick.snapshot
         parked_s: dict[Park, float] = {}  # each park, and how long it has lasted
         for v in verdicts:
@@ -304,7 +309,7 @@ class Daemon:
         """A log line for every state change of a service, whether or not anyone scraped it;
         on a change to stalled or deadlocked, the Python stacks of its processes at that
         moment (a flight record: by the time someone looks, the process may be gone). Both
-        are written beside the loop (agent.flight): the tick does not wait for them."""
+        are written beside the loop (agent.worker): the tick does not wait for them."""
         for v in verdicts:
             svc = self.services.get(v.pid)
             key = (svc.name if svc else "unknown", v.pid)

@@ -42,6 +42,13 @@ OP_NAMES = {
 }
 
 
+# The label that names a process's distributed job: agent.observe.jobkey makes its value from
+# the process's environment, and `hangwatch job` groups a job's ranks by it in Prometheus.
+JOB_KEY_LABEL = "job_key"
+
+# The kernel's ceiling for kernel.pid_max (PID_MAX_LIMIT on 64-bit): no PID is larger.
+PID_MAX_LIMIT = 1 << 22
+
 # Letters of /proc/PID/task/TID/stat that mean the thread is not on a CPU nor runnable:
 # sleeping (S), in uninterruptible sleep (D), an idle kernel thread (I), stopped (T) or
 # stopped by a tracer (t). Z and X are dead, R runs or waits for a CPU.
@@ -78,12 +85,20 @@ def fd_name(target: str | None, fd: int) -> str:
     return f"{target} (fd {fd})"
 
 
-def printable(text: str, limit: int) -> str:
-    """Text a target or a relabelling controls (file and function names, label values), made
-    safe to show: each character that is not printable (an escape sequence, a newline, a
-    bidirectional override) as "?", and at most ``limit`` characters."""
-    out = "".join(c if c.isprintable() else "?" for c in text)
-    return out if len(out) <= limit else out[: limit - 1] + "…"
+# At most what a name a target chose takes when shown: a file name, a thread's, a function's,
+# a socket's path, a line of its source.
+NAME_SHOWN_MAX = 1024
+
+
+def printable(text: str, limit: int | None) -> str:
+    """Text a target or anyone but us controls (its comm, thread, file and function names, a
+    socket's path, a label value, a server's error message), made safe to show: each character
+    that is not printable (control characters, a newline, a bidirectional override: Unicode's
+    categories C and Z but the space) as "?", and at most ``limit`` characters (None: the
+    caller bounds it). Our report and our log are read in a terminal, and a name must not
+    rewrite either (an escape sequence, a line that looks like ours)."""
+    out = text if text.isprintable() else "".join(c if c.isprintable() else "?" for c in text)
+    return out if limit is None or len(out) <= limit else out[: limit - 1] + "…"
 
 
 @dataclass(frozen=True)
@@ -343,9 +358,6 @@ class WrittenFd:
 
 # The kernel's default start of net.ipv4.ip_local_port_range.
 DEFAULT_EPHEMERAL_FROM = 32768
-# torchrun's own default (torch/distributed/run.py): the static rendezvous's store port when
-# no --master-port is given.
-TORCHRUN_DEFAULT_MASTER_PORT = 29500
 
 
 @dataclass(frozen=True)
@@ -381,6 +393,13 @@ class Plumbing:
         if port == self.master_port:
             return "MASTER_PORT"
         return next((flag for flag, p in self.flag_ports if p == port), None)
+
+
+@dataclass(frozen=True)
+class FrontDoorConfig:
+    """What a target's config declares: ``ports`` are the front doors (empty: none)."""
+
+    ports: frozenset[int] = frozenset()
 
 
 D = TypeVar("D")

@@ -70,7 +70,7 @@ def start(
 
     for line in preflight.check():
         notice(line)
-    from .sources.nvml import GpuSource as NvmlSource
+    from .sources.nvml import NvmlSource
     from .sources.probe import KernelProbes  # bcc only after preflight mounted tracefs
 
     with contextlib.ExitStack() as stack:

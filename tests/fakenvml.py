@@ -1,6 +1,6 @@
-"""A scripted stand-in for the ``pynvml`` module, for ``agent.sources.nvml.GpuSource`` tests.
+"""A scripted stand-in for the ``pynvml`` module, for ``agent.sources.nvml.NvmlSource`` tests.
 
-It has pynvml's function names for everything GpuSource calls, raises the real
+It has pynvml's function names for everything NvmlSource calls, raises the real
 ``pynvml.NVMLError`` subclasses and returns what pynvml returns (its ctypes structs, its
 "friendly objects" for process lists, lists of ``c_nvmlProcessUtilizationSample_t``), so code
 that passes against it holds no assumption that the real module would break. Only the C library

@@ -19,6 +19,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from agent.observe.launchers import parse_plumbing
 from agent.sources import procfs, unixdiag
 from agent.sources.procfs import (
     MAPS_LINE_MAX,
@@ -149,7 +150,7 @@ def test_a_command_line_is_read_up_to_the_cap_in_whole_arguments(tmp_path: Path)
     data = b"srv\0" + b"x" * k + b"\0--port\08000\0" + b"y" * READ_MAX_BYTES
     proc = tree(tmp_path, {"cmdline": data})
     assert proc.argv(7) == ["srv", "x" * k, "--port"]
-    assert proc.plumbing(7).named_ports == ()
+    assert parse_plumbing(proc.environ(7), proc.argv(7) or []).named_ports == ()
 
 
 def test_an_fd_walk_stops_at_its_cap_and_counts_it(tmp_path: Path, monkeypatch) -> None:

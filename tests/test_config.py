@@ -242,7 +242,7 @@ def test_bpf_stats_is_off_unless_asked_for():
 
 
 def test_front_doors_declared():
-    from agent.analysis.frontdoor import FrontDoorConfig
+    from agent.model import FrontDoorConfig
 
     c = load_text(
         "targets:\n"

@@ -23,8 +23,8 @@ from agent.daemon import DRAIN_SLICE_S, Daemon
 from agent.errors import HangwatchError
 from agent.export.exposition import STAGES
 from agent.observe import enrich
+from agent.observe.sitebook import SiteBook
 from agent.sources.procfs import ProcFS
-from agent.waiting import SiteBook
 from tests import synth
 from tests.fakeprobe import FakeClock, RecordingProbe
 

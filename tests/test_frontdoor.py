@@ -10,9 +10,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from agent.analysis import evidence as ev
-from agent.analysis.frontdoor import Door, FrontDoorConfig, FrontDoors, front_doors
+from agent.analysis.frontdoor import Door, FrontDoors, front_doors
 from agent.model import (
     Connection,
+    FrontDoorConfig,
     Listener,
     Plumbing,
     ProbeReading,

@@ -1,4 +1,4 @@
-"""GpuSource against a scripted NVML (tests/fakenvml.py) and a fake clock; no GPU, no root.
+"""NvmlSource against a scripted NVML (tests/fakenvml.py) and a fake clock; no GPU, no root.
 
 The last tests use the real pynvml module: on a host without the driver they prove the
 library's own failure path ends in a clear ok=False reading, not an exception.
@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agent.model import GpuDevice, GpuProcessUse
-from agent.sources.nvml import CACHE_S, NOT_INSTALLED, GpuSource
+from agent.sources.nvml import CACHE_S, NOT_INSTALLED, NvmlSource
 from tests.fakenvml import GIB, V1, V2, V3, FakeDevice, FakeNVML
 
 LOGGER = "agent.sources.nvml"  # every module logs as logging.getLogger(__name__)
@@ -59,8 +59,8 @@ def two_gpus() -> FakeNVML:
     )
 
 
-def source(fake: FakeNVML, clock: Clock | None = None, retry=(5.0, 40.0)) -> GpuSource:
-    return GpuSource(nvml=fake, clock=clock or Clock(), retry_s=retry)
+def source(fake: FakeNVML, clock: Clock | None = None, retry=(5.0, 40.0)) -> NvmlSource:
+    return NvmlSource(nvml=fake, clock=clock or Clock(), retry_s=retry)
 
 
 def records(caplog: pytest.LogCaptureFixture, level: int) -> list[str]:
@@ -278,7 +278,7 @@ def test_init_failure_names_the_cause(code: int, words: str) -> None:
 
 def test_package_not_installed(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml raises ImportError
-    r = GpuSource(clock=Clock()).read()
+    r = NvmlSource(clock=Clock()).read()
     assert not r.ok and r.error == NOT_INSTALLED
 
 
@@ -457,7 +457,7 @@ def _driver_present() -> bool:
 
 @pytest.mark.skipif(_driver_present(), reason="this host has the NVIDIA driver")
 def test_real_pynvml_without_driver() -> None:
-    src = GpuSource(retry_s=(0.0, 0.0))  # the real module, imported lazily
+    src = NvmlSource(retry_s=(0.0, 0.0))  # the real module, imported lazily
     try:
         r = src.read()
         assert not r.ok and r.devices == () and r.processes == {}
@@ -471,7 +471,7 @@ def test_real_pynvml_without_driver() -> None:
 
 @pytest.mark.skipif(not _driver_present(), reason="no NVIDIA driver on this host")
 def test_real_pynvml_with_driver() -> None:
-    src = GpuSource()
+    src = NvmlSource()
     try:
         r = src.read()
         assert r.ok, r.error

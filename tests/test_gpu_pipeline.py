@@ -15,7 +15,7 @@ from agent.config import Target, validate
 from agent.daemon import Daemon
 from agent.export.metrics import registry_for
 from agent.report.sentences import reasons
-from agent.sources.nvml import GpuSource
+from agent.sources.nvml import NvmlSource
 from agent.sources.procfs import ProcFS
 from tests.fakenvml import GIB, FakeDevice, FakeNVML
 from tests.test_discovery import add
@@ -48,7 +48,7 @@ def daemon(tmp_path: Path, fake: FakeNVML, clock: Clock) -> Daemon:
     cfg = validate({"targets": [{"name": "any-gpu", "gpu": True}]}, "test")
     assert cfg.targets[0] == Target("any-gpu", gpu=True)
     return Daemon.with_sources(
-        cfg, ProcFS(str(host(tmp_path))), None, GpuSource(nvml=fake, clock=clock)
+        cfg, ProcFS(str(host(tmp_path))), None, NvmlSource(nvml=fake, clock=clock)
     )
 
 

@@ -8,7 +8,16 @@ Read from the source with `ast`, so a violation fails here before any behaviour 
   only modules that do no I/O;
 * report/ renders what it is given: it reads no source and observes nothing;
 * nothing below report/ builds sentences: only report/ (and the commands above it) import it;
-* export/ publishes the exposition: it reads no source and observes nothing.
+* export/ publishes the exposition: it reads no source and observes nothing;
+* jobs/ is the ``hangwatch job`` command's package: it reads Prometheus, not the host, so it
+  imports no source and observes nothing, and nothing but a command imports it.
+
+Every top-level module is declared one of two kinds, and one that is neither fails:
+
+* BASE (data, constants, errors, settings, the bounded worker): imported from every layer, so
+  it imports no layer and no command itself;
+* COMMANDS (the CLI's commands and the glue they share): they may import anything, and
+  nothing but another command imports them.
 """
 
 from __future__ import annotations
@@ -20,22 +29,36 @@ import pytest
 
 AGENT = Path(__file__).resolve().parent.parent / "agent"
 
-LAYERS = ("sources", "observe", "analysis", "report", "export")
+LAYERS = ("sources", "observe", "analysis", "report", "export", "jobs")
 
 # What each layer may not import (agent sub-packages).
 FORBIDDEN = {
-    "sources": {"observe", "analysis", "report", "export"},
-    "observe": {"report", "export"},
-    "analysis": {"sources", "observe", "report", "export"},
-    "report": {"sources", "observe", "export"},
-    "export": {"sources", "observe", "report"},
+    "sources": {"observe", "analysis", "report", "export", "jobs"},
+    "observe": {"report", "export", "jobs"},
+    "analysis": {"sources", "observe", "report", "export", "jobs"},
+    "report": {"sources", "observe", "export", "jobs"},
+    "export": {"sources", "observe", "report", "jobs"},
+    "jobs": {"sources", "observe"},
 }
 # Inside observe/, only the Observer hands snapshots to the analysis; the modules that build a
-# snapshot (discovery, the sampler, the report-time reads) know nothing of what it will mean.
-SNAPSHOT_ONLY = {"discovery", "sampler", "threads", "socketcache", "fdwaits", "enrich"}
+# snapshot (discovery, the sampler and its caches, the report-time reads, and the parsers they
+# call) know nothing of what it will mean.
+SNAPSHOT_ONLY = {
+    "discovery",
+    "sampler",
+    "threads",
+    "socketcache",
+    "fdwaits",
+    "enrich",
+    "jobkey",
+    "launchers",
+}
 
-# Top-level modules that are commands or glue, never imported from below.
-COMMANDS = {"cli", "daemon", "diagnose", "preflight"}
+# Top-level modules every layer may import: they import no layer and no command.
+BASE = {"__init__", "abi", "config", "errors", "model", "settings", "syscalls", "worker"}
+# Top-level modules that are commands or glue: they may import anything, and only a command
+# imports them.
+COMMANDS = {"__main__", "cli", "daemon", "diagnose", "explain", "preflight", "session"}
 
 # The standard library analysis/ may use: computation only, no files, processes, sockets or clocks.
 PURE_STDLIB = {
@@ -91,13 +114,37 @@ def layer_of(module: str) -> str | None:
     return None
 
 
+def top_level_of(path: Path, root: Path) -> str | None:
+    """The name of a top-level module ("model", "__init__" for the package), None below it."""
+    rel = path.relative_to(root)
+    return rel.stem if len(rel.parts) == 1 else None
+
+
+def undeclared(root: Path) -> set[str]:
+    """The top-level modules under `root` that are neither BASE nor COMMANDS."""
+    found = {top_level_of(p, root) for p in root.glob("*.py")}
+    return {name for name in found if name is not None and name not in BASE | COMMANDS}
+
+
+def _is_command(parts: list[str]) -> bool:
+    return parts[0] == "agent" and len(parts) >= 2 and parts[1] in COMMANDS
+
+
 def violations(root: Path) -> set[tuple[str, str]]:
     """(importer, imported) for every import that goes against the data flow under `root`."""
     bad: set[tuple[str, str]] = set()
     top = root.name
     for path in sorted(root.rglob("*.py")):
         name = _module_name(path, root)
+        module = top_level_of(path, root)
         layer = layer_of(name.replace(top, "agent", 1))
+        if module is not None and module not in COMMANDS:
+            # A base module (or an undeclared one, held to the same rule): no layer, no command.
+            for imp in imports_of(path, root):
+                imp_agent = imp.replace(top, "agent", 1) if imp.split(".")[0] == top else imp
+                if layer_of(imp_agent) is not None or _is_command(imp_agent.split(".")):
+                    bad.add((name, imp))
+            continue
         if layer is None:
             continue
         for imp in imports_of(path, root):
@@ -111,7 +158,7 @@ def violations(root: Path) -> set[tuple[str, str]]:
                     and name.split(".")[-1] in SNAPSHOT_ONLY
                     and target == "analysis"
                 )
-                or (parts[0] == "agent" and len(parts) >= 2 and parts[1] in COMMANDS)
+                or _is_command(parts)
                 or (layer == "analysis" and parts[0] != "agent" and parts[0] not in PURE_STDLIB)
             ):
                 bad.add((name, imp))
@@ -121,6 +168,12 @@ def violations(root: Path) -> set[tuple[str, str]]:
 def test_the_package_follows_its_data_flow() -> None:
     assert not sorted(violations(AGENT)), "\n".join(
         f"{a} imports {b}" for a, b in sorted(violations(AGENT))
+    )
+
+
+def test_every_top_level_module_is_declared() -> None:
+    assert not sorted(undeclared(AGENT)), (
+        f"top-level modules neither in BASE nor in COMMANDS: {sorted(undeclared(AGENT))}"
     )
 
 
@@ -168,6 +221,23 @@ def _plant(tmp_path: Path, files: dict[str, str]) -> Path:
         ("export/metrics.py", "from ..sources import procfs\n", "agent.sources.procfs"),
         ("sources/probe.py", "from .. import daemon\n", "agent.daemon"),
         ("observe/sampler.py", "from ..analysis.waitgraph import x\n", "agent.analysis.waitgraph"),
+        ("sources/procfs.py", "from .. import session\n", "agent.session"),
+        ("analysis/classify.py", "from ..jobs import ranks\n", "agent.jobs.ranks"),
+        ("jobs/ranks.py", "from ..observe import jobkey\n", "agent.observe.jobkey"),
+        ("jobs/prom.py", "from ..sources.procfs import ProcFS\n", "agent.sources.procfs"),
+        ("jobs/command.py", "from .. import daemon\n", "agent.daemon"),
+        # Top level: a base module imports no layer and no command.
+        ("model.py", "from .sources.procfs import ProcFS\n", "agent.sources.procfs"),
+        ("config.py", "from .analysis.frontdoor import X\n", "agent.analysis.frontdoor"),
+        ("settings.py", "import agent.observe.enrich\n", "agent.observe.enrich"),
+        ("errors.py", "from .report import text\n", "agent.report.text"),
+        ("syscalls.py", "from .export.metrics import registry_for\n", "agent.export.metrics"),
+        ("abi.py", "from .jobs.prom import Prometheus\n", "agent.jobs.prom"),
+        ("config.py", "from . import daemon\n", "agent.daemon"),
+        ("model.py", "from .cli import main\n", "agent.cli"),
+        ("__init__.py", "from .session import Session\n", "agent.session"),
+        # An undeclared top-level module is held to the base rule too.
+        ("glue.py", "from .observe.enrich import native_frame\n", "agent.observe.enrich"),
     ],
 )
 def test_a_planted_violation_fails(tmp_path: Path, rel: str, text: str, expect: str) -> None:
@@ -190,3 +260,25 @@ def test_allowed_directions_pass(tmp_path: Path) -> None:
         },
     )
     assert violations(root) == set()
+
+
+def test_commands_may_import_anything_and_each_other(tmp_path: Path) -> None:
+    root = _plant(
+        tmp_path,
+        {
+            "__main__.py": "from .cli import main\n",
+            "cli.py": "from .daemon import run\nfrom .jobs.command import run\nfrom . import config\n",
+            "daemon.py": "from . import session\nfrom .sources.procfs import ProcFS\n",
+            "diagnose.py": "from .report import text\nfrom .observe.observer import Observer\n",
+            "session.py": "from .observe.observer import Observer\nfrom . import preflight\n",
+            "preflight.py": "from .errors import KernelFeatureError\n",
+            "jobs/command.py": "from ..report import text\nfrom ..analysis import classify\n",
+        },
+    )
+    assert violations(root) == set()
+    assert undeclared(root) == set()
+
+
+def test_an_undeclared_top_level_module_fails(tmp_path: Path) -> None:
+    root = _plant(tmp_path, {"waiting.py": "import threading\n", "model.py": "import re\n"})
+    assert undeclared(root) == {"waiting"}

@@ -1,5 +1,5 @@
 """Where a parked process waits, as the ``site`` label (agent.analysis.sites), and the book the
-daemon keeps of them, one read per park (agent.waiting)."""
+daemon keeps of them, one read per park (agent.observe.sitebook)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from agent.analysis.sites import MAX_SITE, clean, leads_rank, native_site, process_site, python_site
 from agent.model import PyFrame, PyThread, StackRead
-from agent.waiting import SAME_PARK_NS, Park, SiteBook
+from agent.observe.sitebook import SAME_PARK_NS, Park, SiteBook
 
 SP = "/opt/venv/lib/python3.11/site-packages/"
 STD = "/usr/lib/python3.11/"

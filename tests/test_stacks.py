@@ -26,7 +26,7 @@ from agent.analysis.stacks import (
     stack_facts,
     wait_of,
 )
-from agent.model import ProcessSample, ThreadSample
+from agent.model import NAME_SHOWN_MAX, ProcessSample, ThreadSample, printable
 from agent.report.sentences import reasons, wait_words
 from agent.sources import pystacks
 from agent.sources.confined import FileLines
@@ -623,9 +623,20 @@ def test_names_a_target_chose_are_made_printable():
     )
     t = parse_dump(1, text)[7]
     f = t.frames[0]
-    assert t.name == "evil\\x1b]0;owned\\x07"
-    assert f.function == "f\\x0ahangwatch: fake line" and "\n" not in f.function
-    assert f.file == "/a\\u202eb.py" and f.short == "a\\u202eb.py"
+    # Each character that is not printable shown as "?" (agent.model.printable).
+    assert t.name == "evil?]0;owned?"
+    assert f.function == "f?hangwatch: fake line" and "\n" not in f.function
+    assert f.file == "/a?b.py" and f.short == "a?b.py"
+
+
+@given(st.text(max_size=300), st.integers(min_value=1, max_value=200) | st.none())
+def test_printable_is_one_bounded_line_and_leaves_printable_text_alone(text, limit):
+    out = printable(text, limit)
+    assert out.isprintable()
+    assert limit is None or len(out) <= limit
+    if text.isprintable() and (limit is None or len(text) <= limit):
+        assert out == text
+    assert len(printable("x" * 5000, NAME_SHOWN_MAX)) == NAME_SHOWN_MAX
 
 
 @pytest.fixture

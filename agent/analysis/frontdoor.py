@@ -15,15 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..model import DEFAULT_EPHEMERAL_FROM, Connection, ProcessSample
+from ..model import DEFAULT_EPHEMERAL_FROM, Connection, FrontDoorConfig, ProcessSample
 from . import evidence as ev
-
-
-@dataclass(frozen=True)
-class FrontDoorConfig:
-    """What a target's config declares: ``ports`` are the front doors (empty: none)."""
-
-    ports: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,7 @@ class ProcessStatus:
     no_waker: bool = False
     # Extra identity labels from an allow-list of environment variables (RANK, LOCAL_RANK...)
     labels: Mapping[str, str] = field(default_factory=dict)
-    # Where it waits while parked, as read for its park (agent.waiting); None: not parked, not
+    # Where it waits while parked, as read for its park (agent.observe.sitebook); None: not parked, not
     # read yet, or a DataLoader-like helper of a rank (only the rank's own process has one).
     waiting_at: str | None = None
     world_size: int | None = None  # its WORLD_SIZE label as a number, where it is one

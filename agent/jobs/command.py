@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from typing import TextIO
 
 from ..errors import HangwatchError, UsageError
-from ..observe import jobkey
+from ..model import JOB_KEY_LABEL
 from . import ranks, render
 from .prom import Endpoint, Prometheus, check_timeout
 
-_BY = f"service, {jobkey.LABEL}, instance, service_pid"
+_BY = f"service, {JOB_KEY_LABEL}, instance, service_pid"
 _PARKED = 'hangwatch_process_parked_seconds{rank!=""}'
 _RECENT = f"{ranks.RECENT_S // 60}m"
 QUERIES = {

@@ -25,6 +25,7 @@ from typing import Any
 
 from .. import __version__
 from ..errors import UnavailableError, UsageError, show
+from ..model import printable
 
 # A series of an instant vector: its labels (__name__ dropped) and its value.
 Sample = tuple[Mapping[str, str], float]
@@ -236,14 +237,14 @@ def _json(body: bytes) -> Any:
 
 def _excerpt(body: bytes, limit: int = 80) -> str:
     text = " ".join(body.decode(errors="replace").split())
-    text = "".join(c if c.isprintable() else "?" for c in text)  # it may come from anywhere
+    text = printable(text, None)  # it may come from anywhere
     return show(text, limit) if text else "an empty body"
 
 
 def _api_error(doc: Mapping[str, Any]) -> str:
     kind, error = doc.get("errorType"), doc.get("error")
     text = f"{kind}: {error}" if kind and error else str(error or kind or "no error given")
-    return "".join(c if c.isprintable() else "?" for c in text)
+    return printable(text, None)
 
 
 def _http_error(where: str, e: urllib.error.HTTPError) -> UnavailableError:

@@ -16,8 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..errors import HangwatchError, UsageError, show
-from ..model import printable
-from ..observe import jobkey
+from ..model import JOB_KEY_LABEL, printable
 
 Sample = tuple[Mapping[str, str], float]
 
@@ -86,7 +85,7 @@ class JobKey:
 
 
 def job_key(labels: Mapping[str, str]) -> JobKey:
-    service, key = labels.get("service", ""), labels.get(jobkey.LABEL, "")
+    service, key = labels.get("service", ""), labels.get(JOB_KEY_LABEL, "")
     if key:
         return JobKey(service, key)
     return JobKey(

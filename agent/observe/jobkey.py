@@ -34,7 +34,9 @@ import ipaddress
 import re
 from collections.abc import Callable, Mapping
 
-LABEL = "job_key"
+from ..model import JOB_KEY_LABEL
+
+LABEL = JOB_KEY_LABEL
 
 # The variables read here; nothing else from the environment.
 VARIABLES = (

@@ -13,7 +13,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..analysis.answers import stream_in_flight
-from ..analysis.frontdoor import FrontDoorConfig, FrontDoors, front_doors
+from ..analysis.frontdoor import FrontDoors, front_doors
 from ..analysis.gpu import GpuHistory
 from ..analysis.judge import (
     beats_of,
@@ -30,7 +30,15 @@ from ..analysis.requests import unanswered_requests, unread_requests
 from ..analysis.verdict import ServiceVerdict
 from ..analysis.waitgraph import WaitForGraph
 from ..analysis.window import Rules, ServiceReads, Tick, Window
-from ..model import GpuReading, ProbeEvent, ProbeReading, Snapshot, SocketEvent, thread_ids
+from ..model import (
+    FrontDoorConfig,
+    GpuReading,
+    ProbeEvent,
+    ProbeReading,
+    Snapshot,
+    SocketEvent,
+    thread_ids,
+)
 from ..settings import Settings
 from ..sources.procfs import ProcFS
 from ..sources.protocols import ProbeSource

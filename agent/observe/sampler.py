@@ -22,6 +22,7 @@ from ..model import (
 )
 from ..sources.procfs import ProcFS
 from ..sources.schedclock import SchedClock
+from . import launchers
 from .socketcache import SocketReads, sockets_read
 from .sockets import SocketTables
 from .threads import ThreadReads
@@ -178,7 +179,11 @@ class Sampler:
 
     def _plumbing_of(self, pid: int, key: tuple[int, str]) -> Plumbing:
         known = self._plumbing.get(pid)
-        hints = known[1] if known is not None and known[0] == key else self.proc.plumbing(pid)
+        hints = (
+            known[1]
+            if known is not None and known[0] == key
+            else launchers.parse_plumbing(self.proc.environ(pid), self.proc.argv(pid) or [])
+        )
         self._next_plumbing[pid] = (key, hints)
         return hints
 

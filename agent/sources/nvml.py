@@ -1,7 +1,7 @@
 """NVML as plain data: which processes hold GPU memory, and how busy each one keeps the GPU.
 
 The only module that talks to NVML (through the ``pynvml`` module of nvidia-ml-py, or anything
-with its function names: the tests inject ``tests.fakenvml.FakeNVML``). ``GpuSource.read()``
+with its function names: the tests inject ``tests.fakenvml.FakeNVML``). ``NvmlSource.read()``
 never raises: a host without a driver, a lost GPU or a driver reload gives ``ok=False`` with the
 reason in words, never a partial reading. Half a reading would show a busy process as absent or
 idle, and a false verdict is worse than none.
@@ -88,7 +88,7 @@ def _text(value: Any) -> str:
     return str(value)
 
 
-class GpuSource:
+class NvmlSource:
     """Reads NVML once per call (at most once per ``CACHE_S``), as a ``GpuReading``."""
 
     def __init__(

@@ -20,11 +20,12 @@ from dataclasses import dataclass
 
 from ..model import (
     DEFAULT_EPHEMERAL_FROM,
-    TORCHRUN_DEFAULT_MASTER_PORT,
-    Plumbing,
+    NAME_SHOWN_MAX,
+    PID_MAX_LIMIT,
     SyscallLine,
     TcpInfo,
     WrittenFd,
+    printable,
 )
 from .tcpinfo import (
     ALL_STATES,
@@ -39,8 +40,6 @@ from .tcpinfo import (
 )
 from .unixdiag import UnixPathsRead, read_unix_paths
 
-# The kernel's ceiling for kernel.pid_max (PID_MAX_LIMIT on 64-bit): no PID is larger.
-PID_MAX_LIMIT = 1 << 22
 U64 = 1 << 64
 
 # What one read of a file a target controls may cost (docs/security.md, "Every read
@@ -65,22 +64,6 @@ FDS_WALKED_MAX = 1 << 16  # fds of one process looked at per walk (RLIMIT_NOFILE
 PROCMAP_QUERY = 0xC0686611  # _IOWR('f', 17, struct procmap_query), 104 bytes
 PROCMAP_QUERY_ARG = struct.Struct("=9Q4I2Q")
 PROCMAP_READ, PROCMAP_WRITE, PROCMAP_EXEC, PROCMAP_SHARED = 1, 2, 4, 8
-
-
-def printable(text: str, limit: int = 1024) -> str:
-    """``text`` with every character that is not printable (control characters, newlines,
-    bidirectional overrides: Unicode's categories C and Z but the space) escaped as ``\\xNN`` or
-    ``\\uNNNN``, and cut at ``limit`` characters. For what a target names itself (its comm,
-    thread names, file names, function names): our report and our log are read in a terminal,
-    and a name must not rewrite either (an escape sequence, a line that looks like ours)."""
-    if len(text) > limit:
-        text = text[:limit] + "..."
-    if text.isprintable():
-        return text
-    return "".join(
-        c if c.isprintable() else f"\\x{ord(c):02x}" if ord(c) < 256 else f"\\u{ord(c):04x}"
-        for c in text
-    )
 
 
 def _uint(text: str, base: int = 10, limit: int = U64) -> int | None:
@@ -279,7 +262,7 @@ def parse_net_unix(lines: Iterable[str], inodes: Collection[int] | None = None) 
             twice.add(inode)
         seen.add(inode)
         if m.group(2) and (inodes is None or inode in inodes):
-            out[inode] = printable(m.group(2).removeprefix("@"))
+            out[inode] = printable(m.group(2).removeprefix("@"), NAME_SHOWN_MAX)
     for inode in twice:
         out.pop(inode, None)
     return out
@@ -327,117 +310,6 @@ def parse_port_range(text: str) -> tuple[int, int] | None:
     if not first or last is None or last < first:
         return None
     return first, last
-
-
-_PORT = re.compile(r"[0-9]{1,5}")
-
-
-def _port(text: str) -> int | None:
-    """A TCP port 1-65535 written as plain digits (0, 'auto', '29_500': None)."""
-    value = int(text) if _PORT.fullmatch(text) else 0
-    return value if 0 < value < 1 << 16 else None
-
-
-def parse_master_port(environ: bytes) -> int | None:
-    """MASTER_PORT of a NUL-separated environment block; the last one wins, as in os.environ."""
-    port = None
-    for item in environ.split(b"\0"):
-        if item.startswith(b"MASTER_PORT="):
-            port = _port(item[len(b"MASTER_PORT=") :].decode("ascii", "replace").strip())
-    return port
-
-
-def parse_rdzv_port(endpoint: str) -> int | None:
-    """The port of torchrun's --rdzv-endpoint HOST[:PORT] ('[v6]', '[v6]:PORT'); without a port,
-    the c10d backend's default 29400 (torch.distributed.elastic.rendezvous.utils)."""
-    endpoint = endpoint.strip()
-    if not endpoint:
-        return None
-    if endpoint.startswith("[") and endpoint.endswith("]"):
-        return RDZV_DEFAULT_PORT
-    host, sep, port = endpoint.rpartition(":")
-    if not sep:
-        return RDZV_DEFAULT_PORT
-    return _port(port) if host else None
-
-
-RDZV_DEFAULT_PORT = 29400
-LAUNCHER_MODULES = ("torch.distributed.run", "torch.distributed.launch")
-_PORT_FLAGS = {
-    "--master_port": "--master-port",
-    "--master-port": "--master-port",
-    "--rdzv_endpoint": "--rdzv-endpoint",
-    "--rdzv-endpoint": "--rdzv-endpoint",
-}
-
-
-def _launcher(argv: Sequence[str]) -> str | None:
-    """'torchrun' when the command line runs torch's launcher: ``torchrun ...``,
-    ``python [opts] .../torchrun ...`` or ``python [opts] -m torch.distributed.run ...``."""
-    if not argv:
-        return None
-    if os.path.basename(argv[0]) == "torchrun":
-        return "torchrun"
-    i = 1
-    while i < len(argv) and argv[i].startswith("-"):  # the interpreter's options
-        if argv[i] == "-m":
-            module = argv[i + 1] if i + 1 < len(argv) else ""
-            return "torchrun" if module in LAUNCHER_MODULES else None
-        i += 1
-    return "torchrun" if i < len(argv) and os.path.basename(argv[i]) == "torchrun" else None
-
-
-def parse_plumbing(environ: bytes | None, argv: Sequence[str]) -> Plumbing:
-    """A process's plumbing hints: MASTER_PORT from its environment; from its command line,
-    whether it is torchrun and the ports of ``--master-port N``, ``--master_port=N``,
-    ``--rdzv-endpoint HOST:PORT`` (both spellings, both forms). A torchrun given neither
-    flag nor ``--standalone`` keeps its default master port, 29500."""
-    flags: list[tuple[str, int]] = []
-    standalone = False
-    for i, arg in enumerate(argv):
-        name, eq, value = arg.partition("=")
-        standalone = standalone or arg == "--standalone"
-        flag = _PORT_FLAGS.get(name)
-        if flag is None:
-            continue
-        if not eq:
-            if i + 1 >= len(argv):
-                continue
-            value = argv[i + 1]
-        port = parse_rdzv_port(value) if flag == "--rdzv-endpoint" else _port(value.strip())
-        if port is not None and (flag, port) not in flags:
-            flags.append((flag, port))
-    launcher = _launcher(argv)
-    named = _named_ports(argv)
-    if launcher is not None and not flags and not standalone:
-        flags.append(("torchrun's default --master-port", TORCHRUN_DEFAULT_MASTER_PORT))
-    master = parse_master_port(environ) if environ else None
-    return Plumbing(
-        master_port=master, launcher=launcher, flag_ports=tuple(flags), named_ports=named
-    )
-
-
-_HOST_PORT = re.compile(r"(?:[\w.\-]*|\[[0-9a-fA-F:.]*\]):(\d{1,5})")
-
-
-def _named_ports(argv: Sequence[str]) -> tuple[int, ...]:
-    """Ports a command line names: the value of a flag whose name has "port" in it
-    (``--port 8000``, ``--port=8000``), any ``HOST:PORT`` or ``:PORT`` word, and a bare
-    number of 1024 or more (``python -m http.server 8000``)."""
-    out: list[int] = []
-    for i, arg in enumerate(argv[1:], 1):
-        name, eq, value = arg.partition("=")
-        if name.startswith("-") and "port" in name.lower():
-            got = _port(value) if eq else (_port(argv[i + 1]) if i + 1 < len(argv) else None)
-        elif m := _HOST_PORT.fullmatch(value if eq else arg):
-            got = _port(m.group(1))
-        elif not arg.startswith("-") and (n := _port(arg)) is not None and n >= 1024:
-            got = n
-        else:
-            got = None
-        if got is not None and got not in out:
-            out.append(got)
-    return tuple(out)
 
 
 def parse_maps_line(line: str) -> MemMap | None:
@@ -618,10 +490,6 @@ class ProcFS:
     def real_uid(self, pid: int) -> int | None:
         text = self._read(pid, "status")
         return parse_real_uid(text) if text else None
-
-    def plumbing(self, pid: int) -> Plumbing:
-        """The process's plumbing hints (see parse_plumbing); none when unreadable."""
-        return parse_plumbing(self.environ(pid), self.argv(pid) or [])
 
     def ephemeral_from(self) -> int:
         """The first port of net.ipv4.ip_local_port_range (the kernel's default where unread)."""
@@ -808,7 +676,7 @@ class ProcFS:
                 mtime = os.stat(os.path.join(self.root, str(pid), "fd", str(fd))).st_mtime
             except OSError:
                 continue
-            out.append(WrittenFd(fd, printable(link), mtime))
+            out.append(WrittenFd(fd, printable(link, NAME_SHOWN_MAX), mtime))
         return out
 
     def has_posix_timers(self, pid: int) -> bool:
@@ -827,7 +695,9 @@ class ProcFS:
     def fd_target(self, pid: int, fd: int) -> str | None:
         """What an fd points to: a path, 'socket:[inode]', 'pipe:[inode]', ..."""
         try:
-            return printable(os.readlink(os.path.join(self.root, str(pid), "fd", str(fd))))
+            return printable(
+                os.readlink(os.path.join(self.root, str(pid), "fd", str(fd))), NAME_SHOWN_MAX
+            )
         except OSError:
             return None
 
@@ -867,7 +737,7 @@ class ProcFS:
             netns = None if theirs == self.net_namespace("self") else self._path(pid, "ns", "net")
             got = self._unix_paths(inodes, netns)
             if got is not None:
-                return {i: printable(p.removeprefix("@")) for i, p in got.items()}
+                return {i: printable(p.removeprefix("@"), NAME_SHOWN_MAX) for i, p in got.items()}
         lines = BoundedLines(self._path(pid, "net", "unix"), NET_TABLE_MAX_BYTES, NET_LINE_MAX)
         return parse_net_unix((line for line, long in lines if not long), set(inodes))
 

@@ -1,8 +1,9 @@
 """What an observation needs of its sources, as typed protocols.
 
-``agent.sources.probe.KernelProbes`` and ``agent.sources.nvml.GpuSource`` are the real ones; tests pass
-stand-ins (tests/fakeprobe.py, a fake NVML). mypy checks every method the agent calls on
-them against these protocols, so a method a caller needs cannot go missing from a source.
+``agent.sources.probe.KernelProbes`` and ``agent.sources.nvml.NvmlSource`` are the real
+ones; tests pass stand-ins (tests/fakeprobe.py, a fake NVML). mypy checks every method the
+agent calls on them against these protocols, so a method a caller needs cannot go missing
+from a source.
 """
 
 from __future__ import annotations

@@ -19,10 +19,16 @@ from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..model import PyFrame, PyThread, StackRead  # read here; defined beside the snapshot
+from ..model import (  # read here; defined beside the snapshot
+    NAME_SHOWN_MAX,
+    PyFrame,
+    PyThread,
+    StackRead,
+    printable,
+)
 from . import confined
 from .confined import FileLines, Target
-from .procfs import ProcFS, printable
+from .procfs import ProcFS
 
 READ_TIMEOUT_S = 3.0  # per process; py-spy reads a 100-thread process in tens of ms
 MAX_FRAMES = 32  # per thread, innermost first: enough to reach the program's own code
@@ -126,7 +132,7 @@ def parse_dump(
             continue
         listed = [
             (
-                printable(str(f.get("name") or "?")),
+                printable(str(f.get("name") or "?"), NAME_SHOWN_MAX),
                 str(f.get("filename") or "?"),
                 int(f.get("line") or 0),
             )
@@ -147,17 +153,22 @@ def parse_dump(
             frames.append(
                 PyFrame(
                     function=function,
-                    file=printable(path),
-                    short=printable(got.short if got and got.short else short_of(path)),
+                    file=printable(path, NAME_SHOWN_MAX),
+                    short=printable(
+                        got.short if got and got.short else short_of(path), NAME_SHOWN_MAX
+                    ),
                     line=line,
-                    code=printable(code) if code is not None else None,
+                    code=printable(code, NAME_SHOWN_MAX) if code is not None else None,
                     code_withheld=(got.withheld or confined.NO_LINE)
                     if got and code is None
                     else None,
                 )
             )
         out[tid] = PyThread(
-            tid, printable(name) if isinstance(name, str) else None, gil, tuple(frames)
+            tid,
+            printable(name, NAME_SHOWN_MAX) if isinstance(name, str) else None,
+            gil,
+            tuple(frames),
         )
     return out
 

@@ -372,7 +372,7 @@ PROC_READS = (
     *("socket_inodes",),
     *("socket_fds", "socket_protocol", "tcp_lookup"),
     *("fd_target", "net_namespace", "tcp_sockets", "maps", "open_memory"),
-    *("argv", "plumbing", "ephemeral_from", "own_exec_start_ms", "pipes_read"),
+    *("argv", "ephemeral_from", "own_exec_start_ms", "pipes_read"),
 )
 
 

@@ -1,9 +1,9 @@
 """Park times of a real process whose threads wake on timers or get stopped by a debugger.
 
 A thread counts as working only when it used CPU above the floor in the window, never
-because one read caught it running (DESIGN.md, "States"): a 10 ms timer loop (gloo's
-tcp_loop) is sometimes read in state R, and a debugger or ``py-spy dump`` stopping the
-process makes every thread run for a moment. Neither may reset how long it has been parked.
+because one read caught it running: a 10 ms timer loop (gloo's tcp_loop) is sometimes read in
+state R, and a debugger or ``py-spy dump`` stopping the process makes every thread run for a
+moment. Neither may reset how long it has been parked.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ threads last worked (agent.analysis.progress); a thread that works ends it, and 
 is read anew. The read (py-spy --nonblocking, or a scan of the main thread's native stack)
 waits until the park has lasted half the park threshold, so that a server parked between
 requests is not read each time it pauses, and the site is there before the threshold turns
-the process stalled. Reads run on a thread of their own (agent.flight), a few at a time: the
+the process stalled. Reads run on a thread of their own (agent.worker), a few at a time: the
 tick never waits for them, and a read that finds the queue full is asked again next tick.
 """
 
@@ -17,13 +17,13 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from .analysis.sites import native_site, process_site
-from .flight import FlightRecorder
-from .observe.enrich import native_frame
-from .sources.confined import Target
-from .sources.procfs import ProcFS
-from .sources.pystacks import READ_TIMEOUT_S, read_stacks
-from .sources.symbols import short_name
+from ..analysis.sites import native_site, process_site
+from ..sources.confined import Target
+from ..sources.procfs import ProcFS
+from ..sources.pystacks import READ_TIMEOUT_S, read_stacks
+from ..sources.symbols import short_name
+from ..worker import BoundedWorker
+from .enrich import native_frame
 
 MAX_PENDING_READS = 4
 # Two reads of one park differ by the rounding of parked_seconds, far under a tick.
@@ -77,8 +77,8 @@ class SiteBook:
         self._sites: dict[int, tuple[Park, str | None]] = {}
         self._asked: dict[int, Park] = {}
         self.reads = 0  # sites read (tests and the benchmark count them)
-        self._reader: FlightRecorder[Park] = FlightRecorder(
-            self._record, self._skipped, max_pending, name="hangwatch-sites"
+        self._reader: BoundedWorker[Park] = BoundedWorker(
+            self._record, self._skipped, max_pending, name="hangwatch-sites", what="site read"
         )
 
     def update(self, parks: Iterable[Park], due: Callable[[Park], bool]) -> None:
@@ -104,7 +104,7 @@ class SiteBook:
         return known[1] if known is not None and known[0].same(park) else None
 
     def start(self) -> None:
-        """Start the reading thread (at start-up: agent.flight says why)."""
+        """Start the reading thread (at start-up: agent.worker says why)."""
         self._reader.start()
 
     def flush(self, timeout: float) -> bool:

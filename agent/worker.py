@@ -1,14 +1,8 @@
-"""The daemon's flight record, written beside the loop: the log line of each state change of
-a service, with its lock words named from memory, and at a change to stalled or deadlocked
-the Python stacks of its processes.
-
-Reading the stacks of a 2,000-thread server takes up to the stacks budget (seconds), and
-naming words reads symbol tables: a tick that waited for them would give every verdict late.
-So the loop hands each change to one thread of its own, in order, and goes on; the snapshot
-a change was seen in is immutable, so the thread reads it as it was. At most MAX_PENDING
-changes wait: beyond that (a host whose services all turned at once, a reader that hangs to
-its budget each time) a change is logged at once with what the verdict alone says, and
-counted, so the work in the background stays bounded and no change goes unlogged.
+"""A bounded worker: one thread beside a loop that does, in order, the jobs the loop hands it,
+so that a slow job (a read that may take seconds) never delays the loop. The loop goes on
+meanwhile, so what a job reads must not change under it (a tick's snapshot, a park). At most
+``max_pending`` jobs wait: beyond that a job is handed to ``at_once`` in the caller's thread
+instead, and counted, so the work in the background stays bounded and no job goes unseen.
 """
 
 from __future__ import annotations
@@ -27,27 +21,30 @@ MAX_PENDING = 16
 C = TypeVar("C")
 
 
-class FlightRecorder(Generic[C]):
-    """Runs ``record(change)`` for each change submitted, one at a time, in a thread of its
-    own (``start()``, before the first submit); ``at_once(change)`` instead when MAX_PENDING
-    are already waiting."""
+class BoundedWorker(Generic[C]):
+    """Runs ``record(job)`` for each job submitted, one at a time, in a thread of its own
+    (``start()``, before the first submit); ``at_once(job)`` instead when ``max_pending`` are
+    already waiting. ``name`` names the thread, ``what`` a job in the log when one raises."""
 
     def __init__(
         self,
         record: Callable[[C], None],
         at_once: Callable[[C], None],
         max_pending: int = MAX_PENDING,
-        name: str = "hangwatch-flight",
+        *,
+        name: str,
+        what: str,
     ) -> None:
         self._name = name
+        self._what = what
         self._record = record
         self._at_once = at_once
         self._queue: queue.Queue[C | None] = queue.Queue(max_pending)
         self._thread: threading.Thread | None = None
-        self.dropped = 0  # changes logged without their flight record: the queue was full
+        self.dropped = 0  # jobs handed to at_once: the queue was full
 
     def start(self) -> None:
-        """Start the recording thread. At start-up: a thread started at a change instead
+        """Start the worker's thread. At start-up: a thread started at the first job instead
         could fail then (a host out of tasks), in the middle of the loop's tick. RuntimeError
         when it cannot start; then nothing is started, and close() has nothing to end."""
         if self._thread is not None:
@@ -56,17 +53,17 @@ class FlightRecorder(Generic[C]):
         thread.start()
         self._thread = thread  # only once started: close() joins no thread that never ran
 
-    def submit(self, change: C) -> None:
+    def submit(self, job: C) -> None:
         if self._thread is None:
             raise RuntimeError(f"{self._name}: submit() before start()")
         try:
-            self._queue.put_nowait(change)
+            self._queue.put_nowait(job)
         except queue.Full:
             self.dropped += 1
-            self._at_once(change)
+            self._at_once(job)
 
     def flush(self, timeout: float) -> bool:
-        """Wait until every change submitted is recorded; False if ``timeout`` came first."""
+        """Wait until every job submitted is done; False if ``timeout`` came first."""
         deadline = time.monotonic() + timeout
         with self._queue.all_tasks_done:
             while self._queue.unfinished_tasks:
@@ -77,7 +74,7 @@ class FlightRecorder(Generic[C]):
         return True
 
     def close(self, timeout: float) -> None:
-        """Record what is pending (for up to ``timeout``), then end the thread."""
+        """Do what is pending (for up to ``timeout``), then end the thread."""
         if self._thread is None:
             return
         self.flush(timeout)
@@ -89,12 +86,12 @@ class FlightRecorder(Generic[C]):
 
     def _run(self) -> None:
         while True:
-            change = self._queue.get()
+            job = self._queue.get()
             try:
-                if change is None:
+                if job is None:
                     return
-                self._record(change)
+                self._record(job)
             except Exception:
-                log.exception("flight record failed")
+                log.exception("%s failed", self._what)
             finally:
                 self._queue.task_done()
