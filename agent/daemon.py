@@ -203,10 +203,11 @@ class Daemon:
         return reading
 
     def step(self) -> None:
-        """One pass of the loop: NVML, discovery and the observation (timed stages), then the
-        verdicts, the log of state changes, and a new exposition with the BPF programs' run
-        time (the last timed stage). Without an observation nothing new is published, and
-        /metrics serves the last exposition, its last-tick time saying how old it is."""
+        """One pass of the loop, top-down: NVML, discovery and the observation (the reads),
+        then the judgement, then the log of state changes and a new exposition with the BPF
+        programs' run time. Each is a timed stage. Without an observation nothing new is
+        published, and /metrics serves the last exposition, its last-tick time saying how old
+        it is."""
         session = self.session
         assert session is not None, "step() before a session was attached"
         gpu = self._read_gpu(session)
