@@ -42,6 +42,7 @@ from scripts.daemonproc import free_port
 from scripts.fixturelib import REPO_ROOT, Fixture, FixtureError, FixtureLine, blocked_in
 from scripts.realsw import alive, cmdline, descendants, kill_tree
 from tests import gate
+from tests.realsw.readlimit import ReadLimit
 from tests.realsw.serving.native import build_abba
 from tests.realsw.vllmlib import (  # the same /proc helpers
     SYS_FUTEX,
@@ -211,6 +212,7 @@ class SglangServer(Fixture):
         watchdog_timeout: float | None = None,
         wait: bool = True,
         timeout: float = START_TIMEOUT,
+        cgroup: Path | None = None,
     ) -> None:
         assert hang in HANG_MODES, hang
         self.run_dir = run_dir
@@ -223,8 +225,10 @@ class SglangServer(Fixture):
         argv = [
             "/bin/sh",
             "-c",
+            # into the cgroup first, if given, so that every process of the server is born in it;
             # in the run directory: on a crash SGLang looks for files in its cwd
-            'cd "$HANGWATCH_SGLANG_DIR" && exec "$0" "$@" >>"$HANGWATCH_SGLANG_LOG" 2>&1',
+            '{ [ -z "$HANGWATCH_SGLANG_CGROUP" ] || echo $$ >"$HANGWATCH_SGLANG_CGROUP"; } &&'
+            ' cd "$HANGWATCH_SGLANG_DIR" && exec "$0" "$@" >>"$HANGWATCH_SGLANG_LOG" 2>&1',
             str(python()),
             "-m",
             "sglang.launch_server",
@@ -252,6 +256,7 @@ class SglangServer(Fixture):
         env = _env(
             PYTHONPATH=f"{INJECT_DIR}:{SHIM_DIR}",
             HANGWATCH_SGLANG_DIR=str(run_dir),
+            HANGWATCH_SGLANG_CGROUP=str(cgroup or ""),
             HANGWATCH_SGLANG_LOG=str(self.log),
             HANGWATCH_SGLANG_TRIGGER=str(self.trigger),
             HANGWATCH_SGLANG_HANG=hang,
@@ -379,6 +384,24 @@ class SglangServer(Fixture):
 def sglang_server(run_dir: Path, **kwargs: Any) -> Iterator[SglangServer]:
     with SglangServer(run_dir, **kwargs) as server:
         yield server
+
+
+LOAD_S = 30  # how long the loading case reads its weights from storage, whatever the disk
+
+
+@contextlib.contextmanager
+def loading_server(run_dir: Path) -> Iterator[tuple[SglangServer, int]]:
+    """The big model, dropped from the page cache, read from storage at a capped rate so that
+    the load lasts about ``LOAD_S`` seconds on any disk; yields once the scheduler began
+    loading (port closed), with the model's size in bytes."""
+    model = model_dir("big")
+    size = evict(model)
+    with (
+        ReadLimit(model, size // LOAD_S) as cap,
+        sglang_server(run_dir, size="big", wait=False, cgroup=cap.procs) as server,
+    ):
+        server.wait_loading()
+        yield server, size
 
 
 # --- the client ------------------------------------------------------------------------------

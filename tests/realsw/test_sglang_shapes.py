@@ -132,12 +132,11 @@ def test_native_abba(run_root: Path) -> None:
 
 
 def test_loading_reads_storage_before_the_port_opens(run_root: Path) -> None:
-    """The big model (4.7 GB), its pages dropped from the page cache first: the scheduler
-    reads it from storage while the port is still closed, for long enough to diagnose."""
-    size = sglanglib.evict(sglanglib.model_dir("big"))
-    assert size > 2_000_000_000, size
-    with sglanglib.sglang_server(run_root / "loading", size="big", wait=False) as s:
-        s.wait_loading()
+    """The big model (4.7 GB), its pages dropped from the page cache first and its reads capped
+    (``loading_server``): the scheduler reads it from storage while the port is still closed,
+    for long enough to diagnose."""
+    with sglanglib.loading_server(run_root / "loading") as (s, size):
+        assert size > 2_000_000_000, size
         began = time.monotonic()
         assert s.scheduler, "no scheduler while loading"
         assert s.port not in sglanglib.listening_ports(s.pid)
