@@ -1,6 +1,6 @@
 """Build and run the fixture programs in ``tests/fixtures``.
 
-Shared by ``tests/test_fixtures.py`` (the fixtures really do what they claim; no BPF),
+Shared by ``tests/host/test_fixtures.py`` (the fixtures really do what they claim; no BPF),
 ``tests/privileged`` (the real tool diagnoses them), the benchmark's detection part and
 ``scripts/demo.py`` / ``scripts/soak.py``; it lives here so that none of those reaches into
 ``tests/`` for it. The sources stay in ``tests/fixtures``. A fixture prints one flushed

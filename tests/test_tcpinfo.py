@@ -2,20 +2,17 @@
 
 Pure tests of the decision (classify.waiting_for_answer and the verdicts it feeds), then the
 reader against real loopback connections of this test process (no root needed: the
-kernel's sock_diag dump of one's own network namespace is open to every user), the
-sampler's use of it, and the hung_http fixture from another process. The one test that
-reads another network namespace needs root and unshare(1).
+kernel's sock_diag dump of one's own network namespace is open to every user), and the
+sampler's use of it. tests/host/test_tcpinfo.py judges the hung_http fixture from another
+process and reads another network namespace.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import socket
 import struct
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -40,8 +37,7 @@ from agent.observe.sampler import Sampler
 from agent.report.sentences import reasons
 from agent.sources import tcpinfo
 from agent.sources.procfs import ProcFS
-from agent.sources.tcpinfo import NETNS, read_tcp_info
-from scripts.fixturelib import Fixture
+from agent.sources.tcpinfo import read_tcp_info
 from tests.synth import parked, process
 from tests.test_procfs_sockets import CountingProcFS, make_job
 
@@ -513,57 +509,3 @@ def test_sampler_reads_a_connection_to_outside_by_its_local_port(tmp_path):
     snap = Sampler(proc, clock_ns=lambda: 6_000_000_000).snapshot([11])  # the rank alone
     (conn,) = snap.processes[11].connections
     assert [(pid, [p for _, p in ports]) for pid, ports in proc.asked] == [(11, [conn.local_port])]
-
-
-def test_hung_http_fixture_waits_and_keep_alive_does_not():
-    """The fixture of the privileged diagnose test, judged from outside it."""
-    with Fixture.py("hung_http") as fx:
-        port = fx.info.get_int("port")
-        with socket.create_connection(("127.0.0.1", port)) as kept:
-            kept.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-            assert b"200" in kept.recv(4096)
-            with socket.create_connection(("127.0.0.1", port)) as hung:
-                hung.sendall(b"GET /hang HTTP/1.1\r\nHost: x\r\n\r\n")
-                fx.wait_for("HANGING")
-                time.sleep(JIFFY_S)
-                p = Sampler().snapshot([fx.pid]).processes[fx.pid]
-                waiting = unanswered_requests(p, frozenset({port}))
-                assert [c.remote_port for c in waiting] == [hung.getsockname()[1]]
-                assert len(p.connections) == 2
-
-
-@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root")
-def test_reader_enters_another_network_namespace():
-    """A server in its own network namespace (a container's view): read through a socket
-    made by the namespace thread (setns there, then back); this process's namespace does not
-    have the socket. The thread is started once, not per read, and goes back to ours."""
-    script = (
-        "import os, socket, time\n"
-        "s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen()\n"
-        "c = socket.create_connection(s.getsockname()); c.sendall(b'hello')\n"
-        "a, _ = s.accept()\n"
-        "print(s.getsockname()[1], os.fstat(a.fileno()).st_ino, flush=True)\n"
-        "time.sleep(60)\n"
-    )
-    cmd = ["unshare", "--net", "sh", "-c", 'ip link set lo up && exec "$0" -c "$1"']
-    child = subprocess.Popen([*cmd, sys.executable, script], stdout=subprocess.PIPE, text=True)
-    try:
-        assert child.stdout is not None
-        line = child.stdout.readline().split()
-        if len(line) != 2:
-            pytest.skip("no network namespace here (unshare --net or ip failed)")
-        port, ino = int(line[0]), int(line[1])
-        assert ProcFS().net_namespace(child.pid) != ProcFS().net_namespace("self")
-        NETNS.start()
-        threads = threading.active_count()
-        for _ in range(3):
-            got = ProcFS().tcp_info(child.pid, [("tcp", port)])
-            assert ino in got and got[ino].bytes_received == 5
-        assert threading.active_count() == threads
-        assert ino not in read_tcp_info([("tcp", port)])
-        worker = next(t for t in threading.enumerate() if t.name == "hangwatch-netns")
-        own = os.readlink("/proc/self/ns/net")
-        assert os.readlink(f"/proc/self/task/{worker.native_id}/ns/net") == own
-    finally:
-        child.kill()
-        child.wait()

@@ -1,6 +1,6 @@
 """End to end: ``python -m agent diagnose`` gives each fixture the verdict it deserves.
 
-Each test starts a fixture (tests/fixtures, checked by tests/test_fixtures.py), runs the real
+Each test starts a fixture (tests/fixtures, checked by tests/host/test_fixtures.py), runs the real
 tool against it with ``--json --threshold 1 --duration 2`` and checks the state from the
 JSON contract (README, `hangwatch diagnose`). Failures print the whole JSON report and the tool's stderr.
 """

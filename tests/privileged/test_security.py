@@ -20,8 +20,8 @@ import bcrypt
 import pytest
 
 from scripts.fixturelib import REPO_ROOT, Fixture, build
+from tests.host.test_webconfig import make_cert
 from tests.privileged.daemonlib import INTERVAL, Daemon, free_port, value, wait_until
-from tests.test_webconfig import make_cert
 
 CAPS = ["bpf", "perfmon", "sys_ptrace", "dac_read_search"]  # docs/security.md
 AGENT_UID = 4242  # no passwd entry needed: a user that is neither root nor the target's
