@@ -1,19 +1,74 @@
 """Hypothesis profiles: CI replays the same examples every run, so a landing is never decided
 by the luck of a random draw; runs elsewhere explore new ones (and keep what fails in
-.hypothesis/ to replay it)."""
+.hypothesis/ to replay it). The pure tier's rule (tests/noprocess.py): a test in tests/*.py
+that starts a process fails."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import subprocess
+from collections.abc import Generator
+from pathlib import Path
 
 import pytest
 from hypothesis import settings
 
+from tests.noprocess import RULE, no_processes
+
+PURE = Path(__file__).resolve().parent
+ATTEMPTS = pytest.StashKey[list[str]]()
+
 settings.register_profile("ci", derandomize=True, deadline=None)
 if os.environ.get("CI") == "true":
     settings.load_profile("ci")
+
+
+def _pure(item: pytest.Item) -> bool:
+    return Path(item.path).parent == PURE
+
+
+# Each phase of a pure test (its fixtures' setup and teardown included) runs with the doors
+# closed. Wrappers around the phases, not an autouse fixture: a module-scoped fixture is set up
+# before any function-scoped one.
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Generator[None, None, None]:
+    if not _pure(item):
+        return (yield)
+    with no_processes(item.stash.setdefault(ATTEMPTS, [])):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
+    if not _pure(item):
+        return (yield)
+    with no_processes(item.stash.setdefault(ATTEMPTS, [])):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(
+    item: pytest.Item, nextitem: pytest.Item | None
+) -> Generator[None, None, None]:
+    if not _pure(item):
+        return (yield)
+    with no_processes(item.stash.setdefault(ATTEMPTS, [])):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """A start that the code under test caught and swallowed still fails the phase."""
+    report = yield
+    attempts = item.stash.get(ATTEMPTS, [])
+    if attempts and not report.failed:
+        report.outcome = "failed"
+        report.longrepr = f"{item.nodeid} started a process ({', '.join(attempts)}). {RULE}"
+    attempts.clear()
+    return report
 
 
 @pytest.fixture(scope="module")
