@@ -12,7 +12,7 @@ help:
 	@echo "make setup-tests  setup, and the real software the tests run (PyTorch, uvicorn, zmq:"
 	@echo "             a venv of ~5.5 GB outside the checkout, HANGWATCH_REALSW_VENV, once per machine)"
 	@echo "make lint    ruff check, ruff format --check and mypy"
-	@echo "make check   lint and the unprivileged tests (no BPF, no real software): under a minute"
+	@echo "make check   lint and the pure tests, tests/test_*.py (no process started, no root): ~30 s"
 	@echo "make test    setup, lint, then pytest (extra options: PYTEST_ARGS='-k futex')"
 	@echo "make run     the daemon on its built-in defaults, /metrics on :9817 (root)"
 	@echo "make demo    the daemon watching four demo programs, printing their states live"
@@ -31,9 +31,10 @@ lint: setup
 	$(PY) -m ruff format --check agent tests scripts bench
 	$(PY) -m mypy
 
-# The fast lane: the pure core and everything tested without root or real software.
+# The fast lane: the pure tier, tests/test_*.py. They start no process (tests/noprocess.py makes
+# one that does fail) and need no root; tests/host, tests/privileged and tests/realsw are make test's.
 check: setup lint
-	$(PY) -m pytest -q -p no:cacheprovider tests --ignore=tests/privileged --ignore=tests/realsw $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_*.py $(PYTEST_ARGS)
 
 # lint before pytest: a style failure is cheaper to report than a test run.
 test: setup-tests lint
