@@ -2,6 +2,10 @@
 # which is idempotent and takes about a second when nothing is missing.
 PY := .venv/bin/python
 PYTEST_ARGS ?=
+# make test's parallel step: scenarios side by side. Most of their time is waiting (for a hang
+# to age, a daemon to tick, an engine to start), so more workers than cores pay off.
+TEST_WORKERS ?= 4
+PARALLEL = -n $(TEST_WORKERS) --dist loadgroup -m "not serial"
 
 
 .DEFAULT_GOAL := help
@@ -13,7 +17,8 @@ help:
 	@echo "             a venv of ~5.5 GB outside the checkout, HANGWATCH_REALSW_VENV, once per machine)"
 	@echo "make lint    ruff check, ruff format --check and mypy"
 	@echo "make check   lint and the pure tests, tests/test_*.py (no process started, no root): ~30 s"
-	@echo "make test    setup, lint, then pytest (extra options: PYTEST_ARGS='-k futex')"
+	@echo "make test    setup, lint, then every test: TEST_WORKERS side by side, then the serial"
+	@echo "             ones alone (extra options: PYTEST_ARGS='-k futex')"
 	@echo "make run     the daemon on its built-in defaults, /metrics on :9817 (root)"
 	@echo "make demo    the daemon watching four demo programs, printing their states live"
 	@echo "make bench   benchmark suite: overhead per call, daemon CPU/RSS beside node_exporter, latency"
@@ -36,9 +41,21 @@ lint: setup
 check: setup lint
 	$(PY) -m pytest -q -p no:cacheprovider tests/test_*.py $(PYTEST_ARGS)
 
-# lint before pytest: a style failure is cheaper to report than a test run.
+# lint before pytest: a style failure is cheaper to report than a test run. Then everything but
+# the tests marked serial on TEST_WORKERS workers (tests that share a start, or would see each
+# other's processes, are one xdist_group: one worker), then the serial ones alone. Both steps run;
+# either failing fails the target (exit 5, nothing selected, is no failure: PYTEST_ARGS may
+# select one step only). The parallel step's temporary files are under a short --basetemp (a
+# worker adds popen-gwN, and Ray's unix sockets under a test's directory must stay short),
+# removed when the step passes.
 test: setup-tests lint
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	tmp=$$(mktemp -d /tmp/hw-test-XXXXXX); \
+	$(PY) -m pytest -q $(PARALLEL) --basetemp=$$tmp $(PYTEST_ARGS); \
+	parallel=$$?; \
+	[ $$parallel != 0 ] || rm -rf $$tmp; \
+	$(PY) -m pytest -q -m serial $(PYTEST_ARGS); \
+	serial=$$?; \
+	for rc in $$parallel $$serial; do [ $$rc = 0 ] || [ $$rc = 5 ] || exit $$rc; done
 
 # The daemon on its built-in defaults (GPU processes and known inference servers).
 run: setup

@@ -21,9 +21,14 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
+
 from scripts.daemonproc import free_port
 from tests.privileged.daemonlib import Samples, running_daemon, value, wait_until
 from tests.privileged.harness import Diagnosis
+
+# one worker: its daemon selects servers by names this module's other test uses
+pytestmark = pytest.mark.xdist_group("privileged-answers")
 
 Diagnose = Callable[..., Diagnosis]
 PERIOD_S = 0.2  # a request every 0.2 s

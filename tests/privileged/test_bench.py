@@ -8,7 +8,11 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from scripts.fixturelib import REPO_ROOT
+
+pytestmark = pytest.mark.serial  # serial: it measures the daemon's CPU and latency, on a quiet host
 
 NUM = r"[\d,]+(?:\.\d+)?"
 

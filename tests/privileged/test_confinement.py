@@ -34,6 +34,9 @@ from tests.privileged.daemonlib import INTERVAL, free_port, running_daemon, valu
 from tests.privileged.harness import RunningDiagnose, diagnose_argv
 from tests.privileged.test_security import CAPS, with_caps
 
+# one worker: its daemon selects its targets by a mark the other tests' targets carry
+pytestmark = pytest.mark.xdist_group("privileged-confinement")
+
 PYTHON = SYSTEM_PYTHON  # present in the chroot through its /usr
 NOBODY = AS_NOBODY
 MARK = "hangwatch-confinement-target"  # in the command line, for the daemon's selector

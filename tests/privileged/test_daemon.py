@@ -32,6 +32,9 @@ from tests.privileged.daemonlib import (
 )
 from tests.privileged.harness import line_of
 
+# serial: its daemon selects fixture programs by name, so it would watch other tests' copies too
+pytestmark = pytest.mark.serial
+
 THRESHOLD = 2
 CONFIG = f"""
 listen: "127.0.0.1:{{port}}"

@@ -44,6 +44,9 @@ from tests.test_deploy import (
     variable_queries,
 )
 
+# serial: its daemon selects fixture programs by name, so it would watch other tests' copies too
+pytestmark = pytest.mark.serial
+
 CONFIG = f"""
 listen: "127.0.0.1:{{port}}"
 interval_seconds: {INTERVAL}

@@ -45,6 +45,9 @@ from tests.privileged.daemonlib import (
 )
 from tests.test_procfs import make_proc, stat_line, write
 
+# serial: its daemon selects fixture programs by name, so it would watch other tests' copies too
+pytestmark = pytest.mark.serial
+
 THRESHOLD = 2
 CONFIG = f"""
 listen: "127.0.0.1:{{port}}"

@@ -27,6 +27,9 @@ from scripts.fixturelib import Fixture
 from tests.privileged.daemonlib import Daemon, free_port, running_daemon, value, wait_until
 from tests.privileged.harness import Diagnosis, RunningDiagnose, diagnose_argv
 
+# one worker: the module's loaders, diagnose and daemon start once
+pytestmark = pytest.mark.xdist_group("privileged-loading")
+
 SHARD = 4 << 20
 WEIGHTS_BYTES = 16 * SHARD
 THRESHOLD = 2

@@ -21,6 +21,9 @@ from scripts.fixturelib import REPO_ROOT, Fixture
 from tests.privileged.daemonlib import INTERVAL, Daemon, first_tick, free_port, value, wait_until
 from tests.privileged.promlib import Prometheus
 
+# serial: its daemon selects fixture programs by name, so it would watch other tests' copies too
+pytestmark = pytest.mark.serial
+
 RULES = sorted((REPO_ROOT / "deploy" / "prometheus").glob("*.yml"))
 CONFIG = f"""
 listen: "127.0.0.1:{{port}}"

@@ -39,6 +39,8 @@ from tests.privileged.daemonlib import (
 from tests.privileged.harness import RunningDiagnose, diagnose_argv
 from tests.privileged.test_confinement import NOBODY, PYTHON
 
+pytestmark = pytest.mark.serial  # serial: each tick within its interval, the daemon's peak memory
+
 MAPPINGS = 62_000
 PATH_CHARS = 4_000
 HUGE_MAPS = FIXTURES_DIR / "huge_maps.py"

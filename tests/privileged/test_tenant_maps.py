@@ -37,6 +37,9 @@ from tests.privileged.daemonlib import (
 )
 from tests.privileged.daemonlib import wait_until as daemon_wait_until
 
+# serial: floods of renames, refusals and writes; exact drop counters
+pytestmark = pytest.mark.serial
+
 PYTHON = "/usr/bin/python3"
 NOBODY = AS_NOBODY
 FDS = 16_400  # more than the write map holds (16,384), host-wide, before the shares

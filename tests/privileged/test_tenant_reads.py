@@ -33,6 +33,9 @@ from tests.privileged.harness import RunningDiagnose, diagnose_argv
 from tests.privileged.test_confinement import NOBODY, PYTHON, parked, stack_frames
 from tests.realsw.serving.native import build_abba
 
+# one worker: its daemons select their targets by a mark the module shares
+pytestmark = pytest.mark.xdist_group("privileged-tenant-reads")
+
 MARK = "hangwatch-tenant-reads-target"
 MEMORY_MAX = 512 << 20  # deploy/systemd/hangwatch.service
 SU = "/usr/bin/su"

@@ -43,6 +43,8 @@ from tests.privileged.daemonlib import (
     wait_until,
 )
 
+pytestmark = pytest.mark.serial  # serial: 2,000 tenant processes, which every other test would meet
+
 SPOOFS = 2000
 SERVER = "python3 -m vllm.entrypoints.openai.api_server --model"
 NOBODY = AS_NOBODY

@@ -14,6 +14,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from scripts.fixturelib import AS_NOBODY, Fixture, tasks, thread_state, thread_syscall
 from tests.privileged.daemonlib import INTERVAL, free_port, running_daemon, value, wait_until
 from tests.privileged.harness import Diagnosis, RunningDiagnose
@@ -154,6 +156,7 @@ def test_a_whole_request_beside_a_half_one_still_stalls(diagnose: Diagnose) -> N
     assert re.search(r"1 request unanswered for \d", words), d.explain("not the one request")
 
 
+@pytest.mark.serial  # its daemon selects idle_http.py by name: every copy on the host
 def test_the_daemon_keeps_a_server_with_a_half_sent_request_idle(tmp_path: Path) -> None:
     """The daemon, threshold 1 s: the same half request, held past the threshold by a
     client run as nobody. The service stays idle with nothing unanswered; before, it turned

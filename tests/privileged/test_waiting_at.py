@@ -14,6 +14,9 @@ from scripts.fixturelib import Fixture
 from tests.privileged.daemonlib import Daemon, Samples, free_port, running_daemon, wait_until
 from tests.privileged.harness import line_of
 
+# serial: its daemon selects fixture programs by name, so it would watch other tests' copies too
+pytestmark = pytest.mark.serial
+
 THRESHOLD = 2  # a site is read once a park has lasted half of it
 CONFIG = f"""
 listen: "127.0.0.1:{{port}}"

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import http.client
 import json
 import os
@@ -133,17 +134,22 @@ def model_dir(size: str = "tiny") -> Path:
     if (out / "config.json").is_file() and (out / "tokenizer.json").is_file():
         return out
     MODEL_CACHE.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run(
-        [str(python()), str(MODEL_SCRIPT), str(out), size],
-        capture_output=True,
-        text=True,
-        check=False,
-        env=_env(),
-        cwd=MODEL_CACHE,
-        timeout=900,
-    )
-    if proc.returncode != 0 or not (out / "config.json").is_file():
-        raise FixtureError(f"making the {size} model failed:\n{proc.stdout}\n{proc.stderr}")
+    # Workers of a parallel run may ask at once: one makes it, the others wait and find it.
+    with open(MODEL_CACHE / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (out / "config.json").is_file() and (out / "tokenizer.json").is_file():
+            return out
+        proc = subprocess.run(
+            [str(python()), str(MODEL_SCRIPT), str(out), size],
+            capture_output=True,
+            text=True,
+            check=False,
+            env=_env(),
+            cwd=MODEL_CACHE,
+            timeout=900,
+        )
+        if proc.returncode != 0 or not (out / "config.json").is_file():
+            raise FixtureError(f"making the {size} model failed:\n{proc.stdout}\n{proc.stderr}")
     return out
 
 

@@ -37,7 +37,8 @@ from tests.privileged.promlib import Prometheus
 from tests.realsw.servinglib import serving_stack
 
 # hangwatch attaches: root and bcc, as tests/privileged (conftest.needs_bpf)
-pytestmark = [pytest.mark.privileged, pytest.mark.usefixtures("needs_bpf")]
+# serial: 'never active for the idle server' is a timing check
+pytestmark = [pytest.mark.privileged, pytest.mark.usefixtures("needs_bpf"), pytest.mark.serial]
 
 ALERT = "HangwatchAllThreadsParked"
 FOR = "3s"  # instead of the shipped 5m

@@ -31,7 +31,13 @@ from tests.realsw.vllmlib import vllm_ready
 
 __all__ = ["vllm_ready"]  # the fixture, imported to be used here
 
-pytestmark = [pytest.mark.privileged, pytest.mark.usefixtures("needs_bpf", "vllm_ready")]
+# One worker for every Ray test: a cluster's dashboard agent binds port 52365, and
+# test_engine_alerts.py's daemon selects any serve_idle or serve_event driver.
+pytestmark = [
+    pytest.mark.privileged,
+    pytest.mark.usefixtures("needs_bpf", "vllm_ready"),
+    pytest.mark.xdist_group("ray"),
+]
 
 THRESHOLD = 10.0
 IDLE_HOLD_S = 15.0  # both idle, no alert active, this long

@@ -47,7 +47,13 @@ from tests.privileged.harness import line_of
 from tests.privileged.promlib import Prometheus
 from tests.realsw.test_alerts import daemon_watching
 
-pytestmark = [pytest.mark.privileged, pytest.mark.usefixtures("needs_bpf")]
+# One worker with every test that runs `torchrun --node_rank`: the daemons here select
+# each node's torchrun by it (test_torch_shapes.py and test_verdicts.py mark theirs).
+pytestmark = [
+    pytest.mark.privileged,
+    pytest.mark.usefixtures("needs_bpf"),
+    pytest.mark.xdist_group("torchrun-node-rank"),
+]
 
 ALERT = "HangwatchJobStraggler"
 THRESHOLD = 10.0  # the daemons' park threshold: a rank turns stalled past it

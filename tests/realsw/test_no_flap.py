@@ -105,6 +105,7 @@ def changes(log: str, want: Want) -> list[str]:
     return [ln for ln in log.splitlines() if any(k in ln for k in keys)]
 
 
+@pytest.mark.serial  # a no-flap check: timing, with the host to itself
 def test_three_services_hold_one_state_each_for_two_minutes(tmp_path: Path) -> None:
     began = time.monotonic()
     abba_dir, idle_dir = tmp_path / "abba", tmp_path / "idle"

@@ -31,6 +31,10 @@ from scripts.realsw import cpu_ticks
 from tests.realsw import raylib
 from tests.realsw.raylib import RayJob
 
+# One worker for every Ray test: a cluster's dashboard agent binds port 52365, and
+# test_engine_alerts.py's daemon selects any serve_idle or serve_event driver.
+pytestmark = pytest.mark.xdist_group("ray")
+
 STILL_S = 2.0  # how long a stuck thread must stay in its wait without running
 # The shape, checked from /proc, needs no idle time before its hang (the verdicts do).
 QUICK = ("--idle-before", "0")

@@ -44,7 +44,13 @@ from tests.realsw.test_verdicts import (
 )
 
 # hangwatch attaches: root and bcc, as tests/privileged (conftest.needs_bpf)
-pytestmark = [pytest.mark.privileged, pytest.mark.usefixtures("needs_bpf")]
+# One worker for every Ray test: a cluster's dashboard agent binds port 52365, and
+# test_engine_alerts.py's daemon selects any serve_idle or serve_event driver.
+pytestmark = [
+    pytest.mark.privileged,
+    pytest.mark.usefixtures("needs_bpf"),
+    pytest.mark.xdist_group("ray"),
+]
 
 HANG_AGE = 30.0  # a Ray hang is diagnosed once this old (its evidence must carry its age)
 

@@ -38,9 +38,12 @@ from tests.realsw.servinglib import (
     weight_server,
 )
 
-pytestmark = pytest.mark.skipif(
-    not sys.platform.startswith("linux"), reason="the shapes are read from Linux /proc"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not sys.platform.startswith("linux"), reason="the shapes are read from Linux /proc"
+    ),
+    pytest.mark.xdist_group("serving-shapes"),  # one worker: the abba library is built once
+]
 
 SYS_READ, SYS_POLL, SYS_RECVFROM, SYS_EPOLL_WAIT = 0, 7, 45, 232
 MIB = 1 << 20

@@ -22,7 +22,8 @@ from tests.realsw.sglanglib import SglangServer, sglang_ready
 
 __all__ = ["sglang_ready"]  # the fixture, imported to be used here
 
-pytestmark = pytest.mark.usefixtures("sglang_ready")
+# one worker: the module's servers start once
+pytestmark = [pytest.mark.usefixtures("sglang_ready"), pytest.mark.xdist_group("sglang-shapes")]
 
 SPIN_TICKS = 45  # of 300 in 3 s: the idle default scheduler's main thread, at least 15% of a CPU
 SLEEP_TICKS = 15  # of 300 in 3 s: --sleep-on-idle, at most 5%

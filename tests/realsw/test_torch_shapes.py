@@ -14,6 +14,8 @@ import time
 from collections.abc import Iterable
 from functools import partial
 
+import pytest
+
 from scripts import realsw
 from scripts.fixturelib import tasks, thread_cpu_ticks, thread_state, thread_syscall, wait_until
 
@@ -166,6 +168,7 @@ def test_rendezvous_peer_missing_is_parked() -> None:
         assert_parked(job, [pid])
 
 
+@pytest.mark.xdist_group("torchrun-node-rank")  # see test_job_straggler.py
 def test_torchrun_missing_node_is_parked() -> None:
     with realsw.missing_node_job() as job:
         wait_until(lambda: realsw.listening(job.port), realsw.START_TIMEOUT, "torchrun's store")

@@ -17,7 +17,8 @@ from tests.realsw.vllmlib import SYS_POLL, VllmServer, vllm_ready
 
 __all__ = ["vllm_ready"]  # the fixture, imported to be used here
 
-pytestmark = pytest.mark.usefixtures("vllm_ready")
+# one worker: the module's servers start once
+pytestmark = [pytest.mark.usefixtures("vllm_ready"), pytest.mark.xdist_group("vllm-shapes")]
 
 SHM_WARNING = "No available shared memory broadcast block found"
 

@@ -49,6 +49,7 @@ __all__ = ["vllm_ready"]  # the fixture, imported to be used here
 pytestmark = [
     pytest.mark.privileged,
     pytest.mark.usefixtures("needs_bpf", "vllm_ready"),
+    pytest.mark.xdist_group("vllm-verdicts"),  # one worker: the module's servers start once
 ]
 
 HANG_AGE = 30.0  # diagnose a hang once it is this old (s)
