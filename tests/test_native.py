@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 from agent.analysis import evidence as ev
 from agent.analysis.lockwords import name_words
-from agent.report.sentences import render
 from agent.model import PID_MAX_LIMIT
+from agent.report.sentences import render
 from agent.sources.procfs import MemMap, ProcFS
 from agent.sources.symbols import (
     Load,

@@ -298,7 +298,6 @@ def test_sglang_sleep_on_idle_is_idle(sglang_ready: None, run_root: Path) -> Non
     expect(d, s.pid, "sglang --sleep-on-idle idle", "idle")
 
 
-@pytest.mark.serial  # the load must outlast diagnose: a timing check, with the host to itself
 def test_sglang_loading_is_progressing(sglang_ready: None, run_root: Path) -> None:
     """The big model (4.7 GB), dropped from the page cache first and its reads capped
     (``loading_server``), loading from storage before the port opens. The window must end
