@@ -168,7 +168,9 @@ def test_rendezvous_peer_missing_is_parked() -> None:
         assert_parked(job, [pid])
 
 
-@pytest.mark.xdist_group("torchrun-node-rank")  # see test_job_straggler.py
+@pytest.mark.xdist_group(
+    "torchrun-node-rank"
+)  # one worker: they run `torchrun --node_rank`, which a daemon of another test could select
 def test_torchrun_missing_node_is_parked() -> None:
     with realsw.missing_node_job() as job:
         wait_until(lambda: realsw.listening(job.port), realsw.START_TIMEOUT, "torchrun's store")
