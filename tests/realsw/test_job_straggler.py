@@ -49,8 +49,7 @@ from tests.realsw.test_alerts import daemon_watching
 
 # Serial: the alert's latency is checked against a bound (the threshold, two scrapes, an
 # evaluation and a tick), which a host loaded by other scenarios stretches past. Its daemons
-# also select each node's torchrun by `--node_rank`, which other tests run (they share the
-# xdist group "torchrun-node-rank" for that reason).
+# also select each node's torchrun by `--node_rank`, which other tests' jobs run too.
 pytestmark = [pytest.mark.privileged, pytest.mark.usefixtures("needs_bpf"), pytest.mark.serial]
 
 ALERT = "HangwatchJobStraggler"

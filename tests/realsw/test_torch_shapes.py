@@ -14,8 +14,6 @@ import time
 from collections.abc import Iterable
 from functools import partial
 
-import pytest
-
 from scripts import realsw
 from scripts.fixturelib import tasks, thread_cpu_ticks, thread_state, thread_syscall, wait_until
 
@@ -168,9 +166,6 @@ def test_rendezvous_peer_missing_is_parked() -> None:
         assert_parked(job, [pid])
 
 
-@pytest.mark.xdist_group(
-    "torchrun-node-rank"
-)  # one worker: they run `torchrun --node_rank`, which a daemon of another test could select
 def test_torchrun_missing_node_is_parked() -> None:
     with realsw.missing_node_job() as job:
         wait_until(lambda: realsw.listening(job.port), realsw.START_TIMEOUT, "torchrun's store")

@@ -138,9 +138,6 @@ def test_rendezvous_peer_missing_is_stalled() -> None:
     expect(d, pid, job.shape, "stalled")
 
 
-@pytest.mark.xdist_group(
-    "torchrun-node-rank"
-)  # one worker: they run `torchrun --node_rank`, which a daemon of another test could select
 def test_rendezvous_node_missing_is_stalled() -> None:
     """``torchrun --nnodes=2`` as node 0; node 1 never comes, so no worker starts: the agent
     waits in its rendezvous, polling its own store."""
