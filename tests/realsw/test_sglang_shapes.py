@@ -107,9 +107,9 @@ def test_stream_hang_then_release(default: SglangServer) -> None:
     s = default
     s.hang(after=3)
     with sglanglib.pending(s, stream=True) as client:
-        chunks = client.read_chunks(2)
-        assert all(c["meta_info"]["finish_reason"] is None for c in chunks), chunks
         s.wait_hung()
+        chunks = client.read_chunks(1)  # one: several steps' tokens may come as one chunk
+        assert all(c["meta_info"]["finish_reason"] is None for c in chunks), chunks
         _hung(s, s.scheduler)
         # the connection is open and nothing more comes
         assert client.resp is not None and not client.resp.isclosed()
