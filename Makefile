@@ -50,10 +50,10 @@ check: setup lint
 # removed when the step passes.
 test: setup-tests lint
 	tmp=$$(mktemp -d /tmp/hw-test-XXXXXX); \
-	$(PY) -m pytest -q $(PARALLEL) --basetemp=$$tmp $(PYTEST_ARGS); \
+	$(PY) -m pytest -q --durations=15 $(PARALLEL) --basetemp=$$tmp $(PYTEST_ARGS); \
 	parallel=$$?; \
 	[ $$parallel != 0 ] || rm -rf $$tmp; \
-	$(PY) -m pytest -q -m serial $(PYTEST_ARGS); \
+	$(PY) -m pytest -q --durations=15 -m serial $(PYTEST_ARGS); \
 	serial=$$?; \
 	for rc in $$parallel $$serial; do [ $$rc = 0 ] || [ $$rc = 5 ] || exit $$rc; done
 
