@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 from collections.abc import Generator
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import pytest
@@ -24,8 +25,11 @@ if os.environ.get("CI") == "true":
     settings.load_profile("ci")
 
 
-def _pure(item: pytest.Item) -> bool:
-    return Path(item.path).parent == PURE
+def _doors_closed(item: pytest.Item) -> AbstractContextManager[object]:
+    """No process may start while a test of the pure tier (tests/*.py) runs; others, as is."""
+    if Path(item.path).parent != PURE:
+        return nullcontext()
+    return no_processes(item.stash.setdefault(ATTEMPTS, []))
 
 
 # Each phase of a pure test (its fixtures' setup and teardown included) runs with the doors
@@ -33,17 +37,13 @@ def _pure(item: pytest.Item) -> bool:
 # before any function-scoped one.
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_setup(item: pytest.Item) -> Generator[None, None, None]:
-    if not _pure(item):
-        return (yield)
-    with no_processes(item.stash.setdefault(ATTEMPTS, [])):
+    with _doors_closed(item):
         return (yield)
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
-    if not _pure(item):
-        return (yield)
-    with no_processes(item.stash.setdefault(ATTEMPTS, [])):
+    with _doors_closed(item):
         return (yield)
 
 
@@ -51,9 +51,7 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
 def pytest_runtest_teardown(
     item: pytest.Item, nextitem: pytest.Item | None
 ) -> Generator[None, None, None]:
-    if not _pure(item):
-        return (yield)
-    with no_processes(item.stash.setdefault(ATTEMPTS, [])):
+    with _doors_closed(item):
         return (yield)
 
 
