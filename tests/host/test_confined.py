@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -68,36 +67,27 @@ def test_a_target_that_changed_between_the_reads_is_not_read_for(tmp_path: Path,
         assert confined.open_objects(t, ["/app.py"], str(tmp_path)) == {"/app.py": confined.CHANGED}
 
 
-def test_a_real_process_that_execs_or_exits_is_another_identity(tmp_path: Path) -> None:
+def test_a_real_process_that_execs_or_exits_is_another_identity(
+    tmp_path: Path, execer: subprocess.Popen[bytes]
+) -> None:
     """An exec keeps the PID and the start time, not the executable; a process that exited
     is gone for good: its /proc directory, held open, never shows the PID's next owner."""
     src = tmp_path / "app.py"
     src.write_text("line\n")
-    code = (
-        "import os, signal, time\n"
-        "signal.signal(signal.SIGUSR1, lambda *a: os.execv('/bin/sleep', ['sleep', '30']))\n"
-        "print(flush=True)\n"
-        "time.sleep(30)\n"
-    )
-    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
-    try:
-        assert child.stdout is not None and child.stdout.readline() == b"\n"
-        t = confined.Target.take(child.pid)
-        assert isinstance(t, confined.Target)
-        with t:
-            assert t.changed() is None and t.refusal is None
-            child.send_signal(signal.SIGUSR1)
-            deadline = time.monotonic() + 10
-            while os.path.basename(os.readlink(f"/proc/{child.pid}/exe")) != "sleep":
-                assert time.monotonic() < deadline, "the child did not exec"
-                time.sleep(0.01)
-            assert t.changed() == confined.CHANGED
-            got = confined.read_lines(t, {str(src): [1]})
-            assert got[str(src)].withheld == confined.CHANGED
-            child.kill()
-            child.wait()
-            assert t.changed() == confined.GONE
-            assert confined.read_lines(t, {str(src): [1]})[str(src)].withheld == confined.GONE
-    finally:
+    child = execer
+    t = confined.Target.take(child.pid)
+    assert isinstance(t, confined.Target)
+    with t:
+        assert t.changed() is None and t.refusal is None
+        child.send_signal(signal.SIGUSR1)
+        deadline = time.monotonic() + 10
+        while os.path.basename(os.readlink(f"/proc/{child.pid}/exe")) != "sleep":
+            assert time.monotonic() < deadline, "the child did not exec"
+            time.sleep(0.01)
+        assert t.changed() == confined.CHANGED
+        got = confined.read_lines(t, {str(src): [1]})
+        assert got[str(src)].withheld == confined.CHANGED
         child.kill()
         child.wait()
+        assert t.changed() == confined.GONE
+        assert confined.read_lines(t, {str(src): [1]})[str(src)].withheld == confined.GONE

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -201,25 +200,6 @@ ONE_FRAME = (
     '[{"os_thread_id": 1, "thread_name": "t", "owns_gil": false,'
     ' "frames": [{"name": "f", "filename": "/etc/hostname", "line": 1}]}]'
 )
-
-
-@pytest.fixture
-def execer():
-    """A Python process that execs `sleep` on SIGUSR1 (and dies on SIGUSR2): what a target
-    that runs a setuid image after its dump, or exits and leaves its PID, looks like."""
-    code = (
-        "import os, signal, time\n"
-        "signal.signal(signal.SIGUSR1, lambda *a: os.execv('/bin/sleep', ['sleep', '30']))\n"
-        "print(flush=True)\n"
-        "time.sleep(30)\n"
-    )
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
-    try:
-        assert proc.stdout is not None and proc.stdout.readline() == b"\n"
-        yield proc
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 @pytest.mark.parametrize(
