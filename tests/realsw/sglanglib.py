@@ -25,12 +25,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import http.client
 import json
 import os
 import signal
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -53,6 +51,7 @@ from tests.realsw.vllmlib import (  # the same /proc helpers
     in_syscall,
     in_untimed_futex,
     listening_ports,
+    made_once,
     thread_names,
 )
 
@@ -131,26 +130,8 @@ def model_dir(size: str = "tiny") -> Path:
     """The model's directory, made on first use (tiny: seconds; big: a few minutes, 4.7 GB) and cached
     by version."""
     out = MODEL_CACHE / MODEL_VERSIONS[size]
-    if (out / "config.json").is_file() and (out / "tokenizer.json").is_file():
-        return out
-    MODEL_CACHE.mkdir(parents=True, exist_ok=True)
-    # Workers of a parallel run may ask at once: one makes it, the others wait and find it.
-    with open(MODEL_CACHE / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if (out / "config.json").is_file() and (out / "tokenizer.json").is_file():
-            return out
-        proc = subprocess.run(
-            [str(python()), str(MODEL_SCRIPT), str(out), size],
-            capture_output=True,
-            text=True,
-            check=False,
-            env=_env(),
-            cwd=MODEL_CACHE,
-            timeout=900,
-        )
-        if proc.returncode != 0 or not (out / "config.json").is_file():
-            raise FixtureError(f"making the {size} model failed:\n{proc.stdout}\n{proc.stderr}")
-    return out
+    argv = [str(python()), str(MODEL_SCRIPT), str(out), size]
+    return made_once(out, argv, _env(), 900, f"the {size} model")
 
 
 def evict(model: Path) -> int:

@@ -108,25 +108,35 @@ def vllm_ready() -> None:
 def model_dir() -> Path:
     """The tiny model's directory, made on first use (a few seconds) and cached by version."""
     out = MODEL_CACHE / MODEL_VERSION
-    if (out / "config.json").is_file() and (out / "tokenizer.json").is_file():
+    return made_once(out, [str(python()), str(MODEL_SCRIPT), str(out)], _env(), 300, "the model")
+
+
+def made_once(out: Path, argv: list[str], env: dict[str, str], timeout: float, what: str) -> Path:
+    """``out``, a model directory, made by ``argv`` (run in its parent) unless a complete one
+    is there. Workers of a parallel run may ask at once: one makes it under a lock beside it,
+    the others wait and find it."""
+
+    def complete() -> bool:
+        return (out / "config.json").is_file() and (out / "tokenizer.json").is_file()
+
+    if complete():
         return out
-    MODEL_CACHE.mkdir(parents=True, exist_ok=True)
-    # Workers of a parallel run may ask at once: one makes it, the others wait and find it.
-    with open(MODEL_CACHE / ".lock", "w") as lock:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if (out / "config.json").is_file() and (out / "tokenizer.json").is_file():
+        if complete():
             return out
         proc = subprocess.run(
-            [str(python()), str(MODEL_SCRIPT), str(out)],
+            argv,
             capture_output=True,
             text=True,
             check=False,
-            env=_env(),
-            cwd=MODEL_CACHE,
-            timeout=300,
+            env=env,
+            cwd=out.parent,
+            timeout=timeout,
         )
         if proc.returncode != 0 or not (out / "config.json").is_file():
-            raise FixtureError(f"making the model failed:\n{proc.stdout}\n{proc.stderr}")
+            raise FixtureError(f"making {what} failed:\n{proc.stdout}\n{proc.stderr}")
     return out
 
 
