@@ -52,14 +52,15 @@ def no_processes(attempts: list[str]) -> Iterator[None]:
 
         return refuse
 
-    saved = [
-        (owner, name, getattr(owner, name)) for owner, name, _ in DOORS if hasattr(owner, name)
+    here = [
+        (owner, name, door, getattr(owner, name))
+        for owner, name, door in DOORS
+        if hasattr(owner, name)
     ]
-    for owner, name, door in DOORS:
-        if hasattr(owner, name):
-            setattr(owner, name, closed(door))
+    for owner, name, door, _ in here:
+        setattr(owner, name, closed(door))
     try:
         yield
     finally:
-        for owner, name, original in saved:
+        for owner, name, _, original in here:
             setattr(owner, name, original)
