@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from . import __version__
+from . import buildinfo
 from .errors import EXIT_USAGE, HangwatchError
 from .settings import DURATION, INTERVAL, PARK_THRESHOLD, STACKS_BUDGET_S
 
@@ -107,13 +107,29 @@ def _pid(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a PID: {text!r}") from None
 
 
+class _Version(argparse.Action):
+    """--version, with the commit looked up only when asked (it may run git, in a checkout)."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: object,
+        option_string: str | None = None,
+    ) -> None:
+        print(f"hangwatch {buildinfo.describe()}")  # stdout, as argparse's own version action
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hangwatch",
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--version", action="version", version=f"hangwatch {__version__}")
+    parser.add_argument(
+        "--version", action=_Version, nargs=0, help="print the version and the commit, and exit"
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     _add_diagnose(sub)

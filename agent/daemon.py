@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from types import FrameType
 from typing import Any, TypeVar
 
-from . import __version__
+from . import __version__, buildinfo
 from . import config as config_mod
 from . import session as session_mod
 from .analysis.lockwords import words_wanted
@@ -484,6 +484,8 @@ def run(config_path: str | None, listen: str | None, web_config: str | None = No
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s hangwatch %(levelname)s %(message)s"
     )
+    # First, so that a journal says which build ran before anything it may complain about.
+    log.info("hangwatch %s", buildinfo.describe())
     # Handlers first: a SIGTERM while the port is bound or the probes compile (seconds) must
     # still mean a clean exit 0, not death by the default action.
     stop, reload_requested = threading.Event(), threading.Event()
