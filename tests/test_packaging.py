@@ -18,6 +18,7 @@ import pytest
 
 from agent import __version__
 from scripts import package
+from tests.privileged.debroot import host_mirrors
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -73,6 +74,28 @@ def test_the_packaged_unit_differs_only_in_where_hangwatch_is() -> None:
     assert keys == {"Documentation", "ExecStart"}, changed
     assert "ExecStart=/usr/bin/hangwatch run --config /etc/hangwatch/hangwatch.yaml" in unit
     assert "/opt/hangwatch" not in unit
+
+
+def test_host_mirrors_reads_both_source_formats(tmp_path: Path) -> None:
+    apt = tmp_path / "apt"
+    (apt / "sources.list.d").mkdir(parents=True)
+    (apt / "sources.list.d" / "debian.sources").write_text(
+        "Types: deb\n# a comment\nURIs: http://mirror.example/debian\n"
+        "Suites: bookworm bookworm-updates\nComponents: main contrib\n\n"
+        "Types: deb deb-src\nURIs: http://mirror.example/debian-security\n"
+        "Suites: bookworm-security\nComponents: main\n\n"
+        "Types: deb\nURIs: http://other.example/\nSuites: nodistro\nComponents: main\n"
+    )
+    (apt / "sources.list").write_text(
+        "deb [arch=amd64] http://local.example/debian bookworm main\n"
+        "deb http://cloud.example/apt cloud-sdk-bookworm main\n# deb http://x/ bookworm main\n"
+    )
+    assert host_mirrors("bookworm", apt) == [
+        "deb http://local.example/debian bookworm main",
+        "deb http://mirror.example/debian bookworm main",
+        "deb http://mirror.example/debian bookworm-updates main",
+        "deb http://mirror.example/debian-security bookworm-security main",
+    ]
 
 
 @dataclass(frozen=True)
