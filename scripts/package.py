@@ -366,7 +366,8 @@ def main() -> int:
     began = time.monotonic()
     paths, commit = build(args.out.resolve())
     for p in paths:
-        print(f"package: {p} ({p.stat().st_size // 1024} KiB)")
+        shown = os.path.relpath(p) if p.is_relative_to(Path.cwd()) else str(p)
+        print(f"package: {shown} ({p.stat().st_size // 1024} KiB)")
     print(f"package: {version()} (commit {commit}) in {time.monotonic() - began:.1f} s")
     return 0
 
