@@ -4,7 +4,7 @@ nothing; and its wheel in a fresh venv that sees the distribution's bcc.
 
 The root is tests/privileged/debroot.py's: made by mmdebstrap from this machine's apt mirror
 once, then cached (the first run needs the mirror). The wheel's venv installs its
-dependencies with pip (PyPI). About 50 s on 2 cores once the root is cached.
+dependencies with pip (PyPI). 30 to 40 s on 2 cores once the root is cached.
 """
 
 from __future__ import annotations
