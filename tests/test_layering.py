@@ -70,7 +70,16 @@ BASE = {
 }
 # Top-level modules that are commands or glue: they may import anything, and only a command
 # imports them.
-COMMANDS = {"__main__", "cli", "daemon", "diagnose", "explain", "preflight", "session"}
+COMMANDS = {
+    "__main__",
+    "cli",
+    "daemon",
+    "diagnose",
+    "explain",
+    "preflight",
+    "session",
+    "status",
+}
 
 # The standard library analysis/ may use: computation only, no files, processes, sockets or clocks.
 PURE_STDLIB = {
