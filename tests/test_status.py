@@ -365,3 +365,9 @@ def test_a_peer_outside_the_group_is_refused(server: StatusServer) -> None:
     assert not server.allowed(Peer(1, 65534, 65534))
     server.gid = 4242
     assert server.allowed(Peer(1, 65534, 4242))
+
+
+def test_a_directory_made_for_the_socket_is_removed_with_it(server: StatusServer) -> None:
+    parent = Path(server.path).parent
+    server.close()
+    assert not parent.exists()

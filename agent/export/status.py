@@ -85,6 +85,7 @@ class StatusServer:
         self.gid: int | None = None  # the group's gid, when it exists
         self._sock: socket.socket | None = None
         self._ino: int | None = None  # the socket file bound, removed on close if still ours
+        self._made_dir = False  # its directory was made here: removed on close if left empty
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.refused = 0  # peers neither root nor in the group
@@ -99,6 +100,7 @@ class StatusServer:
             if not os.path.isdir(parent):
                 os.makedirs(parent, mode=0o755, exist_ok=True)
                 os.chmod(parent, 0o755)  # whatever the umask: clients must reach the socket
+                self._made_dir = True
             if os.path.lexists(path):
                 if not stat.S_ISSOCK(os.lstat(path).st_mode):
                     raise UsageError(
@@ -170,6 +172,9 @@ class StatusServer:
                 os.unlink(self.path)
         except OSError:
             pass
+        if self._made_dir:  # nothing left behind where no service manager cleans up
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.dirname(self.path))
 
     # --- the serving thread ------------------------------------------------------------------
 
