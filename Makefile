@@ -9,7 +9,7 @@ PARALLEL = -n $(TEST_WORKERS) --dist loadgroup -m "not serial"
 
 
 .DEFAULT_GOAL := help
-.PHONY: help setup setup-tests lint check test run demo bench clean
+.PHONY: help setup setup-tests lint check test run demo bench package clean
 
 help:
 	@echo "make setup   install what hangwatch needs (apt packages, kernel headers, tracefs, .venv)"
@@ -23,7 +23,8 @@ help:
 	@echo "make demo    the daemon watching four demo programs, printing their states live"
 	@echo "make bench   benchmark suite: overhead per call, daemon CPU/RSS beside node_exporter, latency"
 	@echo "             (root; fetches node_exporter's binary once; BENCH_ARGS=--quick)"
-	@echo "make clean   remove .venv, built test fixtures and caches"
+	@echo "make package a wheel, an sdist and a .deb of the checkout in dist/ (needs dpkg-deb)"
+	@echo "make clean   remove .venv, built test fixtures, dist/ and caches"
 
 setup:
 	@bash scripts/setup.sh
@@ -69,7 +70,12 @@ bench:
 	@bash scripts/setup.sh --bench
 	$(PY) -m bench $(BENCH_ARGS)
 
+# Needs only python3 with setuptools and dpkg-deb, not `setup`: a release can be built on a
+# machine without bcc. .venv's python when there is one, since it has setuptools.
+package:
+	$(if $(wildcard $(PY)),$(PY),python3) -m scripts.package
+
 # The merged kernel headers in /usr/src are left alone: they are system-wide, not the checkout's.
 clean:
-	rm -rf .venv tests/fixtures/build .pytest_cache .mypy_cache .ruff_cache .hypothesis *.egg-info
+	rm -rf .venv tests/fixtures/build dist .pytest_cache .mypy_cache .ruff_cache .hypothesis *.egg-info
 	find . -path ./.git -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +

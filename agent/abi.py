@@ -10,8 +10,21 @@ import os
 import re
 from pathlib import Path
 
-BPF_DIR = Path(os.environ.get("HANGWATCH_BPF_DIR", Path(__file__).resolve().parent.parent / "bpf"))
 HEADER = "hangwatch.h"
+
+
+def _bpf_dir() -> Path:
+    """$HANGWATCH_BPF_DIR, else the package's own copy (agent/bpf: a wheel or the .deb, which
+    have no checkout around them), else the checkout's bpf/ beside agent/."""
+    explicit = os.environ.get("HANGWATCH_BPF_DIR")
+    if explicit:
+        return Path(explicit)
+    here = Path(__file__).resolve().parent
+    packaged = here / "bpf"
+    return packaged if (packaged / HEADER).is_file() else here.parent / "bpf"
+
+
+BPF_DIR = _bpf_dir()
 
 
 def header_defines(path: Path | None = None) -> dict[str, int]:

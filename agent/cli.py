@@ -6,7 +6,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from . import __version__
+from . import buildinfo
+from .config import DEFAULT_STATUS_GROUP, DEFAULT_STATUS_SOCKET
 from .errors import EXIT_USAGE, HangwatchError
 from .settings import DURATION, INTERVAL, PARK_THRESHOLD, STACKS_BUDGET_S
 
@@ -35,7 +36,27 @@ the process is never stopped or signalled (a blocking py-spy dump or gdb -p stop
 thread while it reads). Lock words are named by ELF symbol, native waits by their first caller
 outside libc, fd waits by what the fd is (a socket and its peer, a pipe, an eventfd).
 
+with a daemon: at the end of its window, diagnose asks the daemon's status socket (--socket)
+for the service holding each --pid, and reports what the daemon saw that its window cannot
+(an answer begun before it attached and never finished, a request older than its window);
+without one, it says that such work is not seen.
+
 exit codes: 0 ok, 2 bad input (names it), 3 missing privilege or kernel feature (says how to fix)
+"""
+
+STATUS_EPILOG = f"""\
+examples:
+  hangwatch status
+  hangwatch status --pid 4242 --json
+
+the daemon's verdicts in diagnose's words, with since when each service is in its state,
+its last changes, the evidence the daemon carries across ticks and where the threads waited
+at its last change to stalled or deadlocked. Read from the daemon's unix socket (config key
+status_socket, default {DEFAULT_STATUS_SOCKET}): root, and the members of the group
+status_group (default {DEFAULT_STATUS_GROUP}), may ask; no BPF, no root needed.
+
+exit codes: 0 ok, 2 bad input or a --pid the daemon does not watch (lists what it watches),
+3 refused (says how to get access), 4 no daemon answers (says how to start it)
 """
 
 
@@ -107,18 +128,35 @@ def _pid(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a PID: {text!r}") from None
 
 
+class _Version(argparse.Action):
+    """--version, with the commit looked up only when asked (it may run git, in a checkout)."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: object,
+        option_string: str | None = None,
+    ) -> None:
+        print(f"hangwatch {buildinfo.describe()}")  # stdout, as argparse's own version action
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hangwatch",
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--version", action="version", version=f"hangwatch {__version__}")
+    parser.add_argument(
+        "--version", action=_Version, nargs=0, help="print the version and the commit, and exit"
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     _add_diagnose(sub)
     _add_run(sub)
     _add_job(sub)
+    _add_status(sub)
     return parser
 
 
@@ -165,6 +203,39 @@ def _add_diagnose(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help="skip the Python stacks. By default they are read with py-spy --nonblocking, which "
         f"reads the process's memory and never stops it (at most {STACKS_BUDGET_S:g} s for all "
         "processes)",
+    )
+    d.add_argument(
+        "--socket",
+        default=DEFAULT_STATUS_SOCKET,
+        metavar="PATH",
+        help="the daemon's status socket, asked for its history of each service (default "
+        f"{DEFAULT_STATUS_SOCKET}; none there: the report says what it could not see)",
+    )
+
+
+def _add_status(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    st = sub.add_parser(
+        "status",
+        help="the running daemon's verdicts and history, from its status socket",
+        description="Ask the running daemon (hangwatch run) for each service's state, since\n"
+        "when, its recent changes and the evidence it carries across ticks.",
+        epilog=STATUS_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    st.add_argument("--pid", type=_pid, metavar="PID", help="only the service holding PID")
+    st.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    st.add_argument(
+        "--socket",
+        default=DEFAULT_STATUS_SOCKET,
+        metavar="PATH",
+        help=f"the daemon's status socket (default {DEFAULT_STATUS_SOCKET})",
+    )
+    st.add_argument(
+        "--timeout",
+        type=_seconds,
+        default=5.0,
+        metavar="S",
+        help="seconds to wait for the daemon's answer (default 5; at most 600)",
     )
 
 
@@ -241,6 +312,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     duration_s=args.duration,
                     as_json=args.json,
                     stacks=args.stacks,
+                    socket_path=args.socket,
                 )
             )
         if args.command == "run":
@@ -257,6 +329,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             from .jobs.command import run as run_job
 
             return run_job(JobOptions(args.prometheus, args.job, args.json, args.timeout))
+        if args.command == "status":
+            from .status import StatusOptions
+            from .status import run as run_status
+
+            return run_status(StatusOptions(args.pid, args.json, args.socket, args.timeout))
     except HangwatchError as e:
         print(f"hangwatch: {e}", file=sys.stderr)
         return e.exit_code

@@ -35,6 +35,8 @@ TOP_KEYS = (
     "bpf_stats",
     "stacks",
     "max_services",
+    "status_socket",
+    "status_group",
     "targets",
 )
 # What a process is (tenant-chosen: a command line, a comm, GPU memory) and who started it and
@@ -58,6 +60,11 @@ MAX_SERVICES = 128
 MAX_SERVICES_LIMIT = 4096
 _UNIT = re.compile(r"[A-Za-z0-9:_.\\@*?\[\]-]{1,256}\.(service|scope)")
 MAX_UID = (1 << 32) - 2  # (uid_t)-1 means "no uid"
+# `hangwatch status` asks the daemon here (agent.export.status); the group may ask too.
+DEFAULT_STATUS_SOCKET = "/run/hangwatch/status.sock"
+DEFAULT_STATUS_GROUP = "hangwatch"
+MAX_SOCKET_PATH = 107  # bytes: sun_path holds 108 with its NUL
+_GROUP = re.compile(r"[a-z_][a-z0-9_-]{0,31}")  # the names groupadd accepts by default
 
 
 @dataclass(frozen=True)
@@ -105,6 +112,8 @@ class Config:
     # read with py-spy --nonblocking (never stops the target), only at those changes.
     stacks: bool = True
     max_services: int = MAX_SERVICES  # in all targets together
+    status_socket: str = DEFAULT_STATUS_SOCKET
+    status_group: str = DEFAULT_STATUS_GROUP
 
     @property
     def settings(self) -> Settings:
@@ -326,7 +335,35 @@ def validate(raw: object, source: str) -> Config:
     if dup:
         raise _err(source, "targets", f"name {dup!r} is used twice")
     max_services = _max_services(raw, "max_services", source, MAX_SERVICES)
-    return Config(listen, interval, threshold, targets, source, bpf_stats, stacks, max_services)
+    return Config(
+        listen,
+        interval,
+        threshold,
+        targets,
+        source,
+        bpf_stats,
+        stacks,
+        max_services,
+        status_socket(raw.get("status_socket", DEFAULT_STATUS_SOCKET), "status_socket", source),
+        _status_group(raw.get("status_group", DEFAULT_STATUS_GROUP), source),
+    )
+
+
+def status_socket(value: object, key: str = "status_socket", source: str = "--socket") -> str:
+    """An absolute path a unix socket can be bound at."""
+    if not isinstance(value, str) or not value.startswith("/") or value.endswith("/"):
+        raise _err(source, key, f"want an absolute path to a socket file, got {show(value)}")
+    if "\0" in value or len(value.encode()) > MAX_SOCKET_PATH:
+        raise _err(source, key, f"{show(value)}: at most {MAX_SOCKET_PATH} bytes, no NUL")
+    return value
+
+
+def _status_group(value: object, source: str) -> str:
+    """A group name; a group the host does not have is no error (the socket is then
+    root's alone, and the daemon says how to make the group)."""
+    if not isinstance(value, str) or not _GROUP.fullmatch(value):
+        raise _err(source, "status_group", f"want a group name, got {show(value)}")
+    return value
 
 
 def _flag(raw: Mapping[Any, Any], key: str, default: bool, source: str) -> bool:

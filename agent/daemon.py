@@ -19,9 +19,10 @@ from dataclasses import dataclass, replace
 from types import FrameType
 from typing import Any, TypeVar
 
-from . import __version__
+from . import __version__, buildinfo
 from . import config as config_mod
 from . import session as session_mod
+from .analysis.history import StateHistory, carried
 from .analysis.lockwords import words_wanted
 from .analysis.sites import leads_rank
 from .analysis.stacks import native_asks, stack_facts
@@ -29,6 +30,7 @@ from .analysis.verdict import DEADLOCKED, STALLED, ServiceVerdict
 from .analysis.window import Tick
 from .errors import HangwatchError, UsageError
 from .explain import explain
+from .export import statusproto
 from .export.build import build_exposition
 from .export.exposition import (
     BPF_STATS,
@@ -40,6 +42,7 @@ from .export.exposition import (
     CollectorStatus,
     Exposition,
 )
+from .export.status import Peer, StatusServer
 from .model import (
     Enrichment,
     FrontDoorConfig,
@@ -52,6 +55,7 @@ from .model import (
 from .observe.discovery import Discovery, Service
 from .observe.observer import Scope
 from .observe.sitebook import Park, SiteBook, read_site
+from .report import status as status_report
 from .report.sentences import render
 from .session import Session
 from .settings import STACKS_BUDGET_S
@@ -127,6 +131,16 @@ class Daemon:
         self._tick_errors_unlogged = 0
         # Connections /metrics ended, by reason (run() gives the server's count).
         self.http_dropped: Callable[[], Mapping[str, int]] = dict
+        # What `hangwatch status` reads (agent.export.status): each service's state since
+        # when and its changes, kept by the loop; the last flight record of each service,
+        # kept by the recorder's thread (under the lock, held only to swap references); and
+        # the view of the last tick, replaced whole each tick so that a reader in the status
+        # thread never sees half of one.
+        self.history = StateHistory()
+        self._flights: dict[tuple[str, int], status_report.Flight] = {}
+        self._flights_lock = threading.Lock()
+        self.status_view: status_report.StatusView | None = None
+        self.status_server: StatusServer | None = None  # bound by run(), started here
 
     def start_workers(self) -> None:
         """Start the threads the loop hands work to (the flight recorder, the site reader, the
@@ -135,6 +149,8 @@ class Daemon:
         self.flight.start()
         self.sites.start()
         NETNS.start()  # sockets of other network namespaces (containers' tcp_info)
+        if self.status_server is not None:
+            self.status_server.start()
 
     @classmethod
     def with_sources(
@@ -234,6 +250,49 @@ class Daemon:
         self.exposition = build_exposition(
             verdicts, names, tick, labels, self._agent_status(session, tick), sites
         )
+        self._publish_status(session, verdicts, tick)
+
+    def _publish_status(self, session: Session, verdicts: list[ServiceVerdict], tick: Tick) -> None:
+        """The status socket's view of this tick: the history updated, and one immutable
+        view of it, the verdicts and what the observer carries, swapped in whole."""
+        keyed = [(self._key(v), v) for v in verdicts]
+        self.history.update(keyed, tick.snapshot.wall)
+        history = self.history.view()
+        window = session.observer.window()
+        with self._flights_lock:
+            self._flights = {k: f for k, f in self._flights.items() if k in history}
+            flights = dict(self._flights)
+        self.status_view = status_report.StatusView(
+            daemon_pid=os.getpid(),
+            version=__version__,
+            wall=tick.snapshot.wall,
+            threshold_s=self.cfg.park_threshold_seconds,
+            interval_s=self.cfg.interval_seconds,
+            services=tuple(
+                status_report.ServiceStatus(
+                    key[0],
+                    v,
+                    tuple(window.members.get(v.pid, (v.pid,))),
+                    history.get(key),
+                    carried(window, v),
+                )
+                for key, v in keyed
+            ),
+            flights=flights,
+        )
+
+    def _key(self, v: ServiceVerdict) -> tuple[str, int]:
+        svc = self.services.get(v.pid)
+        return (svc.name if svc else "unknown", v.pid)
+
+    def answer_status(self, req: statusproto.Request, _peer: Peer) -> Mapping[str, object]:
+        """The status socket's answer (in its thread): from the last tick's view alone."""
+        view = self.status_view
+        if view is None:
+            return statusproto.error(
+                statusproto.STARTING, "the daemon has not finished its first tick: ask again"
+            )
+        return status_report.answer(view, req.pid, time.time())
 
     def _judged(self, session: Session) -> list[ServiceVerdict]:
         """The verdicts over the window, as the stage ``JUDGE``: timed, and a rule that raises
@@ -312,8 +371,7 @@ class Daemon:
         moment (a flight record: by the time someone looks, the process may be gone). Both
         are written beside the loop (agent.worker): the tick does not wait for them."""
         for v in verdicts:
-            svc = self.services.get(v.pid)
-            key = (svc.name if svc else "unknown", v.pid)
+            key = self._key(v)
             old = self.states.get(key)
             if old == v.state:
                 continue
@@ -371,6 +429,7 @@ class Daemon:
     def _log_stacks(self, name: str, v: ServiceVerdict, tick: Tick, inputs: Enrichment) -> None:
         """Log the stacks of a service's processes, as read."""
         snap = tick.snapshot
+        lines = []
         for pid, read in inputs.stacks.items():
             facts = stack_facts(
                 snap.processes[pid],
@@ -382,6 +441,11 @@ class Daemon:
             )
             for f in facts:
                 log.info("service %s pid %d: process %d: %s", name, v.pid, pid, render(f))
+                lines.append(f"process {pid}: {render(f)}")
+        # Kept for `hangwatch status`, the last per service (bounded lines, bounded services)
+        flight = status_report.Flight.of(snap.wall, v.state, lines)
+        with self._flights_lock:
+            self._flights[(name, v.pid)] = flight
 
     def reload(self) -> None:
         """SIGHUP: load the config again; a bad one is logged and the old one kept."""
@@ -398,6 +462,15 @@ class Daemon:
                 self.cfg.listen_text,
             )
             new = replace(new, listen=self.cfg.listen)
+        for key in ("status_socket", "status_group"):
+            if getattr(new, key) != getattr(self.cfg, key):
+                log.warning(
+                    "%s %s needs a restart; keeping %s",
+                    key,
+                    getattr(new, key),
+                    getattr(self.cfg, key),
+                )
+                new = replace(new, **{key: getattr(self.cfg, key)})
         if new.bpf_stats != self.cfg.bpf_stats:
             log.warning(
                 "bpf_stats %s needs a restart; keeping %s", new.bpf_stats, self.cfg.bpf_stats
@@ -484,6 +557,8 @@ def run(config_path: str | None, listen: str | None, web_config: str | None = No
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s hangwatch %(levelname)s %(message)s"
     )
+    # First, so that a journal says which build ran before anything it may complain about.
+    log.info("hangwatch %s", buildinfo.describe())
     # Handlers first: a SIGTERM while the port is bound or the probes compile (seconds) must
     # still mean a clean exit 0, not death by the default action.
     stop, reload_requested = threading.Event(), threading.Event()
@@ -506,13 +581,18 @@ def run(config_path: str | None, listen: str | None, web_config: str | None = No
     daemon.stop, daemon.reload_requested = stop, reload_requested
     registry = registry_for(lambda: daemon.exposition)
     host, port = cfg.listen
+    status = StatusServer(cfg.status_socket, cfg.status_group, daemon.answer_status)
     try:  # every thread the daemon needs, started now: no tick starts one
+        # bind before attaching: a port or a socket path in use must change nothing
+        if status.bind():
+            daemon.status_server = status
         daemon.start_workers()
-        # bind before attaching: a port in use must change nothing
         server, _ = webconfig.serve(host, port, make_wsgi_app(registry), web)
     except OSError as e:
+        status.close()
         raise UsageError(f"listen {cfg.listen_text}: {e.strerror or e}") from None
     except RuntimeError as e:
+        status.close()
         raise HangwatchError(
             f"cannot start the daemon's threads: {e}",
             "the unit's TasksMax (or the host's pid limit) leaves it none",
@@ -540,6 +620,7 @@ def run(config_path: str | None, listen: str | None, web_config: str | None = No
     finally:
         server.shutdown()
         server.server_close()
+        status.close()  # the socket file removed: a client then says no daemon answers
     return _stopped()
 
 

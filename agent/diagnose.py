@@ -5,24 +5,28 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TextIO
 
 from . import session as session_mod
+from .analysis.daemonview import merge
 from .analysis.evidence import UnderThreshold
 from .analysis.verdict import PROGRESSING, ServiceVerdict
+from .config import DEFAULT_STATUS_SOCKET
 from .errors import UsageError
 from .explain import explain
+from .export.statusproto import ProtocolError, sight_of
 from .observe.discovery import process_labels
 from .observe.observer import Observer, Scope
 from .report import as_json as json_report
 from .report import notices
 from .report import text as text_report
-from .report.diagnosis import Report
+from .report.diagnosis import History, Report
 from .session import Session
 from .settings import DURATION, PARK_THRESHOLD, Settings
 from .sources.procfs import ProcFS
+from .status import sighting
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,7 @@ class DiagnoseOptions:
     duration_s: float = DURATION.default
     as_json: bool = False
     stacks: bool = True  # Python stacks of every process, read without stopping it
+    socket_path: str = DEFAULT_STATUS_SOCKET  # the daemon's, asked for its history
 
     @property
     def settings(self) -> Settings:
@@ -120,8 +125,30 @@ def run(opts: DiagnoseOptions, out: TextIO = sys.stdout, log: TextIO = sys.stder
         )
         print(attached, file=log, flush=True)
         verdicts = observe(session, scope, opts, log)
-    write_report(opts, proc, session.observer, verdicts, out, log)
+        ticks = session.observer.ticks
+        observed = (ticks[-1].snapshot.mono_ns - ticks[0].snapshot.mono_ns) / 1e9
+        verdicts, history = with_daemon(verdicts, opts.socket_path, observed)
+    write_report(opts, proc, session.observer, verdicts, out, log, history)
     return 0
+
+
+def with_daemon(
+    verdicts: Sequence[ServiceVerdict], path: str, observed_s: float
+) -> tuple[list[ServiceVerdict], dict[int, History]]:
+    """Each verdict judged with what the daemon at ``path`` saw of its service, where one
+    watches it (agent.analysis.daemonview); and, per service, whose history it had."""
+    out, history = [], {}
+    for v in verdicts:
+        seen = sighting(path, v.pid)
+        sight = None
+        if seen.service is not None and seen.daemon_pid is not None:
+            try:
+                sight = sight_of(seen.service, seen.daemon_pid)
+            except ProtocolError as e:
+                seen = replace(seen, why=f"the daemon at {path} answered badly: {e}")
+        out.append(merge(v, sight, observed_s))
+        history[v.pid] = History(seen.daemon_pid if sight else None, path, seen.why)
+    return out, history
 
 
 def write_report(
@@ -131,6 +158,7 @@ def write_report(
     verdicts: list[ServiceVerdict],
     out: TextIO,
     log: TextIO,
+    history: Mapping[int, History] | None = None,
 ) -> None:
     """Read what the report shows beyond the last tick (agent.explain), then write it, as
     text or JSON (agent.report)."""
@@ -149,6 +177,7 @@ def write_report(
         duration_s=opts.duration_s,
         observed_s=(snap.mono_ns - observer.ticks[0].snapshot.mono_ns) / 1e9,
         labels={pid: process_labels(proc, pid) for pid in snap.processes},
+        history=history or {},
     )
     pids = [p.pid for v in verdicts for p in v.processes if not p.gone] if opts.stacks else []
     told = explain(

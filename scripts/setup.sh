@@ -11,6 +11,7 @@ HEADERS_TREE=/usr/src/hangwatch-kernel-headers   # the agent's third choice of k
 STAMP=.venv/.hangwatch-pip-stamp
 # prometheus: the tests run the real server and promtool against the shipped rules.
 APT_PACKAGES=(bpfcc-tools python3-bpfcc python3-bcrypt python3-venv python3-pip gcc libc6-dev make iproute2 prometheus strace)
+APT_TEST_PACKAGES=(mmdebstrap)
 export DEBIAN_FRONTEND=noninteractive
 
 say() { printf 'setup: %s\n' "$*"; }
@@ -62,7 +63,13 @@ distro_family() {
 }
 
 # --- 1. apt packages -------------------------------------------------------------------------
-mapfile -t missing < <(missing_packages "${APT_PACKAGES[@]}")
+wanted=("${APT_PACKAGES[@]}")
+# --tests: mmdebstrap makes the clean Debian root tests/privileged/test_package.py installs
+# the .deb into (its first run downloads the root from this machine's mirror, then caches it).
+if [[ ${1:-} == --tests ]]; then
+    wanted+=("${APT_TEST_PACKAGES[@]}")
+fi
+mapfile -t missing < <(missing_packages "${wanted[@]}")
 if (( ${#missing[@]} )); then
     apt_install "${missing[@]}"
 fi

@@ -504,6 +504,8 @@ def test_unit_is_hardened() -> None:
     }
     assert svc["MemoryMax"] and svc["CPUQuota"]
     assert "ReadWritePaths" not in svc, "the agent writes no file"
+    # but its status socket, in the runtime directory systemd makes and removes
+    assert (svc["RuntimeDirectory"], svc["RuntimeDirectoryMode"]) == ("hangwatch", "0755")
 
 
 # Each would break BPF, the kernel headers, NVML or the view of other processes.

@@ -55,10 +55,31 @@ SNAPSHOT_ONLY = {
 }
 
 # Top-level modules every layer may import: they import no layer and no command.
-BASE = {"__init__", "abi", "config", "errors", "model", "settings", "syscalls", "worker"}
+# _build is the commit stamp a package build writes (agent/buildinfo.py); never in the checkout.
+BASE = {
+    "__init__",
+    "_build",
+    "abi",
+    "buildinfo",
+    "config",
+    "errors",
+    "model",
+    "settings",
+    "syscalls",
+    "worker",
+}
 # Top-level modules that are commands or glue: they may import anything, and only a command
 # imports them.
-COMMANDS = {"__main__", "cli", "daemon", "diagnose", "explain", "preflight", "session"}
+COMMANDS = {
+    "__main__",
+    "cli",
+    "daemon",
+    "diagnose",
+    "explain",
+    "preflight",
+    "session",
+    "status",
+}
 
 # The standard library analysis/ may use: computation only, no files, processes, sockets or clocks.
 PURE_STDLIB = {

@@ -43,6 +43,8 @@ from agent.model import GpuDevice, ProgramStats
 
 GOLDEN = Path(__file__).parent / "golden" / "metrics.txt"
 VERSION = "0.0.0-test"  # fixed, so the golden file does not change with releases
+COMMIT = "0123abc"  # and the same for the commit, which would otherwise be the checkout's HEAD
+BUILD = {"version": VERSION, "commit": COMMIT}
 GiB = 1 << 30
 
 # Every family the metrics contract names (the README's metrics table), as exposed.
@@ -182,7 +184,7 @@ def fixed_clock():
 
 
 def registry(exposition: Exposition | None = EXPOSITION):
-    return registry_for(lambda: exposition, version=VERSION, clock=fixed_clock())
+    return registry_for(lambda: exposition, version=VERSION, commit=COMMIT, clock=fixed_clock())
 
 
 def scrape(reg: CollectorRegistry, accept: str = "text/plain") -> str:
@@ -413,7 +415,7 @@ def test_self_metrics():
     assert reg.get_sample_value(
         "hangwatch_collector_duration_seconds", {"collector": "exposition"}
     ) == (0.25)
-    assert reg.get_sample_value("hangwatch_build_info", {"version": VERSION}) == 1
+    assert reg.get_sample_value("hangwatch_build_info", BUILD) == 1
 
 
 def test_golden_metrics_text():
@@ -444,12 +446,12 @@ def test_openmetrics_rendering_works_too():
     # The HTTP handler negotiates OpenMetrics when Prometheus asks for it.
     text = scrape(registry(), "application/openmetrics-text; version=1.0.0")
     assert text.endswith("# EOF\n")
-    assert 'hangwatch_build_info{version="0.0.0-test"} 1.0' in text
+    assert 'hangwatch_build_info{commit="0123abc",version="0.0.0-test"} 1.0' in text
 
 
 def test_source_none_before_the_first_tick():
     reg = registry(None)
-    assert reg.get_sample_value("hangwatch_build_info", {"version": VERSION}) == 1
+    assert reg.get_sample_value("hangwatch_build_info", BUILD) == 1
     assert reg.get_sample_value("hangwatch_collector_success", {"collector": "exposition"}) == 1
     assert {s.name for s in samples(reg)} == {
         "hangwatch_build_info",
@@ -467,7 +469,7 @@ def test_source_raising_still_scrapes_and_logs_once_until_it_recovers(caplog):
             raise RuntimeError("boom")
         return EXPOSITION
 
-    reg = registry_for(source, version=VERSION)
+    reg = registry_for(source, version=VERSION, commit=COMMIT)
     with caplog.at_level(logging.INFO, logger="agent.export.metrics"):
         for _ in range(3):
             text = scrape(reg)
@@ -477,7 +479,7 @@ def test_source_raising_still_scrapes_and_logs_once_until_it_recovers(caplog):
                 "hangwatch_collector_success",
                 "hangwatch_collector_duration_seconds",
             }
-            assert reg.get_sample_value("hangwatch_build_info", {"version": VERSION}) == 1
+            assert reg.get_sample_value("hangwatch_build_info", BUILD) == 1
             assert (
                 reg.get_sample_value("hangwatch_collector_success", {"collector": "exposition"})
                 == 0
@@ -497,7 +499,7 @@ def test_a_malformed_exposition_does_not_break_the_scrape():
     reg = registry(bad)
     assert reg.get_sample_value("hangwatch_collector_success", {"collector": "exposition"}) == 0
     assert reg.get_sample_value("hangwatch_service_state", {**ROOT_STATE, "service": "x"}) is None
-    assert reg.get_sample_value("hangwatch_build_info", {"version": VERSION}) == 1
+    assert reg.get_sample_value("hangwatch_build_info", BUILD) == 1
 
 
 def test_unknown_state_exports_all_zero_and_does_not_raise():
@@ -614,7 +616,7 @@ def by_name(reg) -> dict[str, list]:
 @given(expositions(), expositions())
 def test_states_one_hot_and_samples_follow_the_current_exposition(a, b):
     current = [a]
-    reg = registry_for(lambda: current[0], version=VERSION)
+    reg = registry_for(lambda: current[0], version=VERSION, commit=COMMIT)
     scrape(reg)  # a scrape of A first: nothing of it may survive into B's
     current[0] = b
     got = by_name(reg)

@@ -519,3 +519,22 @@ class PyLockHint(Fact):
 class MoreStackGroups(Fact):
     groups: int
     threads: int
+
+
+# --- what the daemon saw (agent.analysis.daemonview) -------------------------------------------
+
+
+@dataclass(frozen=True)
+class DaemonSaw(Fact):
+    """What a daemon watching the same service saw that one window cannot: answers begun
+    before the window and never finished, requests older than it, and its state since when."""
+
+    daemon_pid: int
+    state: str
+    in_state_s: float  # how long the daemon has seen it in that state
+    streams: int  # streamed answers whose last data went out before the window, unfinished
+    stream_age_s: float  # since the oldest of them last sent
+    unanswered: int  # requests the daemon counts unanswered, older than the window
+    unanswered_age_s: float
+    last_progress_s: float  # the daemon's time since the service's last progress
+    judged: bool  # the verdict is the daemon's: the window alone called it idle

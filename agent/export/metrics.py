@@ -25,7 +25,7 @@ from prometheus_client.metrics_core import (
 from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.utils import floatToGoString
 
-from .. import __version__
+from .. import __version__, buildinfo
 from ..analysis.verdict import STATES
 from .exposition import EXPOSITION, AgentStatus, Exposition, ProcessStatus, ServiceStatus
 
@@ -414,8 +414,9 @@ FAMILIES: tuple[_Family, ...] = (
         "build_info",
         GAUGE,
         "hangwatch_build_info",
-        "Always 1; the version label says which hangwatch is running.",
-        ("version",),
+        "Always 1; the version and commit labels say which hangwatch is running (commit: the "
+        'git commit it was built from, "unknown" if that was not recorded).',
+        ("version", "commit"),
     ),
 )
 
@@ -576,10 +577,12 @@ class HangwatchCollector(Collector):
         source: Callable[[], Exposition | None],
         *,
         version: str = __version__,
+        commit: str | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self._source = source
         self._version = version
+        self._commit = buildinfo.commit() if commit is None else commit
         self._clock = clock  # injectable so a golden /metrics text has a fixed duration
         self._lock = threading.Lock()  # scrapes run on the HTTP server's threads
         self._failing = False
@@ -606,7 +609,7 @@ class HangwatchCollector(Collector):
         else:
             self._log_recovery()
         fams.add_collector(EXPOSITION, ok, self._clock() - start)
-        fams.gauge["build_info"].add_metric([self._version], 1.0)
+        fams.gauge["build_info"].add_metric([self._version, self._commit], 1.0)
         return fams.populated()
 
     def _log_failure(self) -> None:
@@ -633,10 +636,11 @@ def registry_for(
     source: Callable[[], Exposition | None],
     *,
     version: str = __version__,
+    commit: str | None = None,
     clock: Callable[[], float] = time.perf_counter,
 ) -> CollectorRegistry:
     """A fresh registry holding only a ``HangwatchCollector`` (no process_/python_ metrics)."""
     # auto_describe only matters for collectors without describe(); ours has one.
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(HangwatchCollector(source, version=version, clock=clock))
+    registry.register(HangwatchCollector(source, version=version, commit=commit, clock=clock))
     return registry

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..analysis import evidence as ev
 from ..analysis.lockwords import words_wanted
 from ..analysis.stacks import group_stacks, lock_cycle_hint, lock_waiters
 from ..analysis.verdict import ProcessVerdict, ServiceVerdict
 from ..model import ProcessSample, StackRead, Wanted
-from .diagnosis import ISO, Report, probe_summary, since
+from .diagnosis import ISO, NO_HISTORY, Report, probe_summary, since
 from .sentences import clock, evidence_json, reasons, wait_words
 
 
@@ -39,8 +40,10 @@ def _service(r: Report, v: ServiceVerdict) -> dict[str, Any]:
         "state": v.state,
         "cycles": [list(c) for c in v.cycles],
         "reasons": reasons(v.reasons),
-        # The same reasons as records: each kind's fields, ages in seconds
-        "evidence": [evidence_json(f) for f in v.reasons],
+        # The same reasons as records: each kind's fields, ages in seconds, and whose they
+        # are: this window's, or the daemon's history (source "daemon")
+        "evidence": [{**evidence_json(f), "source": source_of(f)} for f in v.reasons],
+        "daemon_history": history_json(r, v.pid),
         "culprit": evidence_json(v.culprit) if v.culprit is not None else None,
         "seconds_since_progress": round(v.seconds_since_progress, 3),
         "unanswered_requests": v.unanswered_requests,
@@ -71,6 +74,20 @@ def _service(r: Report, v: ServiceVerdict) -> dict[str, Any]:
             if pids.intersection(g.pids)
         ],
     }
+
+
+def source_of(f: ev.Fact) -> str:
+    return "daemon" if isinstance(f, ev.DaemonSaw) else "window"
+
+
+def history_json(r: Report, root: int) -> dict[str, Any] | None:
+    """Whether the daemon's history of the service was had (None: the daemon not asked)."""
+    h = r.history.get(root)
+    if h is None:
+        return None
+    if h.daemon_pid is not None:
+        return {"seen": True, "daemon_pid": h.daemon_pid, "socket": h.socket}
+    return {"seen": False, "note": NO_HISTORY, "why": h.why, "socket": h.socket}
 
 
 def _process(r: Report, p: ProcessVerdict) -> dict[str, Any]:

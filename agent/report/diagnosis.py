@@ -12,6 +12,16 @@ from ..model import Enrichment, GpuReading, ProbeEvent, Snapshot
 from .sentences import clock
 
 ISO = "%Y-%m-%dT%H:%M:%S%z"
+NO_HISTORY = "no daemon history: requests or streams begun before diagnose attached are not seen"
+
+
+@dataclass(frozen=True)
+class History:
+    """Whether a daemon's history of a service was had: the daemon's pid, or why not."""
+
+    daemon_pid: int | None  # None: not had
+    socket: str
+    why: str | None = None  # no daemon answers, refused, not watched
 
 
 @dataclass(frozen=True)
@@ -31,6 +41,8 @@ class Report:
     observed_s: float | None = None  # how long it watched (longer: watched on to the threshold)
     labels: Mapping[int, Mapping[str, str]] = field(default_factory=dict)  # by pid: RANK, ...
     inputs: Enrichment = field(default_factory=Enrichment)
+    # root -> whether the daemon's history of it was had (empty: the daemon was not asked)
+    history: Mapping[int, History] = field(default_factory=dict)
 
 
 def since(snap: Snapshot, ns: int | None, fmt: str = "%H:%M:%S") -> str:

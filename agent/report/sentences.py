@@ -488,6 +488,27 @@ def process_waits(f: ev.ProcessWaits) -> str:
     return "waits: " + ", ".join(parts) + oldest
 
 
+@render.register
+def _(f: ev.DaemonSaw) -> str:
+    seen = []
+    if f.streams:
+        seen.append(
+            f"{plural(f.streams, 'streamed answer')} begun before diagnose attached and not "
+            f"finished, the last data sent {seconds(f.stream_age_s)} ago"
+        )
+    if f.unanswered:
+        seen.append(
+            f"{plural(f.unanswered, 'request')} unanswered for {seconds(f.unanswered_age_s)}"
+        )
+    state = f"has called it {f.state} for {seconds(f.in_state_s)}"
+    if f.last_progress_s > 0:
+        state += f", its last progress {seconds(f.last_progress_s)} ago"
+    who = f"the daemon (pid {f.daemon_pid})"
+    if not seen:
+        return f"{who} {state}"
+    return f"{who} saw {'; '.join(seen)}: {state}"
+
+
 def reasons(facts: Iterable[ev.Fact]) -> list[str]:
     return [render(f) for f in facts]
 

@@ -16,7 +16,7 @@ from ..analysis.verdict import ProcessVerdict, ServiceVerdict
 from ..analysis.waitgraph import WordGroup
 from ..analysis.waits import parked_group
 from ..model import ProcessSample, StackRead, ThreadSample, Wanted, plural
-from .diagnosis import Report, probe_summary, since
+from .diagnosis import NO_HISTORY, Report, probe_summary, since
 from .fds import fds_words
 from .sentences import EXITED, clock, labels_text, reasons, render, wait_words, who
 
@@ -106,6 +106,9 @@ def _service(
         f for f in v.reasons if not (shown_by_stacks and isinstance(f, ParkedGroup) and not f.owner)
     ]
     lines.extend(f"  - {x}" for x in reasons(facts))
+    h = r.history.get(v.pid)
+    if h is not None and h.daemon_pid is None:
+        lines.append(f"  ({NO_HISTORY}; {h.why})" if h.why else f"  ({NO_HISTORY})")
     for p in sorted(v.processes, key=lambda x: x.pid):
         if p.gone:
             lines.append(f"  process {p.pid}: {EXITED}")

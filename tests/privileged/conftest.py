@@ -17,7 +17,12 @@ from pathlib import Path
 import pytest
 
 from tests.gate import Gate
-from tests.privileged.harness import Diagnosis, RunningDiagnose, diagnose_argv
+from tests.privileged.harness import (
+    NO_DAEMON_SOCKET,
+    Diagnosis,
+    RunningDiagnose,
+    diagnose_argv,
+)
 
 HERE = Path(__file__).resolve().parent
 
@@ -64,8 +69,12 @@ def start_diagnose() -> Iterator[Callable[..., RunningDiagnose]]:
     """Start ``diagnose --json`` in the background; runs left over are killed at teardown."""
     runs: list[RunningDiagnose] = []
 
-    def start(*pids: int, threshold: float = 1, duration: float = 2) -> RunningDiagnose:
-        run = RunningDiagnose(diagnose_argv(pids, threshold=threshold, duration=duration))
+    def start(
+        *pids: int, threshold: float = 1, duration: float = 2, socket: str = NO_DAEMON_SOCKET
+    ) -> RunningDiagnose:
+        run = RunningDiagnose(
+            diagnose_argv(pids, threshold=threshold, duration=duration, socket=socket)
+        )
         runs.append(run)
         return run
 
@@ -79,8 +88,13 @@ def diagnose(start_diagnose: Callable[..., RunningDiagnose]) -> Callable[..., Di
     """Run ``diagnose --json --threshold 1 --duration 2`` to completion (60 s limit)."""
 
     def run(
-        *pids: int, threshold: float = 1, duration: float = 2, timeout: float = 60
+        *pids: int,
+        threshold: float = 1,
+        duration: float = 2,
+        timeout: float = 60,
+        socket: str = NO_DAEMON_SOCKET,
     ) -> Diagnosis:
-        return start_diagnose(*pids, threshold=threshold, duration=duration).finish(timeout)
+        started = start_diagnose(*pids, threshold=threshold, duration=duration, socket=socket)
+        return started.finish(timeout)
 
     return run

@@ -20,16 +20,33 @@ from typing import Any
 
 from scripts.fixturelib import REPO_ROOT
 
+# No daemon answers here: a test judges diagnose's window alone unless it names a daemon's
+# socket (a daemon running on the host, or another test's, would otherwise lend its history).
+NO_DAEMON_SOCKET = "/nonexistent/hangwatch-tests/status.sock"
+
 
 def diagnose_argv(
-    pids: Iterable[int], *, threshold: float = 1, duration: float = 2, json_out: bool = True
+    pids: Iterable[int],
+    *,
+    threshold: float = 1,
+    duration: float = 2,
+    json_out: bool = True,
+    socket: str = NO_DAEMON_SOCKET,
 ) -> list[str]:
     argv = [sys.executable, "-m", "agent", "diagnose"]
     for pid in pids:
         argv += ["--pid", str(pid)]
     if json_out:
         argv.append("--json")
-    return [*argv, "--threshold", f"{threshold:g}", "--duration", f"{duration:g}"]
+    return [
+        *argv,
+        "--threshold",
+        f"{threshold:g}",
+        "--duration",
+        f"{duration:g}",
+        "--socket",
+        socket,
+    ]
 
 
 @dataclass
