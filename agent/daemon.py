@@ -579,7 +579,7 @@ def run(config_path: str | None, listen: str | None, web_config: str | None = No
     daemon = Daemon(cfg, ProcFS())
     daemon.config_path = config_path
     daemon.stop, daemon.reload_requested = stop, reload_requested
-    registry = registry_for(lambda: daemon.exposition)
+    registry = registry_for(lambda: daemon.exposition, commit=buildinfo.commit())
     host, port = cfg.listen
     status = StatusServer(cfg.status_socket, cfg.status_group, daemon.answer_status)
     try:  # every thread the daemon needs, started now: no tick starts one

@@ -272,7 +272,7 @@ def test_a_rule_that_raises_in_the_judgement_is_a_failed_stage_and_metrics_go_on
 
     d = make(tmp_path, RecordingProbe())
     d.step()
-    registry = registry_for(lambda: d.exposition)
+    registry = registry_for(lambda: d.exposition, commit="abc1234")
     assert b'hangwatch_collector_success{collector="judge"} 1.0' in generate_latest(registry)
     working = judge_mod.judge
 
@@ -358,6 +358,8 @@ def test_a_thread_that_cannot_start_is_a_clear_start_up_error(
 
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     monkeypatch.setattr(threading.Thread, "start", cannot_start)
+    # The build's commit is asked of git (tests/host/test_buildinfo.py); this tier starts no git.
+    monkeypatch.setattr(daemon_mod.buildinfo, "commit", lambda: "abc1234")
     try:
         with pytest.raises(HangwatchError, match="cannot start the daemon's threads") as e:
             daemon_mod.run(str(cfg), None)

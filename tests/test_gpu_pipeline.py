@@ -74,7 +74,7 @@ def test_a_gpu_process_is_discovered_judged_and_exported(tmp_path: Path) -> None
     assert (svc.service, svc.pid, svc.state) == ("any-gpu", 100, "progressing")
     (p,) = svc.processes
     assert p.gpu_memory_bytes == {"0": 38 * GIB} and p.gpu_utilization == {"0": 0.6}
-    reg = registry_for(lambda: d.exposition)
+    reg = registry_for(lambda: d.exposition, commit="abc1234")
     labels = {
         "service": "any-gpu",
         "service_pid": "100",
@@ -119,7 +119,7 @@ def test_idle_process_not_found_samples_and_errors_mid_run(tmp_path: Path) -> No
     assert svc.processes[0].gpu_memory_bytes == {}, "a failed read exports no stale GPU data"
     # The process stays watched while NVML is away: services do not flap.
     assert set(d.services) == {100}
-    reg = registry_for(lambda: d.exposition)
+    reg = registry_for(lambda: d.exposition, commit="abc1234")
     assert reg.get_sample_value("hangwatch_collector_success", {"collector": "gpu"}) == 0
     assert reg.get_sample_value("hangwatch_gpu_errors_total") >= 1
 

@@ -376,7 +376,7 @@ def test_gpu_spin_is_one_per_service():
         (ServiceStatus("nccl", 7, "stalled", (), gpu_spin=True), ServiceStatus("ok", 8, "idle")),
         AgentStatus(version="x"),
     )
-    reg = registry_for(lambda: spinning)
+    reg = registry_for(lambda: spinning, commit=COMMIT)
     assert reg.get_sample_value("hangwatch_service_gpu_spin", {"service": "nccl", "pid": "7"}) == 1
     assert reg.get_sample_value("hangwatch_service_gpu_spin", {"service": "ok", "pid": "8"}) == 0
     # No GPU reading at all: no device series and no error counter.
@@ -385,7 +385,7 @@ def test_gpu_spin_is_one_per_service():
 
 def test_unanswered_requests_and_seconds_since_progress_per_service():
     exp = Exposition((SGLANG, PINNED, HTTP), AGENT)
-    reg = registry_for(lambda: exp)
+    reg = registry_for(lambda: exp, commit=COMMIT)
 
     def get(name: str, service: str, pid: int) -> float | None:
         return reg.get_sample_value(name, {"service": service, "pid": str(pid)})
@@ -544,13 +544,13 @@ def test_describe_names_the_families_without_reading_the_source():
         calls.append(1)
         return EXPOSITION
 
-    collector = HangwatchCollector(source, version=VERSION)
+    collector = HangwatchCollector(source, version=VERSION, commit=COMMIT)
     described = {m.name for m in collector.describe()}
     assert {m + "_total" if m + "_total" in CONTRACT else m for m in described} == CONTRACT
-    reg = registry_for(source)
+    reg = registry_for(source, commit=COMMIT)
     assert calls == []
     with pytest.raises(ValueError, match="Duplicated"):
-        reg.register(HangwatchCollector(source))
+        reg.register(HangwatchCollector(source, commit=COMMIT))
     scrape(reg)
     assert calls == [1]
 

@@ -25,7 +25,7 @@ from prometheus_client.metrics_core import (
 from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.utils import floatToGoString
 
-from .. import __version__, buildinfo
+from .. import __version__
 from ..analysis.verdict import STATES
 from .exposition import EXPOSITION, AgentStatus, Exposition, ProcessStatus, ServiceStatus
 
@@ -576,13 +576,13 @@ class HangwatchCollector(Collector):
         self,
         source: Callable[[], Exposition | None],
         *,
+        commit: str,
         version: str = __version__,
-        commit: str | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self._source = source
         self._version = version
-        self._commit = buildinfo.commit() if commit is None else commit
+        self._commit = commit  # the command asks git or the stamp; export starts no process
         self._clock = clock  # injectable so a golden /metrics text has a fixed duration
         self._lock = threading.Lock()  # scrapes run on the HTTP server's threads
         self._failing = False
@@ -635,8 +635,8 @@ class HangwatchCollector(Collector):
 def registry_for(
     source: Callable[[], Exposition | None],
     *,
+    commit: str,
     version: str = __version__,
-    commit: str | None = None,
     clock: Callable[[], float] = time.perf_counter,
 ) -> CollectorRegistry:
     """A fresh registry holding only a ``HangwatchCollector`` (no process_/python_ metrics)."""

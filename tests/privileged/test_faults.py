@@ -344,7 +344,7 @@ def test_full_map_and_full_ring_buffer_are_counted_and_verdicts_hold(tmp_path: P
         assert exposition is not None
         pool_status = next(s for s in exposition.services if s.pid == pool.pid)
         assert pool_status.processes[0].parked_threads == 13  # /proc seeds what the map lost
-        reg = registry_for(lambda: exposition)
+        reg = registry_for(lambda: exposition, commit="abc1234")
         assert (reg.get_sample_value("hangwatch_bpf_map_full_total") or 0) > 0
         assert (reg.get_sample_value("hangwatch_bpf_host_events_dropped_total") or 0) > 0
 

@@ -16,7 +16,7 @@ import pytest
 from agent import __version__, buildinfo
 from agent.cli import main
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)
