@@ -53,12 +53,14 @@ DEBIAN_NAMES: dict[str, str | None] = {
     "py-spy": None,
 }
 # bcc is only ever the distribution's (the PyPI "bcc" is another project), so not in pyproject.
-# procps: the unit's ExecReload= is /bin/kill (a minimal root has none).
+# procps: the unit's ExecReload= is /bin/kill (a minimal root has none). adduser: postinst
+# makes the status socket's group with addgroup, as Debian's packages make system groups.
 DEPENDS = (
     "python3 (>= 3.11)",
     "python3-bpfcc",
     *(d for d in DEBIAN_NAMES.values() if d),
     "procps",
+    "adduser",
 )
 RECOMMENDS = ("python3-bcrypt",)  # basic auth on /metrics (--web-config) needs it
 
@@ -200,6 +202,11 @@ POSTINST = """\
 #!/bin/sh
 set -e
 if [ "$1" = configure ]; then
+    # The status socket's group (status_group's default): its members may run `hangwatch
+    # status` without root. Made once; an admin's own group of that name is kept as it is.
+    if ! getent group hangwatch >/dev/null; then
+        addgroup --system --quiet hangwatch
+    fi
     # Compiled once here, as dh_python3 does for an application's private modules; prerm
     # removes them again.
     if command -v py3compile >/dev/null 2>&1; then
@@ -240,13 +247,19 @@ fi
 exit 0
 """
 
-# dpkg itself removes the conffile at purge; this only makes systemd forget the unit.
+# dpkg itself removes the conffile at purge; this makes systemd forget the unit and, at purge,
+# removes the group postinst made unless an admin has put someone in it.
 POSTRM = """\
 #!/bin/sh
 set -e
 if [ "$1" = remove ] || [ "$1" = purge ]; then
     if [ -d /run/systemd/system ]; then
         systemctl --system daemon-reload >/dev/null || true
+    fi
+fi
+if [ "$1" = purge ] && command -v delgroup >/dev/null 2>&1; then
+    if getent group hangwatch >/dev/null; then
+        delgroup --system --only-if-empty --quiet hangwatch || true
     fi
 fi
 exit 0

@@ -1,6 +1,7 @@
 """The release as a user installs it: `make package`'s .deb put into a clean Debian root by
-apt, run there as its systemd unit runs it, removed leaving only its config and purged leaving
-nothing; and its wheel in a fresh venv that sees the distribution's bcc.
+apt, run there as its systemd unit runs it, asked `hangwatch status` as root, as a member of
+the group the package makes and as an outsider, removed leaving only its config (and the
+group) and purged leaving nothing; and its wheel in a fresh venv that sees the distribution's bcc.
 
 The root is tests/privileged/debroot.py's: made by mmdebstrap from this machine's apt mirror
 once, then cached (the first run needs the mirror). The wheel's venv installs its
@@ -11,9 +12,11 @@ from __future__ import annotations
 
 import configparser
 import functools
+import json
 import shlex
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -157,6 +160,34 @@ def preconditions() -> tuple[str, list[str]]:
     return suite, mirrors
 
 
+def group_line(root: debroot.Root) -> str | None:
+    """The root's /etc/group line for the status socket's group, or None."""
+    r = root.run(["getent", "group", "hangwatch"])
+    return r.stdout.strip() if r.returncode == 0 else None
+
+
+def status_as_the_package_made_it(root: debroot.Root, daemon_pid: int) -> None:
+    """`hangwatch status` on the socket the default config names: answered to root and to a
+    member of the group postinst made, without root; refused, with the fix, to others."""
+    line = group_line(root)
+    assert line is not None, "postinst made no hangwatch group"
+    gid = int(line.split(":")[2])
+    r = ok(root.run(["hangwatch", "status", "--json"], timeout=60))
+    doc = json.loads(r.stdout)
+    assert doc["version"] == 1 and doc["daemon"]["pid"] == daemon_pid, doc
+    sock = root.path / "run/hangwatch/status.sock"
+    st = sock.lstat()
+    assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o660, oct(st.st_mode)
+    assert (st.st_uid, st.st_gid) == (0, gid)
+    member = ["setpriv", "--reuid=65534", "--regid=65534", f"--groups={gid}"]
+    r = ok(root.run([*member, "hangwatch", "status", "--json"], timeout=60))
+    assert json.loads(r.stdout)["daemon"]["pid"] == daemon_pid
+    outsider = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    r = root.run([*outsider, "hangwatch", "status"], timeout=60)
+    assert r.returncode == 3, f"{r.returncode}:\n{r.stdout}\n{r.stderr}"
+    assert "usermod -aG hangwatch " in r.stderr, r.stderr
+
+
 def test_the_deb_installs_runs_as_its_unit_and_leaves_only_its_config(
     dist: Path, tmp_path: Path
 ) -> None:
@@ -206,6 +237,7 @@ def test_the_deb_installs_runs_as_its_unit_and_leaves_only_its_config(
             samples = first_tick(daemon, port, log, timeout=90)
             build_info = value(samples, "hangwatch_build_info", version=b.version, commit=b.commit)
             assert build_info == 1, {k: v for k, v in samples.items() if "build_info" in k[0]}
+            status_as_the_package_made_it(root, daemon.pid)
         finally:
             status = stop(daemon)
         assert status == 0, log.read_text()
@@ -224,10 +256,12 @@ def test_the_deb_installs_runs_as_its_unit_and_leaves_only_its_config(
         ok(root.run(["apt-get", "remove", "-y", "-q", "hangwatch"]))
         after = root.files()
         assert (after - before, before - after) == ({"etc/hangwatch/", CONFIG}, set())
+        assert group_line(root), "remove took the group; only purge does"
 
         ok(root.run(["apt-get", "purge", "-y", "-q", "hangwatch"]))
         after = root.files()
         assert (after - before, before - after) == (set(), set())
+        assert group_line(root) is None, "purge left the group postinst made"
         status_word = root.run(["dpkg-query", "-W", "-f=${db:Status-Status}", "hangwatch"])
         assert status_word.stdout in ("", "not-installed"), status_word
     print(f"root: install, run, diagnose, remove and purge in {time.monotonic() - began:.1f} s")
