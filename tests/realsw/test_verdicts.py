@@ -41,7 +41,13 @@ from tests.privileged.daemonlib import (
     running_daemon,
     value,
 )
-from tests.privileged.harness import Diagnosis, RunningDiagnose, Untouched, diagnose_argv
+from tests.privileged.harness import (
+    NO_DAEMON_SOCKET,
+    Diagnosis,
+    RunningDiagnose,
+    Untouched,
+    diagnose_argv,
+)
 from tests.realsw.servinglib import serving_stack, weight_server
 
 # hangwatch attaches: root and bcc, as tests/privileged (conftest.needs_bpf)
@@ -60,9 +66,16 @@ HOLD_S = 10.0  # how long the daemon's verdict must hold, scraped every INTERVAL
 # --- diagnose and its verdict -------------------------------------------------------------
 
 
-def diagnose(pid: int, threshold: float = THRESHOLD, duration: float = DURATION) -> Diagnosis:
-    """``python -m agent diagnose --pid PID --json --threshold T --duration D``, to the end."""
-    run = RunningDiagnose(diagnose_argv([pid], threshold=threshold, duration=duration))
+def diagnose(
+    pid: int,
+    threshold: float = THRESHOLD,
+    duration: float = DURATION,
+    socket: str = NO_DAEMON_SOCKET,
+) -> Diagnosis:
+    """``python -m agent diagnose --pid PID --json --threshold T --duration D``, to the end;
+    it asks no daemon unless ``socket`` names one's status socket."""
+    argv = diagnose_argv([pid], threshold=threshold, duration=duration, socket=socket)
+    run = RunningDiagnose(argv)
     try:
         return run.finish(timeout=DIAGNOSE_TIMEOUT)
     finally:
@@ -346,21 +359,22 @@ def targets_config(
     targets: dict[str, str],
     interval: float = INTERVAL,
     threshold: float = THRESHOLD,
+    status_socket: Path | None = None,
 ) -> tuple[Path, int]:
     """A config watching each ``name: cmdline regex`` of ``targets``; JSON is YAML (no
-    escaping to get wrong)."""
+    escaping to get wrong). ``status_socket``: where the daemon serves `hangwatch status`
+    (else the default path, which the first daemon to bind it keeps)."""
     port = free_port()
     cfg = tmp_path / "hangwatch.yaml"
-    cfg.write_text(
-        json.dumps(
-            {
-                "listen": f"127.0.0.1:{port}",
-                "interval_seconds": interval,
-                "park_threshold_seconds": threshold,
-                "targets": [{"name": n, "cmdline": c} for n, c in targets.items()],
-            }
-        )
-    )
+    doc: dict[str, object] = {
+        "listen": f"127.0.0.1:{port}",
+        "interval_seconds": interval,
+        "park_threshold_seconds": threshold,
+        "targets": [{"name": n, "cmdline": c} for n, c in targets.items()],
+    }
+    if status_socket is not None:
+        doc["status_socket"] = str(status_socket)
+    cfg.write_text(json.dumps(doc))
     return cfg, port
 
 

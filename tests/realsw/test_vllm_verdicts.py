@@ -17,7 +17,10 @@ Needs root and bcc, the real-software venv (conftest) and the vLLM venv (``vllm_
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -56,6 +59,7 @@ HANG_AGE = 30.0  # diagnose a hang once it is this old (s)
 SHM_WARNING = "No available shared memory broadcast block found"
 SHM_AGE = 70.0  # the EngineCore logs SHM_WARNING 60 s into a hang, then every 60 s
 DAEMON_HOLD_S = 120.0  # the daemon's one state on a hung engine, across its warnings
+STREAM_AGE = 30.0  # status and diagnose ask about a stream hung this long
 
 
 def keep(d: Diagnosis, shape: str) -> None:
@@ -219,18 +223,27 @@ def test_vllm_native_abba_is_deadlocked(abba_hang: Hang) -> None:
     assert tids in cycles, d.explain(f"want a cycle of the two threads {tids}, got {cycles}")
 
 
-def test_vllm_stream_hang_is_stalled_for_the_daemon(
+def test_vllm_stream_hang_is_stalled_for_the_daemon_its_status_and_diagnose(
     stream_server: VllmServer, tmp_path: Path
 ) -> None:
     """A streaming request got its first chunks; then the Worker hung mid-step and the client
     keeps waiting on the open connection for the rest. tcp_info alone calls that answered
     (the server sent last); the write probe keeps how the answer's last write ended (an SSE
     event, no ``[DONE]``, no last chunk). It sees writes made while it watches, so the daemon
-    watches the server before the stream starts: a stream that hung before ``diagnose``
-    attached is not seen (docs/how-it-works.md)."""
+    watches the server before the stream starts, and holds stalled with one request counted
+    unanswered.
+
+    Once the hang is STREAM_AGE old, the engineer's two commands: ``hangwatch status`` reads
+    the daemon's stall with the stream's age; ``diagnose``, attached long after the stream
+    began, judges with the daemon's history and names it; without a daemon it says what its
+    window cannot see (docs/how-it-works.md, "The daemon's history")."""
     s = stream_server
+    sock = tmp_path / "status.sock"
     cfg, port = targets_config(
-        tmp_path, {"vllm": rf"openai\.api_server .*--port {s.port}\b"}, threshold=HANG_THRESHOLD
+        tmp_path,
+        {"vllm": rf"openai\.api_server .*--port {s.port}\b"},
+        threshold=HANG_THRESHOLD,
+        status_socket=sock,
     )
     with running_daemon(cfg, port) as d:
         daemonlib.first_tick(d)
@@ -238,6 +251,7 @@ def test_vllm_stream_hang_is_stalled_for_the_daemon(
         with vllmlib.pending(s, stream=True) as client:
             client.read_chunks(2)  # two SSE chunks came; the client waits for more
             hung = s.wait_hung()
+            began = time.monotonic()
             assert hung.get_int("pid") == s.worker, s.describe("not the Worker hung")
             daemonlib.wait_until(
                 d,
@@ -250,3 +264,44 @@ def test_vllm_stream_hang_is_stalled_for_the_daemon(
             waiting = value(scraped, "hangwatch_service_unanswered_requests", service="vllm")
             assert waiting == 1, d.output()
             hold(d, "vllm", s.pid, "stalled", HOLD_S)
+
+            time.sleep(max(0.0, began + STREAM_AGE - time.monotonic()))
+            asked = status_of(s.pid, sock)
+            with_daemon = diagnose(s.pid, threshold=HANG_THRESHOLD, socket=str(sock))
+            alone = diagnose(s.pid, threshold=HANG_THRESHOLD)
+            keep(with_daemon, "stream-with-daemon")
+            keep(alone, "stream-alone")
+
+    svc = asked["services"][0]
+    assert (svc["pid"], svc["state"]) == (s.pid, "stalled"), asked
+    streams = svc["carried"]["streams"]
+    assert len(streams) == 1, asked
+    # Its age: since the answer's last write, just before the Worker hung.
+    assert streams[0]["last_sent_seconds"] >= STREAM_AGE - 1, asked
+
+    v = with_daemon.service(s.pid)
+    assert v["state"] == "stalled", with_daemon.explain("want the daemon's stall")
+    saw = f"the daemon (pid {d.pid}) saw 1 streamed answer begun before diagnose attached"
+    assert v["reasons"][0].startswith(saw), with_daemon.explain("want the daemon's stream first")
+    assert v["evidence"][0]["source"] == "daemon", with_daemon.explain("the source named")
+    assert v["daemon_history"]["seen"] is True
+
+    a = alone.service(s.pid)
+    assert a["daemon_history"]["seen"] is False, alone.explain("no daemon was asked")
+    note = a["daemon_history"]["note"]
+    assert note.startswith("no daemon history: requests or streams begun before"), note
+
+
+def status_of(pid: int, sock: Path) -> dict[str, Any]:
+    """``hangwatch status --pid PID --json`` on the daemon's socket, and its text form."""
+    argv = [sys.executable, "-m", "agent", "status", "--pid", str(pid), "--socket", str(sock)]
+    text = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    assert text.returncode == 0, f"{argv}: {text.returncode}\n{text.stdout}\n{text.stderr}"
+    assert "streamed answer begun and not finished" in text.stdout, text.stdout
+    where = os.environ.get("HANGWATCH_VLLM_VERDICTS")
+    if where:
+        (Path(where) / "stream-status.txt").write_text(text.stdout)
+    r = subprocess.run([*argv, "--json"], capture_output=True, text=True, timeout=60, check=False)
+    assert r.returncode == 0, f"{argv}: {r.returncode}\n{r.stdout}\n{r.stderr}"
+    doc: dict[str, Any] = json.loads(r.stdout)
+    return doc
