@@ -371,3 +371,26 @@ def test_a_directory_made_for_the_socket_is_removed_with_it(server: StatusServer
     parent = Path(server.path).parent
     server.close()
     assert not parent.exists()
+
+
+def test_a_second_daemon_on_the_path_serves_no_status_and_takes_nothing(
+    server: StatusServer, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found answering, or bound by the first in the moment between the look and the bind:
+    the second logs it, serves none, and leaves the first's file and directory alone."""
+    ino = Path(server.path).stat().st_ino
+
+    def second() -> StatusServer:
+        return StatusServer(server.path, "no-such-group-hw", lambda req, _peer: {})
+
+    answering = second()
+    assert answering.bind() is False
+    raced = second()
+    monkeypatch.setattr("agent.export.status.os.path.lexists", lambda _p: False)
+    assert raced.bind() is False
+    monkeypatch.undo()
+    for late in (answering, raced):
+        late.close()
+    assert Path(server.path).stat().st_ino == ino
+    assert caplog.text.count("another hangwatch daemon answers there") == 2
+    assert ask(server.path, proto.Request(pid=None), 5)["services"], "the first still answers"

@@ -40,6 +40,10 @@ READ_TIMEOUT_S = 2.0  # to send the request line
 WRITE_TIMEOUT_S = 5.0  # to take the answer
 _POLL_S = 0.5  # how soon a stop is seen
 _CREDS = struct.Struct("3i")  # struct ucred: pid, uid, gid
+_TAKEN = (
+    "status socket %s: another hangwatch daemon answers there; "
+    "not serving status (set status_socket to another path)"
+)
 
 
 @dataclass(frozen=True)
@@ -108,17 +112,20 @@ class StatusServer:
                         "remove it, or set status_socket to another path",
                     )
                 if _answers(path):
-                    log.warning(
-                        "status socket %s: another hangwatch daemon answers there; "
-                        "not serving status (set status_socket to another path)",
-                        path,
-                    )
+                    log.warning(_TAKEN, path)
                     return False
                 os.unlink(path)  # left by a daemon that did not exit cleanly
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             old = os.umask(0o177)  # never a moment more open than 0600
             try:
                 sock.bind(path)
+            except OSError as e:
+                sock.close()
+                if e.errno != errno.EADDRINUSE:
+                    raise
+                # Another daemon bound it between the look above and this bind.
+                log.warning(_TAKEN, path)
+                return False
             finally:
                 os.umask(old)
             self._ino = os.lstat(path).st_ino

@@ -300,6 +300,7 @@ def status_of(pid: int, sock: Path) -> dict[str, Any]:
     assert "streamed answer begun and not finished" in text.stdout, text.stdout
     where = os.environ.get("HANGWATCH_VLLM_VERDICTS")
     if where:
+        Path(where).mkdir(parents=True, exist_ok=True)
         (Path(where) / "stream-status.txt").write_text(text.stdout)
     r = subprocess.run([*argv, "--json"], capture_output=True, text=True, timeout=60, check=False)
     assert r.returncode == 0, f"{argv}: {r.returncode}\n{r.stdout}\n{r.stderr}"
