@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from agent import __version__
 from scripts.bpfobjs import leaked, prog_ids
 from scripts.fixturelib import REPO_ROOT, Fixture
 from tests.privileged.daemonlib import (
@@ -161,7 +162,10 @@ def test_bad_config_exits_2_naming_the_key_and_attaches_nothing(tmp_path: Path) 
     r = run_daemon("--config", str(cfg))
     assert r.returncode == 2, r.stderr
     assert "targets[0].cmdline" in r.stderr and "sglang(" in r.stderr, r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    # The journal's first line names the build that ran (daemon.run); the error is one line.
+    build, *rest = r.stderr.strip().splitlines()
+    assert f" INFO hangwatch {__version__} (commit " in build, r.stderr
+    assert len(rest) == 1 and rest[0].startswith("hangwatch: config "), r.stderr
     assert not leaked(prog_ids() - before, grace_s=3)
 
 

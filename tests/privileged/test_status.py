@@ -198,7 +198,8 @@ def test_diagnose_takes_the_daemons_history_of_a_stream_hung_before_it(tmp_path:
     daemon's socket it reports stalled, naming the daemon as the source. Without it, it
     says what it could not see."""
     port, door = free_port(), free_port()
-    targets = '  - name: hung-http\n    cmdline: "fixtures/hung_http\\\\.py"\n'
+    # Its own fixture, by its port: other tests run hung_http beside this one.
+    targets = f'  - name: hung-http\n    cmdline: "fixtures/hung_http\\\\.py --port {door}$"\n'
     with temp_group() as (group, _gid), socket_dir() as d:
         sock = d / "status.sock"
         cfg = _config(tmp_path / "hangwatch.yaml", port, sock, group, targets)

@@ -101,11 +101,14 @@ def test_alerts_fire_for_a_vllm_stream_hang_and_a_hung_serve_replica_never_when_
 
         # The hangs
         idle_app.close()
+        # Ray's hung replica first: its start took 5 minutes on a loaded host once, and 300 s
+        # into the vLLM hang the engine wrote and answered again (vLLM's own timeout), so
+        # the alert that had been pending went away.
+        hung_app = stack.enter_context(raylib.ray_job("serve_event", tmp_path_factory.mktemp("eb")))
         server.hang(after=3)
         client = stack.enter_context(vllmlib.pending(server, stream=True))
         client.read_chunks(2)
         server.wait_hung()
-        hung_app = stack.enter_context(raylib.ray_job("serve_event", tmp_path_factory.mktemp("eb")))
         want = {("vllm", str(server.pid)), ("ray", str(hung_app.driver))}
         firing: set[tuple[str, str]] = set()
         alerts: list[dict] = []
