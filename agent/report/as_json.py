@@ -90,9 +90,8 @@ def history_json(r: Report, root: int) -> dict[str, Any] | None:
     return {"seen": False, "note": NO_HISTORY, "why": h.why, "socket": h.socket}
 
 
-def _process(r: Report, p: ProcessVerdict) -> dict[str, Any]:
-    read = r.inputs.stacks.get(p.pid)
-    sample = r.snapshot.processes.get(p.pid)
+def process_verdict_json(p: ProcessVerdict) -> dict[str, Any]:
+    """A process's verdict, the keys `diagnose --json` and `hangwatch status` share."""
     return {
         "pid": p.pid,
         "comm": p.comm,
@@ -101,6 +100,14 @@ def _process(r: Report, p: ProcessVerdict) -> dict[str, Any]:
         "parked_seconds": round(p.parked_seconds, 3),
         "state": p.state,
         "reasons": reasons(p.reasons),
+    }
+
+
+def _process(r: Report, p: ProcessVerdict) -> dict[str, Any]:
+    read = r.inputs.stacks.get(p.pid)
+    sample = r.snapshot.processes.get(p.pid)
+    return {
+        **process_verdict_json(p),
         "evidence": [evidence_json(f) for f in p.reasons],
         "waits": evidence_json(p.waits) if p.waits is not None else None,
         "listening_ports": list(p.listening_ports),

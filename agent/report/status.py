@@ -13,6 +13,7 @@ from typing import Any
 from ..analysis.history import Carried, ServiceHistory
 from ..analysis.verdict import ProcessVerdict, ServiceVerdict
 from ..model import plural
+from .as_json import process_verdict_json
 from .diagnosis import ISO
 from .sentences import clock, evidence_json, reasons, seconds
 
@@ -123,16 +124,7 @@ def _service(s: ServiceStatus, flight: Flight | None, lag: float, now: float) ->
 
 
 def _process(p: ProcessVerdict) -> dict[str, Any]:
-    return {
-        "pid": p.pid,
-        "comm": p.comm,
-        "threads": p.threads,
-        "parked_threads": p.parked_threads,
-        "parked_seconds": round(p.parked_seconds, 3),
-        "state": p.state,
-        "reasons": reasons(p.reasons),
-        "listening_ports": list(p.listening_ports),
-    }
+    return {**process_verdict_json(p), "listening_ports": list(p.listening_ports)}
 
 
 def _carried(c: Carried, lag: float) -> dict[str, Any]:

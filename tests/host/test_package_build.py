@@ -7,7 +7,6 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-import sys
 import tarfile
 import tempfile
 import zipfile
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from agent import __version__
+from tests.packagebuild import make_package
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -41,16 +41,7 @@ def artifacts(tmp_path_factory: pytest.TempPathFactory) -> Built:
         pytest.skip("dpkg-deb and git build the package")
     out = tmp_path_factory.mktemp("dist")
     before = git_status()
-    r = subprocess.run(
-        [sys.executable, "-m", "scripts.package", "--out", str(out)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert r.returncode == 0, r.stdout + r.stderr
-    wheel, sdist, deb = (out / n for n in sorted(p.name for p in out.iterdir()))
+    wheel, sdist, deb = make_package(out)
     return Built(wheel, sdist, deb, before, git_status())
 
 

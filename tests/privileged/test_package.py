@@ -18,7 +18,6 @@ import shutil
 import signal
 import stat
 import subprocess
-import sys
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from agent import __version__
 from scripts.daemonproc import Samples, first_tick_done, free_port, parse, value
 from scripts.fixturelib import REPO_ROOT, Fixture
 from tests.gate import require
+from tests.packagebuild import make_package
 from tests.privileged import debroot
 from tests.privileged.harness import RunningDiagnose
 
@@ -63,20 +63,9 @@ def expected_commit() -> str:
 def build(out: Path) -> Built:
     """The script `make package` runs, into ``out`` (not the checkout's dist/), once."""
     began = time.monotonic()
-    r = subprocess.run(
-        [sys.executable, "-m", "scripts.package", "--out", str(out)],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert r.returncode == 0, f"scripts/package.py failed:\n{r.stdout}\n{r.stderr}"
+    wheel, sdist, deb = make_package(out)
     print(f"package built in {time.monotonic() - began:.1f} s")
-    (wheel,) = out.glob("hangwatch-*.whl")
-    (sdist,) = out.glob("hangwatch-*.tar.gz")
-    deb = out / f"hangwatch_{__version__}_all.deb"
-    assert deb.is_file(), sorted(out.iterdir())
+    assert deb.name == f"hangwatch_{__version__}_all.deb", deb
     return Built(wheel, sdist, deb, __version__, expected_commit())
 
 
