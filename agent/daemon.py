@@ -462,7 +462,8 @@ class Daemon:
                 self.cfg.listen_text,
             )
             new = replace(new, listen=self.cfg.listen)
-        for key in ("status_socket", "status_group"):
+        # Set once at start: the socket is bound and the kernel's stats switched on then.
+        for key in ("status_socket", "status_group", "bpf_stats"):
             if getattr(new, key) != getattr(self.cfg, key):
                 log.warning(
                     "%s %s needs a restart; keeping %s",
@@ -471,11 +472,6 @@ class Daemon:
                     getattr(self.cfg, key),
                 )
                 new = replace(new, **{key: getattr(self.cfg, key)})
-        if new.bpf_stats != self.cfg.bpf_stats:
-            log.warning(
-                "bpf_stats %s needs a restart; keeping %s", new.bpf_stats, self.cfg.bpf_stats
-            )
-            new = replace(new, bpf_stats=self.cfg.bpf_stats)
         self.discovery.set_targets(new.targets, new.max_services)
         if self.session is not None:
             self.session.reconfigure(new.settings)

@@ -4,6 +4,7 @@ probe's ring buffer."""
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import socket
@@ -367,3 +368,45 @@ def test_a_thread_that_cannot_start_is_a_clear_start_up_error(
         for s, h in handlers.items():
             signal.signal(s, h)
     assert e.value.exit_code == 1 and "TasksMax" in str(e.value)
+
+
+def test_a_reload_keeps_what_is_set_at_start_and_takes_the_rest(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SIGHUP: the status socket, its group and bpf_stats were set up at start, so a new value
+    of each is named as needing a restart and the running one kept; the targets change."""
+    first = {
+        "status_socket": str(tmp_path / "a.sock"),
+        "status_group": "hw-a",
+        "bpf_stats": False,
+        "targets": [{"name": "x", "cmdline": "^nothing$"}],
+    }
+    d = Daemon(validate(first, "test"), ProcFS(str(tmp_path)))
+    path = tmp_path / "hangwatch.yaml"
+    path.write_text(
+        json.dumps(
+            {
+                **first,
+                "status_socket": str(tmp_path / "b.sock"),
+                "status_group": "hw-b",
+                "bpf_stats": True,
+                "targets": [{"name": "y", "cmdline": "^other$"}],
+            }
+        )
+    )
+    path.chmod(0o600)
+    d.config_path = str(path)
+    with caplog.at_level(logging.WARNING, logger="agent.daemon"):
+        d.reload()
+    assert (d.cfg.status_socket, d.cfg.status_group, d.cfg.bpf_stats) == (
+        str(tmp_path / "a.sock"),
+        "hw-a",
+        False,
+    )
+    assert [t.name for t in d.cfg.targets] == ["y"]
+    for said in (
+        f"status_socket {tmp_path / 'b.sock'} needs a restart; keeping {tmp_path / 'a.sock'}",
+        "status_group hw-b needs a restart; keeping hw-a",
+        "bpf_stats True needs a restart; keeping False",
+    ):
+        assert said in caplog.text, caplog.text
