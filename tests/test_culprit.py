@@ -308,6 +308,30 @@ def test_the_most_waits_begun_when_the_request_came_lead_fewer_begun_then() -> N
     assert got is not None and (got.pid, got.threads) == (398, 27), got
 
 
+def test_a_main_thread_stopped_with_the_request_leads_pool_threads_that_parked_with_it() -> None:
+    """Real vLLM, a request hung in the Worker's step on an Event (a CI run's numbers): the
+    API server read it 41.6 s ago and passed it to the EngineCore over a unix socket (no
+    connection shows it); its event loop runs on, and the 4 pool threads the request left
+    parked then. The Worker's main thread stopped then, on the Event, with one more thread.
+    By count the API server led, and was named; the Worker, whose loop stopped, is. Where
+    two main threads stopped then, the counts decide between them."""
+
+    api = up(process(314, *(untimed(3140 + i, 41.6) for i in range(4)), comm="python"))
+    engine = up(process(382, *(untimed(3820 + i, 41.0) for i in range(2)), comm="VLLM::EngineCor"))
+    worker = up(process(398, untimed(398, 41.3), untimed(3990, 41.2), comm="VLLM::Worker"))
+    v, procs = stopped((api, engine, worker), 41.6, request=True)
+    got = find_culprit(v, procs)
+    assert got is not None and (got.pid, got.threads) == (398, 2), got
+    engine = up(process(382, *(untimed(382 + i, 41.0) for i in range(3)), comm="VLLM::EngineCor"))
+    v, procs = stopped((api, engine, worker), 41.6, request=True)
+    got = find_culprit(v, procs)
+    assert got is not None and (got.pid, got.threads) == (382, 3), got
+    # Two main threads stopped then with as many waits: which holds it is unknown.
+    engine = up(process(382, *(untimed(382 + i, 41.0) for i in range(2)), comm="VLLM::EngineCor"))
+    v, procs = stopped((api, engine, worker), 41.6, request=True)
+    assert find_culprit(v, procs) is None
+
+
 def test_a_write_dates_the_stop_of_the_process_that_made_it_if_its_main_thread_stopped() -> None:
     """Real Ray, an actor whose method ray.get()s another method of itself: its one untimed
     wait began when it logged its last line, 36 s ago; so did the log monitor's, woken by

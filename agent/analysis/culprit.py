@@ -43,7 +43,8 @@ def find_culprit(v: ServiceVerdict, procs: Sequence[ProcessFacts]) -> ev.Culprit
        process it was seen to reach last, over connections inside the service, if one of its
        untimed futex waits began then;
     4. waits begun at the stop: the most untimed futex waits that began then, but in the
-       request's client and those that passed it on (they wait for its answer); a stop dated
+       request's client and those that passed it on (they wait for its answer), a process
+       whose main thread stopped with the request first; a stop dated
        by a write or a send, not by a main thread's stop: only in the process that made it and
        whose main thread stopped then, or, where that names no one, at the date of the one
        main thread stopped;
@@ -86,7 +87,12 @@ def _by_dated_waits(v: ServiceVerdict, procs: Sequence[ProcessFacts]) -> Score |
         if holder is not None:
             return holder
         # Those that sent the request on wait for its answer: their waits are not the hang's.
-        return _leader(s for s in _began_at(stop, procs, last) if s.pid not in senders)
+        # A main thread that stopped with the request leads a count: it carries its process's
+        # loop, and a process whose loop goes on (an event loop) parked only the pool threads
+        # the request left, having passed it on where no connection shows (a unix socket).
+        return _leader(
+            (s for s in _began_at(stop, procs, last) if s.pid not in senders), main_first=True
+        )
     stop = v.seconds_since_progress
     dated_by = next((r.what for r in v.reasons if isinstance(r, ev.LastProgress)), None)
     # A main thread's stop in an untimed wait ("ran") dates the hang itself: every process
@@ -155,10 +161,15 @@ def _undated(procs: Sequence[ProcessFacts]) -> list[Score]:
     return scored
 
 
-def _leader(scored: Iterable[Score]) -> Score | None:
-    """The process whose score is above every other's, with at least one wait; else None."""
-    ranked = sorted(scored, reverse=True)
-    if not ranked or ranked[0].waits < 1 or (len(ranked) > 1 and ranked[1] == ranked[0]):
+def _leader(scored: Iterable[Score], main_first: bool = False) -> Score | None:
+    """The process whose score is above every other's, with at least one wait; else None.
+    ``main_first``: whether its main thread stopped then is compared before the rest."""
+
+    def key(s: Score) -> tuple[bool, Score]:
+        return (main_first and s.main_stopped, s)
+
+    ranked = sorted(scored, key=key, reverse=True)
+    if not ranked or ranked[0].waits < 1 or (len(ranked) > 1 and key(ranked[1]) == key(ranked[0])):
         return None
     return ranked[0]
 

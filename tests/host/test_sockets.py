@@ -37,7 +37,22 @@ time.sleep(600)  # quiet: no thread of it runs, nothing it holds is read or writ
 def quiet_server(n: int):
     """A server process holding ``n`` accepted connections, asleep; the clients' ends."""
     with server_process(QUIET_SERVER, n) as got:
+        asleep(got[0])
         yield got
+
+
+def asleep(pid: int, timeout: float = 30.0) -> None:
+    """Wait until ``pid``'s one thread sleeps: on a loaded host it may print ``ready`` and
+    only get the CPU again to enter its sleep a while later, a run after the test's ticks
+    began that the sampler rightly sees."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        if state == "S":
+            return
+        assert time.monotonic() < deadline, f"server {pid} still {state} after {timeout} s"
+        time.sleep(0.01)
 
 
 @contextlib.contextmanager
