@@ -9,6 +9,7 @@ import json
 import socket
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +31,9 @@ from agent.analysis.verdict import (
 from agent.errors import UnavailableError, UsageError
 from agent.export import statusproto as proto
 from agent.export.status import MAX_CONNECTIONS, Peer, StatusServer
+from agent.report import as_json
 from agent.report import status as status_report
-from agent.report.sentences import render
+from agent.report.sentences import evidence_json, render
 from agent.status import StatusOptions, ask, run, sighting
 
 
@@ -224,6 +226,45 @@ def test_the_merge_rule(
 def test_no_daemon_leaves_the_verdict_as_the_window_gave_it() -> None:
     v = verdict(IDLE)
     assert merge(v, None, 3.0) is v
+
+
+def test_a_verdict_taken_from_the_daemon_takes_its_culprit_while_it_is_the_services() -> None:
+    """The daemon's stall, taken, brings the process it found holding the service up, marked
+    as the daemon's; a PID no longer among the service's processes is not named; a window's
+    own verdict keeps its own culprit (none here)."""
+    held = ev.Culprit(100, "worker", "own waits", threads=1, age_s=38.0, daemon_pid=7)
+    taken = merge(verdict(IDLE), replace(sight(STALLED, (40.0,)), culprit=held), observed_s=3.0)
+    assert taken.culprit == held and taken.reasons[1] == held
+    assert render(held).startswith("held up by process 100 (worker), as the daemon (pid 7) named")
+    assert [as_json.source_of(f) for f in taken.reasons[:2]] == ["daemon", "daemon"]
+    gone = replace(held, pid=999)
+    moved = merge(verdict(IDLE), replace(sight(STALLED, (40.0,)), culprit=gone), observed_s=3.0)
+    assert moved.state == STALLED and moved.culprit is None
+    assert not any(isinstance(f, ev.Culprit) for f in moved.reasons)
+    kept = merge(verdict(PROGRESSING), replace(sight(STALLED, (40.0,)), culprit=held), 3.0)
+    assert kept.culprit is None
+
+
+def test_the_daemons_culprit_decodes_from_its_answer_or_is_refused() -> None:
+    svc = {
+        "service": "svc",
+        "pid": 100,
+        "state": STALLED,
+        "seconds_in_state": 20.0,
+        "carried": {
+            "streams": [],
+            "unanswered_requests": 1,
+            "oldest_unanswered_seconds": 30.0,
+            "seconds_since_progress": 30.0,
+        },
+        "culprit": evidence_json(ev.Culprit(101, "worker", "own waits", threads=2, age_s=29.5)),
+    }
+    got = proto.sight_of(svc, 7).culprit
+    assert got == ev.Culprit(101, "worker", "own waits", threads=2, age_s=29.5, daemon_pid=7)
+    assert proto.sight_of({**svc, "culprit": None}, 7).culprit is None
+    for bad in ({"pid": "101"}, [101], {**svc["culprit"], "pid": 0}, {**svc["culprit"], "why": 3}):
+        with pytest.raises(proto.ProtocolError, match="culprit"):
+            proto.sight_of({**svc, "culprit": bad}, 7)
 
 
 def test_the_daemons_words() -> None:

@@ -6,7 +6,8 @@ never finished sends nothing in it, and a request read before it may look answer
 the socket's own counters; whoever watched the service before the window saw them begin.
 So when the window alone finds nothing waiting (idle) and the daemon, which watched, saw
 such work left waiting and calls the service stalled or deadlocked, the daemon's verdict is
-taken, with a reason that names it. Never the other way: a window that saw work done, or a
+taken, with a reason that names it, and so is the process it found holding the service up.
+Never the other way: a window that saw work done, or a
 hang of its own, speaks for the present, and the daemon's older view does not overrule it.
 """
 
@@ -31,6 +32,7 @@ class DaemonSight:
     unanswered: int
     oldest_unanswered_s: float
     last_progress_s: float
+    culprit: ev.Culprit | None = None  # the process the daemon found holds it up, if one
 
 
 def saw(sight: DaemonSight, observed_s: float, judged: bool = False) -> ev.DaemonSaw:
@@ -63,10 +65,16 @@ def merge(v: ServiceVerdict, sight: DaemonSight | None, observed_s: float) -> Se
     fact = saw(sight, observed_s)
     if v.state == IDLE and sight.state in (STALLED, DEADLOCKED) and unseen_work(fact):
         fact = replace(fact, judged=True)
+        # Its verdict taken, the process it found holding the service up goes with it, while
+        # that process is still one of the service's (a PID can be reused).
+        held = sight.culprit
+        if held is not None and held.pid not in {p.pid for p in v.processes}:
+            held = None
         return replace(
             v,
             state=sight.state,
-            reasons=[fact, *v.reasons],
+            culprit=held,
+            reasons=[fact, *([held] if held else []), *v.reasons],
             unanswered_requests=max(v.unanswered_requests, fact.unanswered + fact.streams),
             seconds_since_progress=max(v.seconds_since_progress, sight.last_progress_s),
             oldest_request_s=max(v.oldest_request_s, fact.unanswered_age_s, fact.stream_age_s),

@@ -430,6 +430,8 @@ class Culprit(Fact):
     labels: tuple[tuple[str, str], ...] = ()
     threads: int = 0  # its threads in untimed futex waits
     age_s: float | None = None  # the oldest of those waits
+    # The daemon that named it, where diagnose took the daemon's verdict (else the window's)
+    daemon_pid: int | None = None
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..analysis import evidence as ev
 from ..analysis.daemonview import DaemonSight
 from ..model import PID_MAX_LIMIT
 
@@ -134,4 +135,22 @@ def sight_of(service: Mapping[str, Any], daemon_pid: int) -> DaemonSight:
         unanswered=unanswered,
         oldest_unanswered_s=_number(c, "oldest_unanswered_seconds"),
         last_progress_s=_number(c, "seconds_since_progress"),
+        culprit=_culprit(service.get("culprit"), daemon_pid),
     )
+
+
+def _culprit(doc: Any, daemon_pid: int) -> ev.Culprit | None:
+    """The service's culprit as the daemon named it (null: none), marked as the daemon's."""
+    if doc is None:
+        return None
+    if not isinstance(doc, dict):
+        raise ProtocolError("culprit: not an object or null")
+    pid, comm, why, threads = (doc.get(k) for k in ("pid", "comm", "why", "threads"))
+    if isinstance(pid, bool) or not isinstance(pid, int) or not 0 < pid <= PID_MAX_LIMIT:
+        raise ProtocolError("culprit.pid: not a PID")
+    if not isinstance(comm, str) or not isinstance(why, str):
+        raise ProtocolError("culprit: comm or why not a string")
+    if isinstance(threads, bool) or not isinstance(threads, int):
+        raise ProtocolError("culprit.threads: not a whole number")
+    age = None if doc.get("age_s") is None else _number(doc, "age_s")
+    return ev.Culprit(pid, comm[:64], why, threads=threads, age_s=age, daemon_pid=daemon_pid)

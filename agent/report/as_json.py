@@ -77,7 +77,8 @@ def _service(r: Report, v: ServiceVerdict) -> dict[str, Any]:
 
 
 def source_of(f: ev.Fact) -> str:
-    return "daemon" if isinstance(f, ev.DaemonSaw) else "window"
+    daemon = isinstance(f, ev.DaemonSaw) or (isinstance(f, ev.Culprit) and f.daemon_pid is not None)
+    return "daemon" if daemon else "window"
 
 
 def history_json(r: Report, root: int) -> dict[str, Any] | None:

@@ -361,7 +361,8 @@ def _(f: ev.NothingLeft) -> str:
 
 @render.register
 def _(f: ev.Culprit) -> str:
-    return f"held up by process {f.pid} ({f.comm}){labels_text(f.labels)}: {culprit_why(f)}"
+    by = f", as the daemon (pid {f.daemon_pid}) named it" if f.daemon_pid is not None else ""
+    return f"held up by process {f.pid} ({f.comm}){labels_text(f.labels)}{by}: {culprit_why(f)}"
 
 
 @render.register

@@ -274,6 +274,9 @@ def test_vllm_stream_hang_is_stalled_for_the_daemon_its_status_and_diagnose(
 
     svc = asked["services"][0]
     assert (svc["pid"], svc["state"]) == (s.pid, "stalled"), asked
+    # The Worker, whose main thread stopped with the request: not the API server, whose loop
+    # goes on and whose pool threads parked once it passed the request on over a unix socket.
+    assert (svc["culprit"] or {}).get("pid") == s.worker, asked
     streams = svc["carried"]["streams"]
     assert len(streams) == 1, asked
     # Its age: since the answer's last write, just before the Worker hung.
@@ -284,6 +287,11 @@ def test_vllm_stream_hang_is_stalled_for_the_daemon_its_status_and_diagnose(
     saw = f"the daemon (pid {d.pid}) saw 1 streamed answer begun before diagnose attached"
     assert v["reasons"][0].startswith(saw), with_daemon.explain("want the daemon's stream first")
     assert v["evidence"][0]["source"] == "daemon", with_daemon.explain("the source named")
+    # The daemon's verdict taken, the process it found holding the service up goes with it
+    held = v["culprit"] or {}
+    assert (held.get("pid"), held.get("daemon_pid")) == (s.worker, d.pid), with_daemon.explain(
+        "want the Worker, as the daemon named it"
+    )
     assert v["daemon_history"]["seen"] is True
 
     a = alone.service(s.pid)
