@@ -153,10 +153,23 @@ def exe_of(pid: int) -> str | None:
 
 def raced(pid: int, timeout: float = 30, log: Callable[[], str] = str) -> None:
     """Wait until the target has exec'd su: the attack ran (else the test proves nothing)."""
-    deadline = time.monotonic() + timeout
+    assert exec_seen(pid, timeout), f"{pid} never exec'd su: no race run\n{log()}"
+
+
+def exec_seen(pid: int, within: float) -> bool:
+    """Whether the target execs su within ``within`` seconds."""
+    deadline = time.monotonic() + within
     while exe_of(pid) != SU:
-        assert time.monotonic() < deadline, f"{pid} never exec'd su: no race run\n{log()}"
+        if time.monotonic() >= deadline:
+            return False
         time.sleep(0.05)
+    return True
+
+
+# diagnose runs until the watcher catches its py-spy: one that lives a few milliseconds can
+# start and exit between two of the watcher's scans of /proc when the host runs the suite
+# side by side (hundreds of processes to scan), and then no race was run.
+RACE_TRIES = 4
 
 
 @pytest.fixture
@@ -174,11 +187,16 @@ def test_an_exec_between_the_frames_and_the_lines_reads_nothing_as_root(race: Ra
     with race.target() as target:
         parked(target.pid, THREADS + 2)  # the parked threads, the swap thread, main in join
         with race.watcher(target.pid):
-            run = RunningDiagnose(diagnose_argv([target.pid], threshold=1, duration=2))
-            got = run.finish(timeout=120)
-            raced(target.pid)
-    assert got.returncode == 0, got.explain("diagnose failed")
-    assert not race.leaked(got.stdout + got.stderr), got.explain("the protected file leaked")
+            runs = []
+            for _ in range(RACE_TRIES):
+                run = RunningDiagnose(diagnose_argv([target.pid], threshold=1, duration=2))
+                runs.append(run.finish(timeout=120))
+                if exec_seen(target.pid, 5):
+                    break
+            raced(target.pid, timeout=0)
+    for got in runs:
+        assert got.returncode == 0, got.explain("diagnose failed")
+        assert not race.leaked(got.stdout + got.stderr), got.explain("the protected file leaked")
 
 
 @pytest.mark.skipif(not os.path.exists(SU), reason="needs su")

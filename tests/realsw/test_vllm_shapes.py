@@ -112,9 +112,9 @@ def test_stream_hang(run_root: Path) -> None:
     with vllmlib.vllm_server(run_root / "stream") as s:
         s.hang(after=3)
         with vllmlib.pending(s, stream=True) as client:
-            chunks = client.read_chunks(2)
-            assert all(c["choices"][0]["finish_reason"] is None for c in chunks)
             s.wait_hung()
+            chunks = client.read_chunks(1)  # one: several steps' tokens may come as one chunk
+            assert all(c["choices"][0]["finish_reason"] is None for c in chunks)
             _hung(s)
             # the connection is open and nothing more comes
             assert client.resp is not None and not client.resp.isclosed()

@@ -101,9 +101,9 @@ def _hang(run_root: Path, name: str, mode: str, *, stream: bool) -> Iterator[Han
     with vllmlib.vllm_server(run_root / name, hang=mode) as server:
         server.hang(after=3 if stream else 0)
         with vllmlib.pending(server, stream=stream) as client:
-            if stream:
-                client.read_chunks(2)  # two SSE chunks came; the client waits for more
             hung = server.wait_hung()
+            if stream:
+                client.read_chunks(1)  # the stream began; the client waits for more
             assert hung.get_int("pid") == server.worker, server.describe("not the Worker hung")
             yield Hang(server, time.monotonic(), hung, client)
 
@@ -249,8 +249,8 @@ def test_vllm_stream_hang_is_stalled_for_the_daemon_its_status_and_diagnose(
         daemonlib.first_tick(d)
         s.hang(after=3)
         with vllmlib.pending(s, stream=True) as client:
-            client.read_chunks(2)  # two SSE chunks came; the client waits for more
             hung = s.wait_hung()
+            client.read_chunks(1)  # the stream began; the client waits for more
             began = time.monotonic()
             assert hung.get_int("pid") == s.worker, s.describe("not the Worker hung")
             daemonlib.wait_until(

@@ -362,14 +362,21 @@ class Pending:
         self.resp: http.client.HTTPResponse | None = None
         self.chunks: list[dict[str, Any]] = []
 
-    def read_chunks(self, count: int) -> list[dict[str, Any]]:
-        """Read SSE events until ``count`` ``data: {...}`` chunks have come (streaming only)."""
+    def read_chunks(self, count: int, timeout: float = 60) -> list[dict[str, Any]]:
+        """Read SSE events until ``count`` ``data: {...}`` chunks have come (streaming only),
+        each within ``timeout`` s. The API server may send the tokens of several steps as one
+        chunk (it did on a loaded host), so wait for the hang, then for one chunk."""
+        if self.conn.sock is not None:
+            self.conn.sock.settimeout(timeout)
         if self.resp is None:
             self.resp = self.conn.getresponse()
             if self.resp.status != 200:
                 raise FixtureError(f"stream: {self.resp.status} {self.resp.read()[:500]!r}")
         while len(self.chunks) < count:
-            line = self.resp.readline()
+            try:
+                line = self.resp.readline()
+            except TimeoutError:
+                raise FixtureError(f"no chunk {len(self.chunks) + 1} within {timeout} s") from None
             if not line:
                 raise FixtureError(f"the stream ended after {len(self.chunks)} chunks")
             text = line.decode().strip()
