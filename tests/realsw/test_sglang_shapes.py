@@ -26,6 +26,9 @@ __all__ = ["sglang_ready"]  # the fixture, imported to be used here
 pytestmark = [pytest.mark.usefixtures("sglang_ready"), pytest.mark.xdist_group("sglang-shapes")]
 
 SPIN_TICKS = 45  # of 300 in 3 s: the idle default scheduler's main thread, at least 15% of a CPU
+# ... within this long: on a host running the suite side by side a spinning thread gets its
+# share later (it got 20 ticks in 3 s once); one asleep in poll(2) uses a tick or two in that
+SPIN_PATIENCE_S = 10.0
 SLEEP_TICKS = 15  # of 300 in 3 s: --sleep-on-idle, at most 5%
 
 
@@ -59,8 +62,13 @@ def test_idle_default_scheduler_spins_then_serves(default: SglangServer) -> None
     assert_tree(s)
     # idle: no request of ours yet, only SGLang's own warm-up; its main thread polls its
     # sockets without sleeping
-    spun = main_thread_ticks(s.scheduler)
-    assert spun >= SPIN_TICKS, f"the idle scheduler's main thread ran only {spun} ticks in 3 s"
+    before = thread_cpu_ticks(s.scheduler, s.scheduler)
+    deadline = time.monotonic() + SPIN_PATIENCE_S
+    while (spun := thread_cpu_ticks(s.scheduler, s.scheduler) - before) < SPIN_TICKS:
+        assert time.monotonic() < deadline, (
+            f"the idle scheduler's main thread ran only {spun} ticks in {SPIN_PATIENCE_S} s"
+        )
+        time.sleep(0.25)
     assert sglanglib.thread_names(s.scheduler)[s.scheduler].startswith("sglang::")
     with sglanglib.Continuous(s) as client:
         client.wait_answers(5)
