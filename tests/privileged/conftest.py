@@ -18,6 +18,7 @@ import pytest
 
 from tests.gate import Gate
 from tests.privileged.harness import (
+    DIAGNOSE_LIMIT_S,
     NO_DAEMON_SOCKET,
     Diagnosis,
     RunningDiagnose,
@@ -85,13 +86,13 @@ def start_diagnose() -> Iterator[Callable[..., RunningDiagnose]]:
 
 @pytest.fixture
 def diagnose(start_diagnose: Callable[..., RunningDiagnose]) -> Callable[..., Diagnosis]:
-    """Run ``diagnose --json --threshold 1 --duration 2`` to completion (60 s limit)."""
+    """Run ``diagnose --json --threshold 1 --duration 2`` to completion (DIAGNOSE_LIMIT_S)."""
 
     def run(
         *pids: int,
         threshold: float = 1,
         duration: float = 2,
-        timeout: float = 60,
+        timeout: float = DIAGNOSE_LIMIT_S,
         socket: str = NO_DAEMON_SOCKET,
     ) -> Diagnosis:
         started = start_diagnose(*pids, threshold=threshold, duration=duration, socket=socket)

@@ -24,6 +24,11 @@ from scripts.fixturelib import REPO_ROOT
 # socket (a daemon running on the host, or another test's, would otherwise lend its history).
 NO_DAEMON_SOCKET = "/nonexistent/hangwatch-tests/status.sock"
 
+# How long a diagnose run may take before the harness kills it: a guard against a hang, not a
+# timing check. Its BPF compile, 2 s alone, took 73 s once while the parallel step kept both
+# cores busy.
+DIAGNOSE_LIMIT_S = 180.0
+
 
 def diagnose_argv(
     pids: Iterable[int],
@@ -145,7 +150,7 @@ class RunningDiagnose:
             result.explain(f"diagnose printed no stderr line matching {pattern!r} in {timeout} s")
         )
 
-    def finish(self, timeout: float = 60) -> Diagnosis:
+    def finish(self, timeout: float = DIAGNOSE_LIMIT_S) -> Diagnosis:
         """Wait for the run to end (killing it after ``timeout`` s) and collect it."""
         try:
             self.proc.wait(timeout=timeout)

@@ -22,12 +22,12 @@ import pytest
 from scripts.daemonproc import free_port
 from scripts.fixturelib import REPO_ROOT, Fixture, tasks
 from tests.privileged import harness
-from tests.privileged.harness import Diagnosis, RunningDiagnose, diagnose_argv
+from tests.privileged.harness import DIAGNOSE_LIMIT_S, Diagnosis, RunningDiagnose, diagnose_argv
 
 Diagnose = Callable[..., Diagnosis]
 StartDiagnose = Callable[..., RunningDiagnose]
 
-ATTACH_TIMEOUT_S = 45  # BPF compile and load included
+ATTACH_TIMEOUT_S = DIAGNOSE_LIMIT_S  # BPF compile and load included: see the harness
 
 
 def verdict(d: Diagnosis, pid: int, *states: str) -> dict[str, Any]:

@@ -18,9 +18,9 @@ from typing import Any
 from agent.observe.observer import park_settings
 from agent.settings import DIAGNOSE_INTERVAL_S, Settings
 from scripts.fixturelib import Fixture, tasks, thread_state
-from tests.privileged.harness import Diagnosis, RunningDiagnose
+from tests.privileged.harness import DIAGNOSE_LIMIT_S, Diagnosis, RunningDiagnose
 
-ATTACH_TIMEOUT_S = 45  # BPF compile and load included
+ATTACH_TIMEOUT_S = DIAGNOSE_LIMIT_S  # BPF compile and load included: see the harness
 PARK = park_settings(Settings())  # the floor diagnose judges work by
 
 # Stops every thread of a process with ptrace (as gdb or py-spy would), holds it, lets go.

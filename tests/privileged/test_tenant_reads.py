@@ -169,7 +169,7 @@ def exec_seen(pid: int, within: float) -> bool:
 # diagnose runs until the watcher catches its py-spy: one that lives a few milliseconds can
 # start and exit between two of the watcher's scans of /proc when the host runs the suite
 # side by side (hundreds of processes to scan), and then no race was run.
-RACE_TRIES = 4
+RACE_TRIES = 6
 
 
 @pytest.fixture

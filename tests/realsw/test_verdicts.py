@@ -42,6 +42,7 @@ from tests.privileged.daemonlib import (
     value,
 )
 from tests.privileged.harness import (
+    DIAGNOSE_LIMIT_S,
     NO_DAEMON_SOCKET,
     Diagnosis,
     RunningDiagnose,
@@ -57,7 +58,7 @@ THRESHOLD = 2.0  # the healthy shapes (and the daemon tests)
 DURATION = 5.0
 HANG_THRESHOLD = 10.0  # the hang shapes: diagnose --threshold 10 --duration 5 ...
 HANG_AGE = 12.0  # ... on a hang this old when diagnose starts
-DIAGNOSE_TIMEOUT = 90.0  # BPF compile and load included
+DIAGNOSE_TIMEOUT = DIAGNOSE_LIMIT_S  # BPF compile and load included: see the harness
 STATES = ("deadlocked", "stalled", "idle", "progressing")
 SYS_FUTEX, SYS_CLOCK_NANOSLEEP = 202, 230
 HOLD_S = 10.0  # how long the daemon's verdict must hold, scraped every INTERVAL
