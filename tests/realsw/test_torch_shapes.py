@@ -96,9 +96,13 @@ def cpu_over(pids: list[int], window: float) -> dict[int, dict[int, int]]:
     """Clock ticks each thread of ``pids`` used during ``window`` seconds: {pid: {tid: ticks}}."""
     before = _ticks(pids)
     time.sleep(window)
-    after = _ticks(pids)
+    return used_since(before, pids)
+
+
+def used_since(before: dict[tuple[int, int], int], pids: list[int]) -> dict[int, dict[int, int]]:
+    """Clock ticks each thread of ``pids`` used since ``before`` (a ``_ticks`` read)."""
     used: dict[int, dict[int, int]] = {pid: {} for pid in pids}
-    for (pid, tid), ticks in after.items():
+    for (pid, tid), ticks in _ticks(pids).items():
         used[pid][tid] = ticks - before.get((pid, tid), 0)
     return used
 
@@ -139,13 +143,10 @@ def assert_computing(
     deadline = time.monotonic() + patience
     while True:
         time.sleep(0.25)
-        after = _ticks(pids)
-        used: dict[int, dict[int, int]] = {pid: {} for pid in pids}
-        for (pid, tid), ticks in after.items():
-            used[pid][tid] = ticks - before.get((pid, tid), 0)
-        if all(sum(used[pid].values()) >= floor for pid in pids):
-            return
+        used = used_since(before, pids)
         slow = [pid for pid in pids if sum(used[pid].values()) < floor]
+        if not slow:
+            return
         assert time.monotonic() < deadline, (
             f"{job.shape}: process {slow} used less than {floor:.0f} ticks in {patience} s; "
             f"not computing:\n{report(used)}"
