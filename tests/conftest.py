@@ -1,7 +1,8 @@
 """Hypothesis profiles: CI replays the same examples every run, so a landing is never decided
 by the luck of a random draw; runs elsewhere explore new ones (and keep what fails in
-.hypothesis/ to replay it). The pure tier's rule (tests/noprocess.py): a test in tests/*.py
-that starts a process fails."""
+.hypothesis/ to replay it). The pure tier's rules: a test in tests/*.py that starts a process
+fails (tests/noprocess.py), and so does one that writes outside its temporary directory while
+the tier runs alone (tests/nowrites.py)."""
 
 from __future__ import annotations
 
@@ -15,10 +16,12 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
+from tests import nowrites
 from tests.noprocess import RULE, no_processes
 
 PURE = Path(__file__).resolve().parent
 ATTEMPTS = pytest.StashKey[list[str]]()
+PURE_ALONE = pytest.StashKey[bool]()
 
 settings.register_profile("ci", derandomize=True, deadline=None)
 if os.environ.get("CI") == "true":
@@ -30,6 +33,34 @@ def _doors_closed(item: pytest.Item) -> AbstractContextManager[object]:
     if Path(item.path).parent != PURE:
         return nullcontext()
     return no_processes(item.stash.setdefault(ATTEMPTS, []))
+
+
+def _is_pure(item: pytest.Item) -> bool:
+    return Path(item.path).parent == PURE
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """trylast: the selection after -k and -m is what runs."""
+    config.stash[PURE_ALONE] = bool(items) and all(_is_pure(item) for item in items)
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """The write guard (tests/nowrites.py), over pytest's temporary root too where pytest
+    chose it (a --basetemp given, by make test or by xdist to its workers, is a directory that
+    other sessions or workers share). The base is made here, before the first listing: pytest
+    makes it (and rotates old ones) on the first test that asks for a temporary path."""
+    config = session.config
+    factory = getattr(config, "_tmp_path_factory", None)  # pytest's tmp_path plugin's
+    pytest_root = None
+    if factory is not None and config.option.basetemp is None:
+        pytest_root = factory.getbasetemp().parent
+    places = nowrites.watched(PURE.parent, pytest_root)
+
+    def applies(item: pytest.Item) -> bool:
+        return _is_pure(item) and item.config.stash.get(PURE_ALONE, False)
+
+    config.pluginmanager.register(nowrites.WriteGuard(places, applies), "hangwatch-nowrites")
 
 
 # Each phase of a pure test (its fixtures' setup and teardown included) runs with the doors

@@ -146,17 +146,40 @@ tree = st.dictionaries(
 )
 
 
+# O_NOFOLLOW on a link fails (ELOOP, or ENOTDIR with O_DIRECTORY); not O_PATH, which would
+# open the link itself
+DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+
+
 def build(base: Path, spec: dict[tuple[str, ...], str]) -> None:
+    """Make the drawn tree under ``base`` and nowhere else. Each entry is made relative to its
+    parent's descriptor, and every parent is opened with O_NOFOLLOW: an entry whose path passes
+    through a link the tree holds (``/a``, ``../..``) is not made, instead of landing wherever
+    that link leads (once at the file system's root)."""
     for parts, kind in sorted(spec.items(), key=lambda kv: len(kv[0])):
-        where = base.joinpath(*parts)
-        if not where.parent.is_dir() or where.is_symlink() or where.exists():
-            continue
-        if kind == "dir":
-            where.mkdir()
-        elif kind == "file":
-            where.write_text("/".join(parts))
-        else:
-            where.symlink_to(kind)
+        parent = os.open(base, DIRECTORY)
+        try:
+            for step in parts[:-1]:
+                child = os.open(step, DIRECTORY, dir_fd=parent)
+                os.close(parent)
+                parent = child
+            name = parts[-1]
+            # each call refuses an existing entry (EEXIST), a link included, and follows none
+            if kind == "dir":
+                os.mkdir(name, dir_fd=parent)
+            elif kind == "file":
+                flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                fd = os.open(name, flags, 0o644, dir_fd=parent)
+                try:
+                    os.write(fd, "/".join(parts).encode())
+                finally:
+                    os.close(fd)
+            else:
+                os.symlink(kind, name, dir_fd=parent)
+        except OSError:
+            continue  # a parent missing, not a directory, or a link: the entry is not made
+        finally:
+            os.close(parent)
 
 
 @settings(max_examples=300, suppress_health_check=[HealthCheck.function_scoped_fixture])
