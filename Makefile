@@ -3,12 +3,9 @@
 PY := .venv/bin/python
 PYTEST_ARGS ?=
 # make test's parallel step: scenarios side by side. Most of their time is waiting (for a hang
-# to age, a daemon to tick, an engine to start), so more workers than cores pay off; but on 2
-# cores, 4 kept the CPUs' pressure (PSI "some") at 85% over 5 minutes, and scenarios bounded in
-# time failed (a diagnose's BPF compile, 2 s alone, took 73 s): 3.
+# to age, a daemon to tick, an engine to start), so more workers than cores pay off, up to the
+# CPU pressure each step's report gives (.test-report/summary.txt; docs/install.md).
 TEST_WORKERS ?= 3
-PARALLEL = -n $(TEST_WORKERS) --dist loadgroup -m "not serial"
-
 
 .DEFAULT_GOAL := help
 .PHONY: help setup setup-tests lint check test run demo bench package clean
@@ -19,8 +16,8 @@ help:
 	@echo "             a venv of ~5.5 GB outside the checkout, HANGWATCH_REALSW_VENV, once per machine)"
 	@echo "make lint    ruff check, ruff format --check and mypy"
 	@echo "make check   lint and the pure tests, tests/test_*.py (no process started, no root): ~30 s"
-	@echo "make test    setup, lint, then every test: TEST_WORKERS side by side, then the serial"
-	@echo "             ones alone (extra options: PYTEST_ARGS='-k futex')"
+	@echo "make test    setup, lint, then every test: the pure tier, the rest TEST_WORKERS side by"
+	@echo "             side, the serial ones alone (PYTEST_ARGS='-k futex'); report in .test-report/"
 	@echo "make run     the daemon on its built-in defaults, /metrics on :9817 (root)"
 	@echo "make demo    the daemon watching four demo programs, printing their states live"
 	@echo "make bench   benchmark suite: overhead per call, daemon CPU/RSS beside node_exporter, latency"
@@ -44,21 +41,12 @@ lint: setup
 check: setup lint
 	$(PY) -m pytest -q -p no:cacheprovider tests/test_*.py $(PYTEST_ARGS)
 
-# lint before pytest: a style failure is cheaper to report than a test run. Then everything but
-# the tests marked serial on TEST_WORKERS workers (tests that share a start, or would see each
-# other's processes, are one xdist_group: one worker), then the serial ones alone. Both steps run;
-# either failing fails the target (exit 5, nothing selected, is no failure: PYTEST_ARGS may
-# select one step only). The parallel step's temporary files are under a short --basetemp (a
-# worker adds popen-gwN, and Ray's unix sockets under a test's directory must stay short),
-# removed when the step passes.
+# lint before pytest: a style failure is cheaper to report than a test run. Then three steps
+# (scripts/testsuite.py): the pure tier alone (its write guard on), the other tiers but the tests
+# marked serial on TEST_WORKERS workers, the serial ones alone. Each step runs; the report of
+# times, CPU pressure, the slowest tests and every failure is .test-report/summary.txt.
 test: setup-tests lint
-	tmp=$$(mktemp -d /tmp/hw-test-XXXXXX); \
-	$(PY) -m pytest -q --durations=15 $(PARALLEL) --basetemp=$$tmp $(PYTEST_ARGS); \
-	parallel=$$?; \
-	[ $$parallel != 0 ] || rm -rf $$tmp; \
-	$(PY) -m pytest -q --durations=15 -m serial $(PYTEST_ARGS); \
-	serial=$$?; \
-	for rc in $$parallel $$serial; do [ $$rc = 0 ] || [ $$rc = 5 ] || exit $$rc; done
+	$(PY) -m scripts.testsuite --workers $(TEST_WORKERS) -- $(PYTEST_ARGS)
 
 # The daemon on its built-in defaults (GPU processes and known inference servers).
 run: setup
@@ -79,5 +67,5 @@ package:
 
 # The merged kernel headers in /usr/src are left alone: they are system-wide, not the checkout's.
 clean:
-	rm -rf .venv tests/fixtures/build dist .pytest_cache .mypy_cache .ruff_cache .hypothesis *.egg-info
+	rm -rf .venv tests/fixtures/build dist .test-report .pytest_cache .mypy_cache .ruff_cache .hypothesis *.egg-info
 	find . -path ./.git -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
