@@ -67,5 +67,5 @@ package:
 
 # The merged kernel headers in /usr/src are left alone: they are system-wide, not the checkout's.
 clean:
-	rm -rf .venv tests/fixtures/build dist .test-report .pytest_cache .mypy_cache .ruff_cache .hypothesis *.egg-info
+	rm -rf .venv .build tests/fixtures/build dist .test-report .pytest_cache .mypy_cache .ruff_cache .hypothesis *.egg-info
 	find . -path ./.git -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -111,6 +111,8 @@ class Daemon(DaemonProcess):
         lines = [
             f'listen: "127.0.0.1:{port}"',
             f"interval_seconds: {interval}",
+            # its own: the default, /run/hangwatch/status.sock, is the host daemon's
+            f"status_socket: {str(Path(self._dir.name) / 'status.sock')!r}",
             *DAEMON_CONFIG,
             "targets:",
         ]

@@ -9,6 +9,8 @@ value) pairs) -> value``; :func:`value` looks one sample up by name and some of 
 
 from __future__ import annotations
 
+import itertools
+import os
 import signal
 import socket
 import subprocess
@@ -27,11 +29,49 @@ Labels = tuple[tuple[str, str], ...]
 Samples = dict[tuple[str, Labels], float]
 
 
+# Ports handed to a child that binds them later. Below the kernel's ephemeral range, which
+# outbound connections draw from: a port there can be taken between the choice and the child's
+# bind by any connection on the host (it was, more than once). Each process takes its ports
+# from a slice of its own (a pytest-xdist worker by its number, anything else the first), in
+# turn, so the workers of one run never hand out the same port.
+PORT_LOW = 20000
+PORT_SLICE = 1000
+_next_port = itertools.count()
+
+
+def ephemeral_from() -> int:
+    """The first port of the kernel's ephemeral range (32768 unless configured)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def port_slice(worker: str | None, top: int) -> range:
+    """This process's ports: worker "gwN" gets slice N + 1, anything else slice 0; slices
+    past the ephemeral range's start wrap around."""
+    slices = max(1, (top - PORT_LOW) // PORT_SLICE)
+    index = 0
+    if worker and worker.startswith("gw") and worker[2:].isdigit():
+        index = (int(worker[2:]) + 1) % slices
+    start = PORT_LOW + index * PORT_SLICE
+    return range(start, min(start + PORT_SLICE, top))
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nobody listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port, below the ephemeral range and in this process's slice, that nobody has
+    bound now (on any address; one a closed connection holds in TIME_WAIT is passed over)."""
+    ports = port_slice(os.environ.get("PYTEST_XDIST_WORKER"), ephemeral_from())
+    for _ in range(len(ports)):
+        port = ports[next(_next_port) % len(ports)]
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+        return port
+    raise OSError(f"no free port in {ports.start}-{ports.stop - 1}")
 
 
 def parse(text: str) -> Samples:

@@ -15,9 +15,11 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -75,6 +77,18 @@ def missing() -> str | None:
     if stamp != want:
         return f"{where} was installed from another {REQUIREMENTS.name}; run `make setup-tests`"
     return None
+
+
+def scratch_env(run_dir: Path) -> dict[str, str]:
+    """What a real engine started by a test writes of its own accord (temporary files and
+    unix sockets by TMPDIR, caches under ~/.cache by XDG_CACHE_HOME, byte-code beside the
+    modules a test puts on its path) goes under ``run_dir``, not into /tmp, the home directory
+    or the checkout, where a SIGKILLed engine would leave it. Short names: an engine's unix
+    sockets under TMPDIR must fit the 107 bytes of sun_path."""
+    tmp, cache = run_dir / "t", run_dir / "c"
+    tmp.mkdir(parents=True, exist_ok=True)
+    cache.mkdir(exist_ok=True)
+    return {"TMPDIR": str(tmp), "XDG_CACHE_HOME": str(cache), "PYTHONDONTWRITEBYTECODE": "1"}
 
 
 def job_env(**extra: str) -> dict[str, str]:
@@ -195,7 +209,10 @@ class Job(Fixture):
 
     def __init__(self, argv: Sequence[Arg], *, shape: str, port: int, **kwargs: Any) -> None:
         kwargs.setdefault("timeout", START_TIMEOUT)
-        kwargs.setdefault("env", job_env())
+        # a directory of its own for what the job writes unasked (torchrun's logs under
+        # TMPDIR/torchelastic_*, left by the SIGKILL that ends it), removed on close
+        self.scratch = Path(tempfile.mkdtemp(prefix="hw-job-"))
+        kwargs["env"] = {**kwargs.get("env", job_env()), **scratch_env(self.scratch)}
         super().__init__(argv, **kwargs)
         self.shape = shape
         self.port = port
@@ -224,6 +241,7 @@ class Job(Fixture):
         if self.proc is not None:
             kill_tree(self.proc.pid)
         super().close()
+        shutil.rmtree(self.scratch, ignore_errors=True)
 
 
 def torchrun_job(shape: str, *args: Arg, nproc: int = 2, **kwargs: Any) -> Job:

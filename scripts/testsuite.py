@@ -14,8 +14,9 @@ Every step runs, whatever the one before gave; the exit status is the first fail
 The report (DIR/summary.txt, default .test-report/) has each step's time, exit status and CPU
 pressure (the share of the step's time in which some runnable task waited for a CPU, from
 /proc/pressure/cpu: how crowded the machine was, which is what decides the worker count), the
-20 slowest tests of the run, and every failure and error as it happened, with its first line:
-nothing is retried, so a flake shows here.
+20 slowest tests of the run, every failure and error as it happened, with its first line
+(nothing is retried, so a flake shows here), and what each step left where a stray write lands
+(tests/nowrites.py's places, with /var/cache/hangwatch, the real software's documented cache).
 """
 
 from __future__ import annotations
@@ -32,9 +33,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))  # tests.nowrites, when run as a file
+
+from tests import nowrites  # noqa: E402
+
 OTHER_TIERS = ["tests/host", "tests/privileged", "tests/realsw"]
 SLOWEST = 20
 PRESSURE = Path("/proc/pressure/cpu")
+CACHE = Path("/var/cache/hangwatch")  # the real software's venvs and models, made once
+# What make test itself makes: its report, and the parallel step's --basetemp
+OWN = (REPO_ROOT / ".test-report", Path("/tmp/hw-test-"))
+
+
+def ours(change: str) -> bool:
+    path = change.partition(" ")[2]
+    return any(path.startswith(str(own)) for own in OWN)
 
 
 def pressure_total() -> float | None:
@@ -87,16 +100,20 @@ class Step:
     seconds: float = 0.0
     pressure: str = ""
     junit: Path = field(default_factory=Path)
+    left: list[str] = field(default_factory=list)
 
 
 def run_step(step: Step, report: Path) -> None:
     step.junit = report / f"{step.name}.xml"
     cmd = [sys.executable, "-m", "pytest", "-q", f"--junitxml={step.junit}", *step.args]
     print(f"testsuite: step {step.name}: {' '.join(cmd[1:])}", flush=True)
+    places = [*nowrites.watched(REPO_ROOT, None), CACHE]
+    before = nowrites.take(places)
     watch, start = PressureWatch(), time.monotonic()
     step.rc = subprocess.run(cmd, cwd=REPO_ROOT, check=False).returncode
     step.seconds = time.monotonic() - start
     step.pressure = watch.stop()
+    step.left = [c for c in nowrites.changes(before, nowrites.take(places)) if not ours(c)]
     print(f"testsuite: step {step.name}: exit {step.rc} in {step.seconds:.0f} s", flush=True)
 
 
@@ -148,6 +165,8 @@ def summary(steps: list[Step]) -> str:
     lines.append(f"## the {SLOWEST} slowest tests (setup, call and teardown)")
     for case in sorted(every, key=lambda c: -c.seconds)[:SLOWEST]:
         lines.append(f"{case.seconds:8.1f} s  {case.step:8}  {case.name}")
+    left = [f"{step.name:8}  {change}" for step in steps for change in step.left]
+    lines += ["", f"## left outside the tests' temporary directories: {len(left)}", *left]
     bad = [c for c in every if c.outcome in ("failed", "error")]
     lines += ["", f"## failures and errors, none retried: {len(bad)}"]
     lines += [f"{c.step:8}  {c.outcome:6}  {c.name}: {c.message}" for c in bad]

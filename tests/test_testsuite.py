@@ -1,5 +1,6 @@
 """make test's report (scripts/testsuite.py): every failure and error as it happened, the
-slowest tests of all steps, each step's time and pressure; a step that wrote no report (it
+slowest tests of all steps, each step's time and pressure, what each step left outside the
+tests' temporary directories; a step that wrote no report (it
 crashed, or selected nothing) counts no tests."""
 
 from __future__ import annotations
@@ -30,7 +31,15 @@ def test_the_report_names_every_failure_and_the_slowest(tmp_path: Path) -> None:
     (tmp_path / "parallel.xml").write_text(PARALLEL)
     steps = [
         Step("pure", [], rc=0, seconds=30, pressure="p1", junit=tmp_path / "absent.xml"),
-        Step("parallel", [], rc=1, seconds=600, pressure="p2", junit=tmp_path / "parallel.xml"),
+        Step(
+            "parallel",
+            [],
+            rc=1,
+            seconds=600,
+            pressure="p2",
+            junit=tmp_path / "parallel.xml",
+            left=["made /tmp/torchelastic_x"],
+        ),
     ]
     text = testsuite.summary(steps)
     assert "pure: exit 0 in 30 s; 0 passed, 0 failed, 0 errors; p1" in text
@@ -39,6 +48,10 @@ def test_the_report_names_every_failure_and_the_slowest(tmp_path: Path) -> None:
     slowest = text.split("## the 20 slowest")[1].split("##")[0].strip().splitlines()[1:]
     assert slowest[0].split()[0] == "42.5"
     assert slowest[0].endswith("tests.privileged.test_park::test_parks")
+    assert (
+        "left outside the tests' temporary directories: 1\nparallel  made /tmp/torchelastic_x"
+        in text
+    )
     assert "failures and errors, none retried: 2" in text
     assert (
         "parallel  failed  tests.privileged.test_park::test_flaky: "

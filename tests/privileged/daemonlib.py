@@ -14,17 +14,19 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
+from agent.config import DEFAULT_STATUS_SOCKET
 from scripts.bpfobjs import leaked, prog_ids
 from scripts.daemonproc import (
     DaemonError,
+    DaemonProcess,
     DaemonTimeout,
     Samples,
     first_tick_done,
     free_port,
     value,
 )
-from scripts.daemonproc import DaemonProcess as Daemon
 
 __all__ = [
     "INTERVAL",
@@ -32,6 +34,7 @@ __all__ = [
     "Samples",
     "first_tick",
     "free_port",
+    "own_status_socket",
     "pids_in",
     "rss_bytes",
     "running_daemon",
@@ -41,6 +44,38 @@ __all__ = [
 ]
 
 INTERVAL = 0.5
+
+
+def own_status_socket(config: Path) -> Path:
+    """Make ``config`` name a status socket of its own, beside it (CONFIG with the suffix
+    .sock), unless it names one already: the built-in default, /run/hangwatch/status.sock, is
+    the host's. A test's daemon there would outlive a SIGKILL in /run, take the path from a
+    host daemon or a test's daemon on the next worker, and answer another test's `diagnose`
+    (which asks the default socket for the daemon's history). A config that does not parse is
+    left as it is, for the daemon to refuse."""
+    sock = config.with_suffix(".sock")
+    try:
+        raw = yaml.safe_load(config.read_text())
+    except (OSError, yaml.YAMLError):
+        return sock
+    if not isinstance(raw, dict):
+        return sock
+    if "status_socket" not in raw:
+        with config.open("a") as f:
+            f.write(f"\nstatus_socket: {str(sock)!r}\n")
+    elif raw["status_socket"] == DEFAULT_STATUS_SOCKET:
+        raw["status_socket"] = str(sock)
+        config.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return sock
+
+
+class Daemon(DaemonProcess):
+    """A test's daemon: ``scripts/daemonproc.py``'s, serving status on a socket of its own
+    (:func:`own_status_socket`)."""
+
+    def __init__(self, config: Path, port: int, log: Path | None = None) -> None:
+        own_status_socket(config)
+        super().__init__(config, port, log)
 
 
 def wait_until(daemon: Daemon, check: Callable[[Samples], bool], what: str, timeout: float = 20):

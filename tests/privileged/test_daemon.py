@@ -70,12 +70,17 @@ def state_is(service: str, state: str) -> Callable[[Samples], bool]:
     return lambda s: value(s, "hangwatch_service_state", service=service, state=state) == 1
 
 
-def test_daemon_reports_each_fixture_and_detaches_on_sigterm(daemon: Daemon) -> None:
+def test_daemon_reports_each_fixture_and_detaches_on_sigterm(
+    daemon: Daemon, tmp_path: Path
+) -> None:
+    log = tmp_path / "loader.log"
     with (
         Fixture.c("deadlock_mutex") as mutex,
         Fixture.c("pi_deadlock", "--wait-for-go", ready="HOLDING") as pi,
         Fixture.c("condvar_pool", "8") as pool,
-        Fixture.py("loader", "--until-go", "--port", free_port(), ready="LOADING") as loader,
+        Fixture.py(
+            "loader", "--until-go", "--port", free_port(), "--log", log, ready="LOADING"
+        ) as loader,
     ):
         # Discovery must pick the new PI process up before it locks, so the EDEADLK is seen.
         wait_until(

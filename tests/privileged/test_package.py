@@ -273,7 +273,10 @@ def test_the_wheel_installs_into_a_venv_that_sees_the_distributions_bcc(
     # Its dependencies from PyPI where the distribution has none (py-spy, nvidia-ml-py).
     ok(
         subprocess.run(
-            [str(venv / "bin/pip"), "install", "-q", "--disable-pip-version-check", str(b.wheel)],
+            [
+                *(str(venv / "bin/pip"), "install", "-q", "--disable-pip-version-check"),
+                *("--no-cache-dir", str(b.wheel)),  # no cache in the home directory
+            ],
             capture_output=True,
             text=True,
             timeout=600,

@@ -21,7 +21,14 @@ import pytest
 
 from scripts.fixturelib import REPO_ROOT, Fixture, build
 from tests.host.test_webconfig import make_cert
-from tests.privileged.daemonlib import INTERVAL, Daemon, free_port, value, wait_until
+from tests.privileged.daemonlib import (
+    INTERVAL,
+    Daemon,
+    free_port,
+    own_status_socket,
+    value,
+    wait_until,
+)
 
 CAPS = ["bpf", "perfmon", "sys_ptrace", "dac_read_search"]  # docs/security.md
 AGENT_UID = 4242  # no passwd entry needed: a user that is neither root nor the target's
@@ -137,6 +144,7 @@ def test_metrics_over_tls_with_basic_auth(tmp_path: Path) -> None:
         f'listen: "127.0.0.1:{port}"\ninterval_seconds: {INTERVAL}\n'
         "targets:\n  - name: none\n    pids: [1]\n"
     )
+    own_status_socket(cfg)
     log = (tmp_path / "daemon.log").open("w")
     cmd = [sys.executable, "-m", "agent", "run", "--config", str(cfg), "--web-config", str(web)]
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)

@@ -22,15 +22,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 import signal
-import socket
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from scripts import realsw
+from scripts.daemonproc import free_port
 from scripts.fixturelib import REPO_ROOT, Arg, Fixture, FixtureError
 from scripts.realsw import cmdline, cpu_ticks
 from tests import gate
@@ -232,30 +231,13 @@ def temp_dir_for(base: Path) -> Path:
     return temp
 
 
-def serve_port() -> int:
-    """A free port for Serve's HTTP proxy, below the kernel's ephemeral range (as Serve's own
-    8000 is): the proxy binds it seconds after it is chosen, and a port in the range can be
-    taken meanwhile by any outbound connection of the tests beside it (it was, once)."""
-    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-        ephemeral_from = int(f.read().split()[0])
-    rng = random.SystemRandom()
-    while True:
-        port = rng.randrange(20000, ephemeral_from)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        return port
-
-
 @contextlib.contextmanager
 def ray_job(shape: str, base: Path, *args: Arg, **kw: Any) -> Iterator[RayJob]:
     """Start ``ray_jobs.py --shape SHAPE`` (Ray's temp dir under ``base``, Serve's HTTP port
     free); yield once it prints READY. The cluster is killed and swept on exit."""
     temp = temp_dir_for(base)
     for attempt in range(1, NODE_START_TRIES + 1):
-        port = serve_port()
+        port = free_port()  # below the ephemeral range, as Serve's own 8000 is
         argv: list[Arg] = [python(), RAY_JOBS, "--shape", shape, "--temp-dir", temp]
         argv += ["--port", str(port), *args]
         job = RayJob(argv, shape=shape, temp_dir=temp, port=port, **kw)

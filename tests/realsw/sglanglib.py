@@ -39,7 +39,7 @@ import pytest
 
 from scripts.daemonproc import free_port
 from scripts.fixturelib import REPO_ROOT, Fixture, FixtureError, FixtureLine, blocked_in
-from scripts.realsw import alive, cmdline, descendants, kill_tree
+from scripts.realsw import alive, cmdline, descendants, kill_tree, scratch_env
 from tests import gate
 from tests.realsw.readlimit import ReadLimit
 from tests.realsw.serving.native import build_abba
@@ -241,6 +241,7 @@ class SglangServer(Fixture):
             # (default 300 s): a hang held longer than that needs more
             argv += ["--watchdog-timeout", str(watchdog_timeout)]
         env = _env(
+            **scratch_env(run_dir),
             PYTHONPATH=f"{INJECT_DIR}:{SHIM_DIR}",
             HANGWATCH_SGLANG_DIR=str(run_dir),
             HANGWATCH_SGLANG_CGROUP=str(cgroup or ""),

@@ -25,6 +25,7 @@ import fcntl
 import http.client
 import json
 import os
+import shutil
 import signal
 import subprocess
 import threading
@@ -44,7 +45,7 @@ from scripts.fixturelib import (
     blocked_in,
     thread_syscall,
 )
-from scripts.realsw import alive, cmdline, descendants, kill_tree
+from scripts.realsw import alive, cmdline, descendants, kill_tree, scratch_env
 from tests import gate
 from tests.realsw.serving.native import build_abba
 
@@ -126,6 +127,10 @@ def made_once(out: Path, argv: list[str], env: dict[str, str], timeout: float, w
         fcntl.flock(lock, fcntl.LOCK_EX)
         if complete():
             return out
+        # a maker killed at its timeout left its half-made copy (several GB for the big
+        # model); under the lock no other maker runs
+        for stale in out.parent.glob(f"{out.name}.*.tmp"):
+            shutil.rmtree(stale, ignore_errors=True)
         proc = subprocess.run(
             argv,
             capture_output=True,
@@ -227,6 +232,7 @@ class VllmServer(Fixture):
             "67108864",
         ]
         env = _env(
+            **scratch_env(run_dir),
             PYTHONPATH=str(INJECT_DIR),
             HANGWATCH_VLLM_LOG=str(self.log),
             HANGWATCH_VLLM_TRIGGER=str(self.trigger),
