@@ -27,6 +27,7 @@ from scripts.daemonproc import (
     free_port,
     value,
 )
+from tests.limits import HANG_S
 
 __all__ = [
     "INTERVAL",
@@ -78,10 +79,13 @@ class Daemon(DaemonProcess):
         super().__init__(config, port, log)
 
 
-def wait_until(daemon: Daemon, check: Callable[[Samples], bool], what: str, timeout: float = 20):
+def wait_until(
+    daemon: Daemon, check: Callable[[Samples], bool], what: str, timeout: float = HANG_S
+):
     """Scrape every INTERVAL until ``check`` holds; fail the test, with the service states of
-    the last scrape and the daemon's log, if it does not within ``timeout`` s or the daemon
-    exits."""
+    the last scrape and the daemon's log, if the daemon exits, or if it does not hold within
+    ``timeout`` s (the harness's bound against a hang, tests/limits.py: not a bound on how fast
+    the daemon reacts)."""
     try:
         return daemon.wait_for(check, what, timeout, poll=INTERVAL)
     except DaemonTimeout as e:
@@ -110,7 +114,7 @@ def pids_in(samples: Samples) -> set[int]:
     return {int(dict(ls)["pid"]) for (_, ls) in samples if "pid" in dict(ls)}
 
 
-def wait_for_log(daemon: Daemon, pattern: str, what: str, timeout: float = 20) -> re.Match[str]:
+def wait_for_log(daemon: Daemon, pattern: str, what: str, timeout: float = HANG_S) -> re.Match[str]:
     """Wait for a line of the daemon's log matching ``pattern`` (no scrape involved)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -122,7 +126,7 @@ def wait_for_log(daemon: Daemon, pattern: str, what: str, timeout: float = 20) -
     pytest.fail(f"timed out waiting for {what} in the log:\n{daemon.output()}")
 
 
-def first_tick(daemon: Daemon, timeout: float = 20) -> Samples:
+def first_tick(daemon: Daemon, timeout: float = HANG_S) -> Samples:
     """Wait for the daemon's first tick (the probes are attached then); fail the test if not."""
     return wait_until(daemon, first_tick_done, "the daemon's first tick", timeout=timeout)
 
@@ -134,7 +138,7 @@ def running_daemon(config: Path, port: int) -> Iterator[Daemon]:
     before = prog_ids()
     d = Daemon(config, port)
     try:
-        first_tick(d, timeout=120)
+        first_tick(d)
         added = prog_ids() - before
         yield d
     finally:

@@ -19,15 +19,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from scripts.fixturelib import REPO_ROOT
+from tests.limits import HANG_S
 
 # No daemon answers here: a test judges diagnose's window alone unless it names a daemon's
 # socket (a daemon running on the host, or another test's, would otherwise lend its history).
 NO_DAEMON_SOCKET = "/nonexistent/hangwatch-tests/status.sock"
 
-# How long a diagnose run may take before the harness kills it: a guard against a hang, not a
-# timing check. Its BPF compile, 2 s alone, took 73 s once while the parallel step kept both
-# cores busy.
-DIAGNOSE_LIMIT_S = 180.0
+# How long a diagnose run may take before the harness kills it: the harness's one bound
+# (tests/limits.py).
+DIAGNOSE_LIMIT_S = HANG_S
 
 
 def diagnose_argv(

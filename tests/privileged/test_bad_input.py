@@ -18,6 +18,7 @@ import pytest
 
 from scripts.bpfobjs import leaked, prog_ids
 from scripts.fixturelib import REPO_ROOT
+from tests.limits import HANG_S
 from tests.privileged.daemonlib import free_port
 
 CMD = [sys.executable, "-m", "agent"]
@@ -36,7 +37,7 @@ def hangwatch(*args: str, wrap: list[str] | None = None) -> subprocess.Completed
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=HANG_S,
         check=False,
     )
     left = leaked(prog_ids() - before, grace_s=3)

@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 
 from scripts.fixturelib import AS_NOBODY, REPO_ROOT, SYSTEM_PYTHON, Fixture
+from tests.limits import HANG_S
 from tests.privileged.daemonlib import INTERVAL, free_port, running_daemon, value, wait_until
 from tests.privileged.harness import RunningDiagnose, diagnose_argv
 from tests.privileged.test_security import CAPS, with_caps
@@ -140,10 +141,10 @@ def test_a_target_cannot_make_diagnose_read_what_it_may_not(world: World) -> Non
         parked(nobody.pid, 1 + len(world.names))
         parked(jailed.pid, 1 + len(world.jail_names))
         argv = diagnose_argv([nobody.pid, jailed.pid], threshold=1, duration=2)
-        as_json = RunningDiagnose(argv).finish(timeout=120)
+        as_json = RunningDiagnose(argv).finish(timeout=HANG_S)
         as_text = RunningDiagnose(
             diagnose_argv([nobody.pid, jailed.pid], threshold=1, duration=2, json_out=False)
-        ).finish(timeout=120)
+        ).finish(timeout=HANG_S)
     for run in (as_json, as_text):
         assert run.returncode == 0, run.explain("diagnose failed")
         assert not world.leaked(run.stdout + run.stderr), run.explain("the protected file leaked")
@@ -216,7 +217,7 @@ def test_an_agent_that_cannot_become_the_target_shows_no_line(world: World) -> N
             env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
             capture_output=True,
             text=True,
-            timeout=120,
+            timeout=HANG_S,
             check=False,
         )
     msg = f"exit {r.returncode}\nstderr:\n{r.stderr}\nstdout:\n{r.stdout}"

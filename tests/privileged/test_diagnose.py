@@ -21,6 +21,7 @@ import pytest
 
 from scripts.daemonproc import free_port
 from scripts.fixturelib import REPO_ROOT, Fixture, tasks
+from tests.limits import HANG_S
 from tests.privileged import harness
 from tests.privileged.harness import DIAGNOSE_LIMIT_S, Diagnosis, RunningDiagnose, diagnose_argv
 
@@ -210,7 +211,7 @@ def test_a_python_pool_of_2000_threads_is_grouped_and_never_without_a_waker(
     never deadlocked (the I/O thread can be woken from outside). The time it took is printed
     (-rA) for the record; the benchmark measures it."""
     n = 2000
-    with Fixture.py("py_pool", str(n), timeout=90) as fx:
+    with Fixture.py("py_pool", str(n), timeout=HANG_S) as fx:
         d = diagnose(fx.pid, duration=3)
     svc = verdict(d, fx.pid, "stalled", "idle", "progressing")
     stacks = d.process(svc, fx.pid)["stacks"] or {}
@@ -321,7 +322,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=HANG_S,
         check=False,
     )
 
@@ -362,7 +363,12 @@ def test_without_capabilities_exit_3_names_them() -> None:
         argv = diagnose_argv([fx.pid])
         drop = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all"]
         r = subprocess.run(
-            [*drop, *argv], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, check=False
+            [*drop, *argv],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=HANG_S,
+            check=False,
         )
     msg = f"{argv}\nexit {r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr}"
     assert r.returncode == 3, msg
@@ -376,7 +382,13 @@ def test_missing_kernel_headers_exit_3_names_them() -> None:
         argv = diagnose_argv([fx.pid])
         env = {**os.environ, "BCC_KERNEL_SOURCE": "/nonexistent/headers"}
         r = subprocess.run(
-            argv, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60, check=False
+            argv,
+            cwd=REPO_ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=HANG_S,
+            check=False,
         )
     msg = f"{argv}\nexit {r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr}"
     assert r.returncode == 3, msg

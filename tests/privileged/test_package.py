@@ -29,6 +29,7 @@ from agent import __version__
 from scripts.daemonproc import Samples, first_tick_done, free_port, parse, value
 from scripts.fixturelib import REPO_ROOT, Fixture
 from tests.gate import require
+from tests.limits import HANG_S
 from tests.packagebuild import make_package
 from tests.privileged import debroot
 from tests.privileged.harness import RunningDiagnose
@@ -161,7 +162,7 @@ def status_as_the_package_made_it(root: debroot.Root, daemon_pid: int) -> None:
     line = group_line(root)
     assert line is not None, "postinst made no hangwatch group"
     gid = int(line.split(":")[2])
-    r = ok(root.run(["hangwatch", "status", "--json"], timeout=60))
+    r = ok(root.run(["hangwatch", "status", "--json"], timeout=HANG_S))
     doc = json.loads(r.stdout)
     assert doc["version"] == 1 and doc["daemon"]["pid"] == daemon_pid, doc
     sock = root.path / "run/hangwatch/status.sock"
@@ -169,10 +170,10 @@ def status_as_the_package_made_it(root: debroot.Root, daemon_pid: int) -> None:
     assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o660, oct(st.st_mode)
     assert (st.st_uid, st.st_gid) == (0, gid)
     member = ["setpriv", "--reuid=65534", "--regid=65534", f"--groups={gid}"]
-    r = ok(root.run([*member, "hangwatch", "status", "--json"], timeout=60))
+    r = ok(root.run([*member, "hangwatch", "status", "--json"], timeout=HANG_S))
     assert json.loads(r.stdout)["daemon"]["pid"] == daemon_pid
     outsider = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
-    r = root.run([*outsider, "hangwatch", "status"], timeout=60)
+    r = root.run([*outsider, "hangwatch", "status"], timeout=HANG_S)
     assert r.returncode == 3, f"{r.returncode}:\n{r.stdout}\n{r.stderr}"
     assert "usermod -aG hangwatch " in r.stderr, r.stderr
 
@@ -223,7 +224,7 @@ def test_the_deb_installs_runs_as_its_unit_and_leaves_only_its_config(
                 stdin=subprocess.DEVNULL,
             )
         try:
-            samples = first_tick(daemon, port, log, timeout=90)
+            samples = first_tick(daemon, port, log, timeout=HANG_S)
             build_info = value(samples, "hangwatch_build_info", version=b.version, commit=b.commit)
             assert build_info == 1, {k: v for k, v in samples.items() if "build_info" in k[0]}
             status_as_the_package_made_it(root, daemon.pid)
@@ -234,7 +235,7 @@ def test_the_deb_installs_runs_as_its_unit_and_leaves_only_its_config(
 
         # diagnose from inside the root, of a process outside it (the host's /proc).
         argv = ["hangwatch", "diagnose", "--pid", str(fx.pid), "--json", "--threshold", "1"]
-        d = RunningDiagnose(root.argv([*argv, "--duration", "2"])).finish(timeout=90)
+        d = RunningDiagnose(root.argv([*argv, "--duration", "2"])).finish(timeout=HANG_S)
         assert d.service(fx.pid).get("state") == "deadlocked", d.explain("want deadlocked")
 
         # Enabled offline, as an image build would: removal must take the link too.
@@ -287,7 +288,7 @@ def test_the_wheel_installs_into_a_venv_that_sees_the_distributions_bcc(
     def venv_run(*argv: str) -> str:
         # Outside the checkout, so that nothing of it can be imported by accident.
         r = subprocess.run(
-            argv, cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False
+            argv, cwd=tmp_path, capture_output=True, text=True, timeout=HANG_S, check=False
         )
         return ok(r).stdout
 

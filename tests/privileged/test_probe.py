@@ -21,6 +21,7 @@ from agent.errors import KernelFeatureError
 from agent.model import PI_LOCK_OPS, ExecEvent, FdWrites, ProbeEvent, ProbeReading, SocketEvent
 from agent.sources.probe import BPF_DIR, BPF_SOURCES, KernelProbes
 from scripts.fixturelib import SYS_FUTEX, Fixture
+from tests.limits import HANG_S
 
 EDEADLK = 35
 FUTEX_WAKE = 1
@@ -457,7 +458,7 @@ def write_loop_reading(probes: KernelProbes, calls: int, watch: bool) -> ProbeRe
         if watch:
             probes.watch([fx.pid])
         fx.send("go")
-        fx.wait_for("READY", timeout=60)
+        fx.wait_for("READY", timeout=HANG_S)
         r = probes.read()
         probes.watch([])
         probes.forget_processes([fx.pid])

@@ -21,6 +21,7 @@ import pytest
 
 from scripts.fixturelib import REPO_ROOT, Fixture, build
 from tests.host.test_webconfig import make_cert
+from tests.limits import HANG_S
 from tests.privileged.daemonlib import (
     INTERVAL,
     Daemon,
@@ -57,7 +58,7 @@ def diagnose(pid: int, prefix: list[str]) -> subprocess.CompletedProcess[str]:
         env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},  # the checkout is not its to write
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=HANG_S,
         check=False,
     )
 

@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from scripts.fixturelib import FIXTURES_DIR, REPO_ROOT, Fixture
+from tests.limits import HANG_S
 from tests.privileged.daemonlib import (
     INTERVAL,
     Daemon,
@@ -107,7 +108,7 @@ def test_a_huge_maps_costs_the_daemon_bounded_memory_and_time(
     # Its text, not its path: nobody may not be able to search the checkout's directories.
     code = HUGE_MAPS.read_text()  # names huge_maps.py: the command line the selector matches
     argv = [*NOBODY, PYTHON, "-c", code, str(owned_dir), str(MAPPINGS), str(PATH_CHARS)]
-    target = Fixture(argv, timeout=60)
+    target = Fixture(argv, timeout=HANG_S)
     with running_daemon(cfg, port) as d, target as t:
         with open(f"/proc/{t.pid}/maps", "rb") as f:
             maps = sum(1 for _ in f)
@@ -116,9 +117,9 @@ def test_a_huge_maps_costs_the_daemon_bounded_memory_and_time(
             d,
             lambda s: value(s, "hangwatch_process_threads", pid=str(t.pid)) is not None,
             f"the target {t.pid} to be watched",
-            timeout=60,
+            timeout=HANG_S,
         )
-        seen = ticks(d, 6, timeout=60)
+        seen = ticks(d, 6, timeout=HANG_S)
         peak = vm_hwm(d.pid)
         s = d.scrape()
     assert s is not None, d.output()
@@ -170,7 +171,7 @@ def test_a_unix_socket_name_cannot_forge_another_sockets_path(tmp_path: Path) ->
         table = Path("/proc/net/unix").read_text(errors="replace")
         assert f" {inode} {FORGED_PATH}\n" in table, "the forged line is not in /proc/net/unix"
         argv = diagnose_argv([victim.pid], threshold=1, duration=1, json_out=False)
-        run = RunningDiagnose(argv).finish(timeout=120)
+        run = RunningDiagnose(argv).finish(timeout=HANG_S)
     finally:
         for p in (victim, forger):
             if p is not None:

@@ -26,6 +26,7 @@ import pytest
 from agent.model import ProbeReading
 from agent.sources.probe import KernelProbes
 from scripts.fixturelib import AS_NOBODY, Fixture
+from tests.limits import HANG_S
 from tests.privileged.daemonlib import (
     INTERVAL,
     Samples,
@@ -109,7 +110,7 @@ def test_a_tenant_filling_the_write_map_blinds_only_itself(tmp_path: Path) -> No
     with running_daemon(cfg, port) as daemon, tenant_filler() as tenant:
         daemon_wait_until(daemon, lambda s: tenant.pid in pids_in(s), "the tenant watched")
         tenant.send("go")
-        tenant.wait_for("FILLED", timeout=60)
+        tenant.wait_for("FILLED", timeout=HANG_S)
         with Fixture([PYTHON, "-c", WRITER, out], ready="STARTED") as service:
             pid = str(service.pid)
 
@@ -344,12 +345,12 @@ def test_a_watched_refusal_flood_loses_only_its_own_events(probes: KernelProbes)
     """A watched tenant refusing itself a PI lock in a loop sends at most its rate of events;
     the rest are counted against it, and another process's long wait still arrives."""
     with (
-        Fixture([*NOBODY, PYTHON, "-c", SELF_REFUSER], ready="STARTED", timeout=60) as flood,
+        Fixture([*NOBODY, PYTHON, "-c", SELF_REFUSER], ready="STARTED", timeout=HANG_S) as flood,
         Fixture.py("futex_calls", "10", ready="STARTED") as waits,
     ):
         probes.watch([flood.pid, waits.pid])
         flood.send("go")
-        flood.wait_for("DONE", timeout=60)
+        flood.wait_for("DONE", timeout=HANG_S)
         waits.send("go")
         waits.wait_for("DONE")
         r = probes.read()

@@ -28,6 +28,7 @@ import pytest
 
 from scripts.elfbomb import symbol_bomb
 from scripts.fixturelib import Fixture
+from tests.limits import HANG_S
 from tests.privileged.daemonlib import INTERVAL, free_port, running_daemon
 from tests.privileged.harness import RunningDiagnose, diagnose_argv
 from tests.privileged.test_confinement import NOBODY, PYTHON, parked, stack_frames
@@ -190,7 +191,7 @@ def test_an_exec_between_the_frames_and_the_lines_reads_nothing_as_root(race: Ra
             runs = []
             for _ in range(RACE_TRIES):
                 run = RunningDiagnose(diagnose_argv([target.pid], threshold=1, duration=2))
-                runs.append(run.finish(timeout=120))
+                runs.append(run.finish(timeout=HANG_S))
                 if exec_seen(target.pid, 5):
                     break
             raced(target.pid, timeout=0)
@@ -217,7 +218,7 @@ def test_an_exec_between_the_reads_of_the_flight_record_reads_nothing_as_root(
     with running_daemon(cfg, port) as d, race.target() as target:
         parked(target.pid, THREADS + 2)
         with race.watcher(target.pid, skip=1):
-            raced(target.pid, timeout=60, log=d.output)
+            raced(target.pid, timeout=HANG_S, log=d.output)
             stalled = f"pid {target.pid}: progressing -> stalled"
             deadline = time.monotonic() + 20  # the flight record follows the change's line
             while f"process {target.pid}: " not in d.output() and time.monotonic() < deadline:
@@ -312,7 +313,7 @@ def test_a_target_that_changed_its_credentials_is_not_read_for(tmp_path: Path) -
         with Fixture([PYTHON, "-c", DROPPED, str(own)], timeout=30) as target:
             parked(target.pid, 2)
             got = RunningDiagnose(diagnose_argv([target.pid], threshold=1, duration=2)).finish(
-                timeout=120
+                timeout=HANG_S
             )
     finally:
         shutil.rmtree(shared, ignore_errors=True)

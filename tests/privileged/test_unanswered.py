@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from scripts.fixturelib import AS_NOBODY, Fixture, tasks, thread_state, thread_syscall
+from tests.limits import HANG_S
 from tests.privileged.daemonlib import INTERVAL, free_port, running_daemon, value, wait_until
 from tests.privileged.harness import Diagnosis, RunningDiagnose
 
@@ -70,7 +71,7 @@ def test_a_stream_hung_mid_answer_is_stalled_not_idle(start_diagnose: StartDiagn
     with Fixture.py("hung_http") as fx:
         port = fx.info.get_int("port")
         run = start_diagnose(fx.pid, threshold=1, duration=3)
-        run.wait_stderr("watching", 60)
+        run.wait_stderr("watching", HANG_S)
         with socket.create_connection(("127.0.0.1", port)) as client:
             _get(client, "/stream")
             fx.wait_for("HANGING")
