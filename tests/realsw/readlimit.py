@@ -4,7 +4,8 @@ on the disk that holds a path (cgroup v2 ``io.max``, or v1 ``blkio.throttle``).
 A loading fixture reads its weights from storage, but how long that takes depends on the
 storage: a fast disk read a 4.9 GB model in 6 s, too short for a 5 s diagnose to end
 before the load did. Under the cap the load reads storage all along, only slower, so its
-shape stays the real one (positive evidence of storage reads) and its length is the test's.
+shape stays the real one (positive evidence of storage reads), and it lasts until the test
+lifts the cap (``release``): the gate is the test's, not a clock's.
 """
 
 from __future__ import annotations
@@ -62,6 +63,14 @@ class ReadLimit:
         else:
             raise FixtureError("no cgroup io controller (v2 io.max or v1 blkio) to cap reads")
         return self
+
+    def release(self) -> None:
+        """Lift the cap: the members read at the disk's own pace from now on."""
+        assert self.dir is not None, "not entered"
+        if self.dir.parent == V2_ROOT:
+            (self.dir / "io.max").write_text(f"{self.disk} rbps=max")
+        else:  # v1: a limit of 0 removes the device's rule
+            (self.dir / "blkio.throttle.read_bps_device").write_text(f"{self.disk} 0")
 
     def __exit__(self, *exc: object) -> None:
         if self.dir is None:

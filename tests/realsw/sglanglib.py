@@ -41,6 +41,7 @@ from scripts.daemonproc import free_port
 from scripts.fixturelib import REPO_ROOT, Fixture, FixtureError, FixtureLine, blocked_in
 from scripts.realsw import alive, cmdline, descendants, kill_tree, scratch_env
 from tests import gate
+from tests.limits import HANG_S
 from tests.realsw.readlimit import ReadLimit
 from tests.realsw.serving.native import build_abba
 from tests.realsw.vllmlib import (  # the same /proc helpers
@@ -374,22 +375,25 @@ def sglang_server(run_dir: Path, **kwargs: Any) -> Iterator[SglangServer]:
         yield server
 
 
-LOAD_S = 30  # how long the loading case reads its weights from storage, whatever the disk
+# The loading case's cap holds the load this long at least, on any disk: past the harness's
+# bound twice (tests/limits.py), so that it ends when the test lifts the cap, never before.
+HELD_LOAD_S = 2 * HANG_S
 
 
 @contextlib.contextmanager
-def loading_server(run_dir: Path) -> Iterator[tuple[SglangServer, int]]:
-    """The big model, dropped from the page cache, read from storage at a capped rate so that
-    the load lasts about ``LOAD_S`` seconds on any disk; yields once the scheduler began
-    loading (port closed), with the model's size in bytes."""
+def loading_server(run_dir: Path) -> Iterator[tuple[SglangServer, int, ReadLimit]]:
+    """The big model, dropped from the page cache, read from storage at a capped rate: the
+    scheduler reads storage all along, and the load lasts until the test calls the cap's
+    ``release``. Yields once the scheduler began loading (port closed), with the model's size
+    in bytes and the cap."""
     model = model_dir("big")
     size = evict(model)
     with (
-        ReadLimit(model, size // LOAD_S) as cap,
+        ReadLimit(model, int(size // HELD_LOAD_S)) as cap,
         sglang_server(run_dir, size="big", wait=False, cgroup=cap.procs) as server,
     ):
         server.wait_loading()
-        yield server, size
+        yield server, size, cap
 
 
 # --- the client ------------------------------------------------------------------------------

@@ -156,7 +156,7 @@ def abba_lib() -> Path:
 def test_loading(tmp_path: Path) -> None:
     """[progressing] The scheduler receives its weights at ~2 MiB/s and logs each MiB; the
     front-end already answers."""
-    with weight_server(rate_mib=2, mib=64) as ws:
+    with weight_server(rate_mib=2) as ws:
         weights = f"tcp:127.0.0.1:{ws.info.get_int('port')}"
         with serving_stack("loading", tmp_path, server_args=["--weights", weights]) as st:
             assert health(st.port) == 200

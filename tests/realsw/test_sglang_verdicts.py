@@ -303,9 +303,9 @@ def test_sglang_sleep_on_idle_is_idle(sglang_ready: None, run_root: Path) -> Non
 
 def test_sglang_loading_is_progressing(sglang_ready: None, run_root: Path) -> None:
     """The big model (4.7 GB), dropped from the page cache first and its reads capped
-    (``loading_server``), loading from storage before the port opens. The window must end
-    before the load does."""
-    with sglanglib.loading_server(run_root / "loading") as (s, _):
+    (``loading_server``), loading from storage before the port opens; the cap holds the load
+    until the window has ended."""
+    with sglanglib.loading_server(run_root / "loading") as (s, _, _):
         d = diagnose(s.pid)
         assert sglanglib.LOAD_END not in s.log_text(), s.describe(
             "the load ended before diagnose did: the case is untested"
