@@ -168,7 +168,7 @@ def stalled_job(daemon: Daemon) -> Iterator[Samples]:
                 )
             )
 
-        yield wait_until(daemon, ready, "the job's ranks stalled at two sites", timeout=30)
+        yield wait_until(daemon, ready, "the job's ranks stalled at two sites")
 
 
 def nvml_works(s: Samples) -> bool:

@@ -39,7 +39,6 @@ pytestmark = [pytest.mark.privileged, pytest.mark.usefixtures("needs_bpf")]
 
 INTERVAL = 1.0  # the daemon's tick, and how often the hold scrapes
 THRESHOLD = 10.0  # park_threshold_seconds
-REACH_S = 40.0  # for all three to reach their states, once the daemon has ticked
 HOLD_S = 120.0
 ABBA_STATES = ("stalled", "deadlocked")
 
@@ -142,7 +141,6 @@ def test_three_services_hold_one_state_each_for_two_minutes(tmp_path: Path) -> N
             d,
             watch.record,
             "torch stalled, abba stalled or deadlocked, idle idle",
-            timeout=REACH_S,
         )
         reached_s = time.monotonic() - watch.started
         # Each change's line is written beside the loop once its stacks are read (a moment
@@ -259,7 +257,7 @@ def test_the_daemon_gives_the_other_rows_their_verdicts(tmp_path: Path) -> None:
         cfg, port = config(tmp_path, targets)
         d: Daemon = stack.enter_context(running_daemon(cfg, port))
         watch = Watch(want)
-        daemonlib.wait_until(d, watch.record, f"each of {want} in its state", timeout=REACH_S)
+        daemonlib.wait_until(d, watch.record, f"each of {want} in its state")
         hold_start = time.monotonic()
         while time.monotonic() - hold_start < ROWS_HOLD_S:
             s = d.scrape()

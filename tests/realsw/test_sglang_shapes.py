@@ -174,10 +174,10 @@ def test_detokenizer_killed_tears_the_server_down(default: SglangServer) -> None
         killed = time.monotonic()
         wait_until(lambda: "Subprocess detokenizer" in s.log_text(), 30, "the watchdog's note")
         assert s.proc is not None
-        wait_until(lambda: s.proc is not None and s.proc.poll() is not None, 180, "its exit", 1)
+        wait_until(lambda: s.proc is not None and s.proc.poll() is not None, HANG_S, "its exit", 1)
         gone = time.monotonic() - killed
         print(f"the server exited {gone:.0f} s after its detokenizer was killed")
-        wait_until(lambda: not alive(s.scheduler), 30, "the scheduler's exit", 0.5)
+        wait_until(lambda: not alive(s.scheduler), HANG_S, "the scheduler's exit", 0.5)
         assert descendants(s.pid) == []
         assert client.conn.sock is not None
         client.conn.sock.settimeout(5)
