@@ -133,8 +133,34 @@ def _signal(pid: int, sig: int) -> None:
         os.kill(pid, sig)
 
 
+SHM = "/dev/shm/"
+
+
+def shm_held(pids: list[int]) -> set[str]:
+    """The /dev/shm names ``pids`` map or hold open (POSIX shared memory and semaphores); not
+    those already unlinked."""
+    names: set[str] = set()
+    for pid in pids:
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as f:
+            for line in f:
+                at = line.find(SHM)
+                if at >= 0:
+                    names.add(line[at:].rstrip("\n"))
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    names.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+    return {
+        n[len(SHM) :]
+        for n in names
+        if n.startswith(SHM) and not n.endswith(" (deleted)") and "/" not in n[len(SHM) :]
+    }
+
+
 def kill_tree(pid: int, timeout: float = 10.0) -> None:
-    """SIGKILL ``pid`` and all its descendants, wherever their process groups are.
+    """SIGKILL ``pid`` and all its descendants, wherever their process groups are, and unlink
+    what of /dev/shm they held and nobody else does (an engine's shared memory and semaphores,
+    which a SIGKILL leaves and no environment variable moves).
 
     Stops the tree first, top down, until a scan finds nobody new: a stopped process cannot
     fork, and a process killed before its children were found would orphan them to init.
@@ -149,12 +175,18 @@ def kill_tree(pid: int, timeout: float = 10.0) -> None:
         for p in new:
             _signal(p, signal.SIGSTOP)
         stopped.extend(new)
+    held = shm_held(stopped)
     for p in stopped:
         _signal(p, signal.SIGKILL)
     deadline = time.monotonic() + timeout
     for p in stopped[1:]:  # the root is reaped by its Popen; the rest by their parents or init
         while alive(p) and time.monotonic() < deadline:
             time.sleep(0.01)
+    if held:
+        others = [int(n) for n in os.listdir("/proc") if n.isdigit() and int(n) not in stopped]
+        for name in held - shm_held(others):
+            with contextlib.suppress(OSError):
+                os.unlink(SHM + name)
 
 
 def alive(pid: int) -> bool:

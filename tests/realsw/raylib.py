@@ -177,7 +177,10 @@ class RayJob(Fixture):
 
     def __init__(self, argv: Sequence[Arg], *, shape: str, temp_dir: Path, port: int, **kw: Any):
         kw.setdefault("timeout", START_TIMEOUT)
-        kw.setdefault("env", job_env())
+        # Ray's own files go under temp_dir; the rest of what the cluster writes unasked under
+        # the test's directory too (TMPDIR, caches, and HOME for ~/.ray/auth_token)
+        base = temp_dir.parent
+        kw["env"] = {**kw.get("env", job_env()), **realsw.scratch_env(base), "HOME": str(base)}
         super().__init__(argv, **kw)
         self.shape = shape
         self.temp_dir = temp_dir
