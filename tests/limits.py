@@ -11,3 +11,7 @@ parallel step kept both cores busy.
 from __future__ import annotations
 
 HANG_S = 180.0
+
+# A hold (a state kept for a while) looked at least this many times: that it was watched at
+# all, not how often a loaded host let the daemon answer.
+MIN_SCRAPES = 10
