@@ -66,12 +66,12 @@ def test_a_rank_waits_where_its_own_code_called_and_its_helper_has_no_site(daemo
             dict(ls)["pid"]: v for (n, ls), v in s.items() if n == "hangwatch_process_world_size"
         }
         assert labels == {str(fx.pid): 4.0, str(child): 4.0}
-        assert fx.proc is not None and fx.proc.stdin is not None
-        fx.proc.stdin.write(b"go\n")
-        fx.proc.stdin.flush()
-        fx.wait_for("MOVED")
-        # While it works, and until its new park has lasted half the threshold: no site.
+        fx.send("go")
+        fx.wait_for("WORKING")
+        # While it works (until the test says): no site.
         wait_until(daemon, lambda s: sites(s, fx.pid) == [], f"pid {fx.pid} with no site")
+        fx.send("park")
+        fx.wait_for("MOVED")
         site_of(daemon, fx.pid, second)
 
 
