@@ -22,6 +22,7 @@ pressure (the share of the step's time in which some runnable task waited for a 
 from __future__ import annotations
 
 import argparse
+import re
 import shutil
 import subprocess
 import sys
@@ -40,6 +41,7 @@ from tests import nowrites  # noqa: E402
 OTHER_TIERS = ["tests/host", "tests/privileged", "tests/realsw"]
 SLOWEST = 20
 PRESSURE = Path("/proc/pressure/cpu")
+PURE_FILE = re.compile(r"tests/test_\w+\.py")
 CACHE = Path("/var/cache/hangwatch")  # the real software's venvs and models, made once
 # What make test itself makes: its report, and the parallel step's --basetemp
 OWN = (REPO_ROOT / ".test-report", Path("/tmp/hw-test-"))
@@ -106,7 +108,10 @@ class Step:
 def run_step(step: Step, report: Path) -> None:
     step.junit = report / f"{step.name}.xml"
     cmd = [sys.executable, "-m", "pytest", "-q", f"--junitxml={step.junit}", *step.args]
-    print(f"testsuite: step {step.name}: {' '.join(cmd[1:])}", flush=True)
+    shown = [a for a in cmd[1:] if not PURE_FILE.fullmatch(a)]
+    if len(shown) < len(cmd) - 1:
+        shown.append("tests/test_*.py")
+    print(f"testsuite: step {step.name}: {' '.join(shown)}", flush=True)
     places = [*nowrites.watched(REPO_ROOT, None), CACHE]
     before = nowrites.take(places)
     watch, start = PressureWatch(), time.monotonic()
