@@ -8,6 +8,7 @@ daemon's log, and a daemon that must leave no BPF program behind.
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import time
 from collections.abc import Callable, Iterator
@@ -56,17 +57,20 @@ def own_status_socket(config: Path) -> Path:
     left as it is, for the daemon to refuse."""
     sock = config.with_suffix(".sock")
     try:
-        raw = yaml.safe_load(config.read_text())
+        text = config.read_text()
+        raw = yaml.safe_load(text)
     except (OSError, yaml.YAMLError):
         return sock
-    if not isinstance(raw, dict):
+    if not isinstance(raw, dict) or raw.get("status_socket", DEFAULT_STATUS_SOCKET) != (
+        DEFAULT_STATUS_SOCKET
+    ):
         return sock
-    if "status_socket" not in raw:
-        with config.open("a") as f:
-            f.write(f"\nstatus_socket: {str(sock)!r}\n")
-    elif raw["status_socket"] == DEFAULT_STATUS_SOCKET:
-        raw["status_socket"] = str(sock)
-        config.write_text(yaml.safe_dump(raw, sort_keys=False))
+    if "status_socket" not in raw and not text.lstrip().startswith(("{", "---", "%")):
+        # a block mapping: the key as its first line, the rest as the test wrote it (a test
+        # may append to its last key, the targets, later)
+        config.write_text(f"status_socket: {str(sock)!r}\n{text}")
+    else:  # JSON, a document marker, or the default named: the mapping written anew
+        config.write_text(json.dumps({**raw, "status_socket": str(sock)}))
     return sock
 
 
