@@ -81,14 +81,20 @@ def missing() -> str | None:
 
 def scratch_env(run_dir: Path) -> dict[str, str]:
     """What a real engine started by a test writes of its own accord (temporary files and
-    unix sockets by TMPDIR, caches under ~/.cache by XDG_CACHE_HOME, byte-code beside the
-    modules a test puts on its path) goes under ``run_dir``, not into /tmp, the home directory
-    or the checkout, where a SIGKILLed engine would leave it. Short names: an engine's unix
-    sockets under TMPDIR must fit the 107 bytes of sun_path."""
+    unix sockets by TMPDIR, caches under ~/.cache by XDG_CACHE_HOME, or by HOME where an
+    engine names ~/.cache itself, byte-code beside the modules a test puts on its path) goes
+    under ``run_dir``, not into /tmp, the home directory or the checkout, where a SIGKILLed
+    engine would leave it. Short names: an engine's unix sockets under TMPDIR must fit the
+    107 bytes of sun_path."""
     tmp, cache = run_dir / "t", run_dir / "c"
     tmp.mkdir(parents=True, exist_ok=True)
     cache.mkdir(exist_ok=True)
-    return {"TMPDIR": str(tmp), "XDG_CACHE_HOME": str(cache), "PYTHONDONTWRITEBYTECODE": "1"}
+    return {
+        "TMPDIR": str(tmp),
+        "XDG_CACHE_HOME": str(cache),
+        "HOME": str(run_dir),
+        "PYTHONDONTWRITEBYTECODE": "1",
+    }
 
 
 def job_env(**extra: str) -> dict[str, str]:

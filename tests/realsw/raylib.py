@@ -178,9 +178,8 @@ class RayJob(Fixture):
     def __init__(self, argv: Sequence[Arg], *, shape: str, temp_dir: Path, port: int, **kw: Any):
         kw.setdefault("timeout", START_TIMEOUT)
         # Ray's own files go under temp_dir; the rest of what the cluster writes unasked under
-        # the test's directory too (TMPDIR, caches, and HOME for ~/.ray/auth_token)
-        base = temp_dir.parent
-        kw["env"] = {**kw.get("env", job_env()), **realsw.scratch_env(base), "HOME": str(base)}
+        # the test's directory too (TMPDIR, caches, HOME for ~/.ray/auth_token)
+        kw["env"] = {**kw.get("env", job_env()), **realsw.scratch_env(temp_dir.parent)}
         super().__init__(argv, **kw)
         self.shape = shape
         self.temp_dir = temp_dir
