@@ -38,6 +38,11 @@ KEPT: Mapping[str, str] = {
 # root: a second pytest session on the host makes and rotates them, not a test of ours
 PYTEST_OWN = re.compile(r"pytest-(\d+|current)")
 
+# Shared temporary directories, where what others remove (a tmp cleaner, another user's
+# program) is no sign of a test's: there only a name made counts. A stray write, which is
+# what a path led through a link leaves, makes names.
+SHARED_TMP = (Path("/tmp"), Path("/var/tmp"), Path("/dev/shm"))
+
 Listing = dict[Path, frozenset[str]]
 
 
@@ -76,14 +81,15 @@ def take(places: Iterable[Path]) -> Listing:
 
 
 def changes(before: Listing, after: Listing) -> list[str]:
-    """``made PATH`` / ``removed PATH`` for each name that differs, but those in KEPT and
-    pytest's own directories."""
+    """``made PATH`` / ``removed PATH`` for each name that differs, but those in KEPT,
+    pytest's own directories and names removed from the shared temporary directories."""
     found: list[str] = []
     for place, names in before.items():
         now = after.get(place)
         if now is None:
             continue
-        for word, differ in (("made", now - names), ("removed", names - now)):
+        removed = set() if place in SHARED_TMP else names - now
+        for word, differ in (("made", now - names), ("removed", removed)):
             for name in sorted(differ):
                 if name in KEPT or PYTEST_OWN.fullmatch(name):
                     continue

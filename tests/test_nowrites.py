@@ -28,6 +28,13 @@ def test_a_name_made_or_removed_is_named(tmp_path: Path) -> None:
     ]
 
 
+def test_a_name_removed_from_a_shared_temporary_directory_is_not_a_write(tmp_path: Path) -> None:
+    """A tmp cleaner or another program removes names from /tmp at any time."""
+    before = {Path("/tmp"): frozenset({"theirs", "mine"}), tmp_path: frozenset({"kept"})}
+    after = {Path("/tmp"): frozenset({"mine", "new"}), tmp_path: frozenset()}
+    assert nowrites.changes(before, after) == ["made /tmp/new", f"removed {tmp_path / 'kept'}"]
+
+
 def test_pytest_own_directories_and_the_kept_caches_are_not_writes(tmp_path: Path) -> None:
     before = nowrites.take([tmp_path])
     for name in ("pytest-7", "pytest-current", *nowrites.KEPT):
