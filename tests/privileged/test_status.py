@@ -185,10 +185,17 @@ def _bad_clients_stall_nothing(daemon, sock: Path) -> None:
         return (value(s, "hangwatch_last_tick_timestamp_seconds") or 0.0) > before
 
     wait_until(daemon, ticked, "a tick while clients misbehave")
-    # The silent ones are past their deadline by now: a client is answered.
+    # The server's own signal that the silent ones and the greedy one are past their deadline:
+    # it closes them (those past its cap are told busy and closed at once). Then a client is
+    # answered.
+    for c in silent:
+        c.settimeout(HANG_S)
+        with contextlib.suppress(ConnectionResetError):
+            while c.recv(4096):
+                pass
+    g.join(HANG_S)
     r = status("--json", "--socket", str(sock), "--timeout", "5")
     assert r.returncode == 0, _explain(r, daemon.output())
-    g.join(15)
     for c in silent:
         c.close()
     assert daemon.running()
