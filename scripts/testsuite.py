@@ -43,8 +43,15 @@ SLOWEST = 20
 PRESSURE = Path("/proc/pressure/cpu")
 PURE_FILE = re.compile(r"tests/test_\w+\.py")
 CACHE = Path("/var/cache/hangwatch")  # the real software's venvs and models, made once
-# What make test itself makes: its report, and the parallel step's --basetemp
-OWN = (REPO_ROOT / ".test-report", Path("/tmp/hw-test-"))
+# What make test and pytest make, each documented and gitignored where in the checkout: the
+# report, the parallel step's --basetemp, pytest's temporary root and cache, the bench's build
+OWN = (
+    REPO_ROOT / ".test-report",
+    REPO_ROOT / ".pytest_cache",
+    REPO_ROOT / ".build",
+    Path("/tmp/hw-test-"),
+    Path("/tmp/pytest-of-"),
+)
 
 
 def ours(change: str) -> bool:
