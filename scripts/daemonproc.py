@@ -23,6 +23,8 @@ from typing import IO
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from agent.sources.procfs import ProcFS
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 Labels = tuple[tuple[str, str], ...]
@@ -39,15 +41,6 @@ PORT_SLICE = 1000
 _next_port = itertools.count()
 
 
-def ephemeral_from() -> int:
-    """The first port of the kernel's ephemeral range (32768 unless configured)."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
 def port_slice(worker: str | None, top: int) -> range:
     """This process's ports: worker "gwN" gets slice N + 1, anything else slice 0; slices
     past the ephemeral range's start wrap around."""
@@ -62,7 +55,7 @@ def port_slice(worker: str | None, top: int) -> range:
 def free_port() -> int:
     """A TCP port, below the ephemeral range and in this process's slice, that nobody has
     bound now (on any address; one a closed connection holds in TIME_WAIT is passed over)."""
-    ports = port_slice(os.environ.get("PYTEST_XDIST_WORKER"), ephemeral_from())
+    ports = port_slice(os.environ.get("PYTEST_XDIST_WORKER"), ProcFS().ephemeral_from())
     for _ in range(len(ports)):
         port = ports[next(_next_port) % len(ports)]
         with socket.socket() as s:

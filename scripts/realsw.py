@@ -189,7 +189,8 @@ def kill_tree(pid: int, timeout: float = 10.0) -> None:
         while alive(p) and time.monotonic() < deadline:
             time.sleep(0.01)
     if held:
-        others = [int(n) for n in os.listdir("/proc") if n.isdigit() and int(n) not in stopped]
+        gone = set(stopped)
+        others = [int(n) for n in os.listdir("/proc") if n.isdigit() and int(n) not in gone]
         for name in held - shm_held(others):
             with contextlib.suppress(OSError):
                 os.unlink(SHM + name)

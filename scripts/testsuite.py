@@ -59,13 +59,14 @@ def ours(change: str) -> bool:
     return any(path.startswith(str(own)) for own in OWN)
 
 
-def pressure_total() -> float | None:
-    """Microseconds in which some runnable task waited for a CPU, since boot; None without
-    PSI (a kernel without CONFIG_PSI, or psi=0)."""
+def pressure_some() -> dict[str, float] | None:
+    """The "some" line of /proc/pressure/cpu: avg10, avg60, avg300 (percent) and total
+    (microseconds in which some runnable task waited for a CPU, since boot); None without PSI
+    (a kernel without CONFIG_PSI, or psi=0)."""
     try:
         for line in PRESSURE.read_text().splitlines():
             if line.startswith("some "):
-                return float(line.rpartition("total=")[2])
+                return {k: float(v) for k, _, v in (f.partition("=") for f in line.split()[1:])}
     except (OSError, ValueError):
         return None
     return None
@@ -75,8 +76,8 @@ class PressureWatch:
     """The mean and the highest 10-second CPU pressure over a step, sampled every 5 s."""
 
     def __init__(self) -> None:
-        self.start_total = pressure_total()
-        self.start = time.monotonic()
+        self.start = pressure_some()
+        self.began = time.monotonic()
         self.peak10 = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
@@ -84,20 +85,23 @@ class PressureWatch:
 
     def _sample(self) -> None:
         while not self._stop.wait(5):
-            try:
-                some = PRESSURE.read_text().splitlines()[0]
-                avg10 = float(some.split()[1].partition("=")[2])
-            except (OSError, ValueError, IndexError):
+            some = pressure_some()
+            if some is None or "avg10" not in some:
                 return
-            self.peak10 = max(self.peak10, avg10)
+            self.peak10 = max(self.peak10, some["avg10"])
 
     def stop(self) -> str:
         self._stop.set()
         self._thread.join()
-        end_total, wall = pressure_total(), time.monotonic() - self.start
-        if self.start_total is None or end_total is None or wall <= 0:
+        end, wall = pressure_some(), time.monotonic() - self.began
+        if (
+            not self.start
+            or not end
+            or wall <= 0
+            or not {"total"} <= self.start.keys() & end.keys()
+        ):
             return "CPU pressure not available (/proc/pressure/cpu)"
-        mean = 100 * (end_total - self.start_total) / 1e6 / wall
+        mean = 100 * (end["total"] - self.start["total"]) / 1e6 / wall
         return f"CPU pressure (some) {mean:.0f}% mean, {self.peak10:.0f}% highest over 10 s"
 
 

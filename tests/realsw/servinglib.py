@@ -17,9 +17,9 @@ from pathlib import Path
 from scripts import realsw
 from scripts.daemonproc import free_port
 from scripts.fixturelib import REPO_ROOT, Arg, Fixture, FixtureLine
+from tests.limits import HANG_S
 from tests.realsw.serving.native import build_abba
 from tests.realsw.serving.procview import futex_parked, listen_queue
-from tests.realsw.serving.weights import HELD_MIB
 
 __all__ = [
     "Stack",
@@ -65,10 +65,12 @@ class Stack:
 
 
 @contextlib.contextmanager
-def weight_server(rate_mib: float = 2.0, mib: int = HELD_MIB) -> Iterator[Fixture]:
+def weight_server(rate_mib: float = 2.0, mib: int | None = None) -> Iterator[Fixture]:
     """The local weight server (stdlib only: run by this interpreter), outside the stack. By
-    default its load lasts past the harness's bound twice: it ends when the test writes a
-    line to the server (``fx.send``), or ends the stack, never by a clock."""
+    default its load lasts past the harness's bound twice at ``rate_mib``: it ends when the
+    test writes a line to the server (``fx.send``), or ends the stack, never by a clock."""
+    if mib is None:
+        mib = round(2 * HANG_S * rate_mib)
     argv = [sys.executable, "-m", "tests.realsw.serving.weights"]
     argv += ["--port", "0", "--rate", str(rate_mib), "--mib", str(mib)]
     with Fixture(argv, env=_env()) as fx:

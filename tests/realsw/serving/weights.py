@@ -7,7 +7,7 @@ to outlast its look (so that the load ends when the test says, never by a clock)
 the line, or ends the stack, when it has looked. Run it as its own process, outside the
 serving stack's process tree::
 
-    python -m tests.realsw.serving.weights --port 0 --rate 2 --mib 720
+    python -m tests.realsw.serving.weights --port 0 --rate 2 --mib 64
     READY pid=P port=N
 
 Stdlib only: the tests may run it with their own interpreter.
@@ -30,9 +30,6 @@ from pathlib import Path
 CHUNK = 64 * 1024  # what the server sends per write
 MIB = 1024 * 1024
 KEPT = 64 * MIB  # of the weights received, what a loader keeps
-# A load at the default rate that outlasts the harness's bound twice (tests/limits.py, whose
-# HANG_S this is not importing: the module is stdlib only, run in the stack's interpreter)
-HELD_MIB = 2 * 2 * 180
 logger = logging.getLogger("scheduler.loader")
 
 
@@ -143,9 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--rate", type=float, default=2.0, help="MiB/s per connection (default 2)")
-    p.add_argument(
-        "--mib", type=int, default=HELD_MIB, help=f"MiB sent per connection (default {HELD_MIB})"
-    )
+    p.add_argument("--mib", type=int, default=64, help="MiB sent per connection (default 64)")
     args = p.parse_args(argv)
     serve(args.port, args.rate, args.mib)
     return 0
